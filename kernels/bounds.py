@@ -1,0 +1,115 @@
+"""Page-bounds maintenance ops: ``tinyserve::rebuild_bounds`` and ``tinyserve::update_bounds``.
+
+Maintained bounds cover every one of a page's ``S`` slots, written or not, so that
+any sequence of writes (appends, overwrites, roll-backs) leaves them equal to a
+rebuild from scratch: a touched page is recomputed whole, never merged.
+"""
+from __future__ import annotations
+
+import torch
+
+from .reference import PageBounds, num_pages, page_bounds
+
+__all__ = ["allocate_bounds", "rebuild_bounds_", "update_bounds_"]
+
+
+def allocate_bounds(k_cache: torch.Tensor, page_size: int) -> PageBounds:
+    """Empty (zero) fp32 bounds for ``k_cache`` ``[B, Hkv, L, D]``; fill with :func:`rebuild_bounds_`."""
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"allocate_bounds: argument 'page_size' must be a positive int, got {page_size!r}")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        raise ValueError("allocate_bounds: argument 'k_cache' must be a 4-D tensor [B, Hkv, L, D]")
+    B, H, L, D = k_cache.shape
+    P = num_pages(L, page_size)
+    z = dict(dtype=torch.float32, device=k_cache.device)
+    return PageBounds(torch.zeros(B, H, P, D, **z), torch.zeros(B, H, P, D, **z), torch.zeros(B, H, P, **z))
+
+
+def _check(fn, k_cache, kmax, kmin, kabs, page_size):
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"{fn}: argument 'page_size' must be a positive int, got {page_size!r}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"{fn}: argument 'k_cache' must be 4-D [B, Hkv, L, D], got {tuple(k_cache.shape)}")
+    B, H, L, D = k_cache.shape
+    P = num_pages(L, page_size)
+    for name, t, shape in (("kmax", kmax, (B, H, P, D)), ("kmin", kmin, (B, H, P, D)), ("kabs", kabs, (B, H, P))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != k_cache.device:
+            raise ValueError(
+                f"{fn}: argument '{name}' must be float32 {shape} on {k_cache.device}, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+
+
+@torch.library.custom_op("tinyserve::rebuild_bounds", mutates_args=("kmax", "kmin", "kabs"))
+def _rebuild_bounds_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
+                       page_size: int) -> None:
+    b = page_bounds(k_cache, page_size)
+    kmax.copy_(b.kmax)
+    kmin.copy_(b.kmin)
+    kabs.copy_(b.kabs)
+
+
+@_rebuild_bounds_op.register_fake
+def _(k_cache, kmax, kmin, kabs, page_size):
+    return None
+
+
+@torch.library.custom_op("tinyserve::update_bounds", mutates_args=("kmax", "kmin", "kabs"))
+def _update_bounds_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
+                      positions: torch.Tensor, page_size: int) -> None:
+    B, H, L, D = k_cache.shape
+    pages = torch.unique(positions.reshape(-1).to(torch.int64) // page_size)  # pages touched, ascending
+    pages = pages[(pages >= 0) & (pages < kmax.shape[2])]
+    if pages.numel() == 0:
+        return
+    tok = (pages[:, None] * page_size + torch.arange(page_size, device=pages.device)).reshape(-1)
+    inside = tok < L
+    keys = k_cache.index_select(2, tok.clamp(max=L - 1)).float()  # [B,H,n*S,D]
+    keys = keys.unflatten(2, (pages.numel(), page_size))  # [B,H,n,S,D]
+    inside = inside.reshape(1, 1, pages.numel(), page_size, 1)
+    hi = keys.masked_fill(~inside, float("-inf")).amax(3)  # [B,H,n,D]
+    lo = keys.masked_fill(~inside, float("inf")).amin(3)
+    kmax.index_copy_(2, pages, hi)
+    kmin.index_copy_(2, pages, lo)
+    kabs.index_copy_(2, pages, torch.maximum(hi.abs(), lo.abs()).amax(-1))
+
+
+@_update_bounds_op.register_fake
+def _(k_cache, kmax, kmin, kabs, positions, page_size):
+    return None
+
+
+def rebuild_bounds_(k_cache: torch.Tensor, bounds: PageBounds, page_size: int) -> PageBounds:
+    """Recompute every page of ``bounds`` from ``k_cache`` in place (O(L*D)).
+
+    Parameters
+    ----------
+    k_cache : torch.Tensor
+        ``[B, Hkv, L, D]``.
+    bounds : PageBounds
+        fp32 ``[B, Hkv, P, D]`` / ``[B, Hkv, P]``, written in place.
+    page_size : int
+    """
+    _check("rebuild_bounds_", k_cache, *bounds, page_size)
+    torch.ops.tinyserve.rebuild_bounds(k_cache, *bounds, page_size)
+    return bounds
+
+
+def update_bounds_(k_cache: torch.Tensor, bounds: PageBounds, positions: torch.Tensor, page_size: int) -> PageBounds:
+    """Recompute only the pages holding ``positions`` (O(pages touched * S * D)).
+
+    Parameters
+    ----------
+    k_cache : torch.Tensor
+        ``[B, Hkv, L, D]`` after the write.
+    bounds : PageBounds
+        Written in place.
+    positions : torch.Tensor
+        int64 ``[N]``: the sequence positions just written.
+    page_size : int
+    """
+    _check("update_bounds_", k_cache, *bounds, page_size)
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError("update_bounds_: argument 'positions' must be an integer tensor of written positions")
+    torch.ops.tinyserve.update_bounds(k_cache, *bounds, positions, page_size)
+    return bounds

@@ -1,0 +1,507 @@
+"""Pure-PyTorch reference for query-aware paged sparse decode.
+
+This module is the single source of truth for the algorithm. Every fast path
+(the CPU op in :mod:`sparse_decode`, the Triton kernel) is tested against it.
+
+The algorithm (TinyServe, arXiv 2509.12211; Quest, ICML 2024):
+
+1. Split the key cache into pages of ``page_size`` tokens and keep, per page and
+   channel, the max ``M`` and min ``m`` of the keys.
+2. Score page ``j`` for query ``q`` with ``r_j = sum_i max(q_i*M_ji, q_i*m_ji)``,
+   an upper bound on ``max_{k in page j} q.k``. Under GQA the score of a KV-head
+   page is the max over the group's query heads (the max of bounds is a bound).
+3. Keep the top ``token_budget // page_size`` pages (always the newest page and
+   the ``sink_pages`` first pages), and attend exactly over their tokens.
+
+Conventions used throughout
+---------------------------
+* ``q``: ``[B, Hq, 1, D]``; ``k_cache``, ``v_cache``: ``[B, Hkv, L, D]`` with
+  ``Hq % Hkv == 0``; query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+* ``valid_len``: int64 ``[B]`` (or one element, broadcast): tokens at positions
+  ``>= valid_len[b]`` do not exist for batch row ``b``.
+* ``attn_mask``: optional, broadcastable to ``[B, Hq, 1, L]``; boolean
+  (True = attend) or additive float, as in ``F.scaled_dot_product_attention``.
+* Page bounds are fp32, so they are exact for fp16/bf16/fp32 keys.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "PageBounds",
+    "Selection",
+    "num_pages",
+    "page_bounds",
+    "score_slack_factor",
+    "page_scores",
+    "mask_page_max",
+    "select_pages",
+    "refine_by_page_mass",
+    "selected_token_mask",
+    "sparse_decode_reference",
+    "softmax_attend",
+    "rank_candidates",
+    "choose_pages",
+]
+
+
+class PageBounds(NamedTuple):
+    """Per-page key bounds.
+
+    Attributes
+    ----------
+    kmax : torch.Tensor
+        ``[B, Hkv, P, D]`` float32, channel-wise max of each page's keys.
+    kmin : torch.Tensor
+        ``[B, Hkv, P, D]`` float32, channel-wise min.
+    kabs : torch.Tensor
+        ``[B, Hkv, P]`` float32, ``max(|kmax|, |kmin|)`` over channels; it sizes the
+        rounding slack that keeps computed scores true upper bounds.
+    """
+
+    kmax: torch.Tensor
+    kmin: torch.Tensor
+    kabs: torch.Tensor
+
+
+class Selection(NamedTuple):
+    """Pages chosen per KV head.
+
+    Attributes
+    ----------
+    idx : torch.Tensor
+        ``[B, Hkv, K]`` int64 page indices, ascending.
+    ok : torch.Tensor
+        ``[B, Hkv, K]`` bool, False where the slot holds no valid page (a row with
+        fewer valid pages than ``K``).
+    """
+
+    idx: torch.Tensor
+    ok: torch.Tensor
+
+
+def num_pages(length: int, page_size: int) -> int:
+    """Number of pages of ``page_size`` tokens covering ``length`` tokens."""
+    return (length + page_size - 1) // page_size
+
+
+def _as_valid_len(valid_len, batch: int, device) -> torch.Tensor:
+    if not isinstance(valid_len, torch.Tensor):
+        valid_len = torch.tensor([int(valid_len)], dtype=torch.int64, device=device)
+    return valid_len.to(device=device, dtype=torch.int64).reshape(-1).expand(batch)
+
+
+def _paged(x: torch.Tensor, page_size: int, fill: float) -> torch.Tensor:
+    """``[..., L, D] -> [..., P, S, D]``, padding the partial last page with ``fill``."""
+    L = x.shape[-2]
+    pad = num_pages(L, page_size) * page_size - L
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad), value=fill)
+    return x.unflatten(-2, (-1, page_size))
+
+
+def page_bounds(k_cache: torch.Tensor, page_size: int, valid_len=None) -> PageBounds:
+    """Channel-wise min/max of the keys of every page.
+
+    Parameters
+    ----------
+    k_cache : torch.Tensor
+        ``[B, Hkv, L, D]``, any floating dtype.
+    page_size : int
+        Tokens per page ``S``. The last page may be partial.
+    valid_len : torch.Tensor or int, optional
+        int64 ``[B]``. When given, tokens at or past ``valid_len[b]`` are left out,
+        and pages with no valid token hold zeros (selection never picks them). When
+        omitted, every one of the ``L`` slots counts.
+
+    Returns
+    -------
+    PageBounds
+        fp32 ``kmax``/``kmin`` ``[B, Hkv, P, D]`` and ``kabs`` ``[B, Hkv, P]`` with
+        ``P = ceil(L / S)``.
+    """
+    B, H, L, D = k_cache.shape
+    k = k_cache.float()
+    if valid_len is None:
+        keep = torch.ones(B, 1, L, 1, dtype=torch.bool, device=k.device)
+    else:
+        vl = _as_valid_len(valid_len, B, k.device)
+        keep = (torch.arange(L, device=k.device)[None, :] < vl[:, None])[:, None, :, None]
+    hi = torch.where(keep, k, float("-inf"))
+    lo = torch.where(keep, k, float("inf"))
+    kmax = _paged(hi, page_size, float("-inf")).amax(-2)  # [B,H,P,D]
+    kmin = _paged(lo, page_size, float("inf")).amin(-2)
+    empty = torch.isinf(kmax)  # only a page with no valid token has -inf max
+    kmax = kmax.masked_fill(empty, 0.0)
+    kmin = kmin.masked_fill(empty, 0.0)
+    kabs = torch.maximum(kmax.abs(), kmin.abs()).amax(-1)
+    return PageBounds(kmax, kmin, kabs)
+
+
+def score_slack_factor(head_dim: int) -> float:
+    """Relative rounding slack for a length-``head_dim`` fp32 dot product.
+
+    Any fp32 evaluation of ``sum_i a_i*b_i`` is within
+    ``gamma_D * sum_i |a_i*b_i|`` of the exact value, with ``gamma_D ~ D*2^-24``.
+    The score and the logit it bounds are both such evaluations, so adding twice
+    that (with room to spare) to the score keeps it an upper bound on any
+    fp32-accumulated logit, whatever the summation order.
+    """
+    return 4.0 * (head_dim + 2) * 2.0**-24
+
+
+def page_scores(
+    q: torch.Tensor,
+    bounds: PageBounds,
+    scale: float,
+    mask_pages: Optional[torch.Tensor] = None,
+    group_reduce: bool = True,
+) -> torch.Tensor:
+    """Upper bound of the attention logit of every page.
+
+    ``score[b, g, j] = max_{h in group g} (scale * (r_hj + slack_hj) + mask_max_hj)``
+    with ``r_hj = sum_i max(q_hi*M_ji, q_hi*m_ji)``, computed as
+    ``relu(q)@M + min(q,0)@m`` (the same sum, two small matmuls).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]`` query, any floating dtype (computed in fp32).
+    bounds : PageBounds
+        fp32 bounds ``[B, Hkv, P, D]``.
+    scale : float
+        Softmax scale (> 0).
+    mask_pages : torch.Tensor, optional
+        ``[B, 1 or Hq, P]`` fp32, the max of the additive mask over each page
+        (see :func:`mask_page_max`).
+    group_reduce : bool
+        Reduce over the GQA group (max). When False, returns ``[B, Hq, P]``.
+
+    Returns
+    -------
+    torch.Tensor
+        fp32 ``[B, Hkv, P]`` (or ``[B, Hq, P]``).
+    """
+    B, Hq, _, D = q.shape
+    Hkv, P = bounds.kmax.shape[1], bounds.kmax.shape[2]
+    G = Hq // Hkv
+    q32 = q.float().reshape(B, Hkv, G, D)
+    qp, qn = q32.clamp(min=0), q32.clamp(max=0)
+    r = qp @ bounds.kmax.transpose(-1, -2) + qn @ bounds.kmin.transpose(-1, -2)  # [B,Hkv,G,P]
+    slack = score_slack_factor(D) * q32.abs().sum(-1, keepdim=True) * bounds.kabs[:, :, None, :]
+    s = (r + slack) * scale
+    if mask_pages is not None:
+        mp = mask_pages.float()
+        if mp.shape[1] == 1:
+            s = s + mp[:, :, None, :]
+        else:
+            s = s + mp.reshape(B, Hkv, G, P)
+    if not group_reduce:
+        return s.reshape(B, Hq, P)
+    return s.amax(2)
+
+
+def mask_page_max(attn_mask: Optional[torch.Tensor], batch: int, n_heads: int, length: int, page_size: int):
+    """Max of the additive mask over each page.
+
+    Parameters
+    ----------
+    attn_mask : torch.Tensor or None
+        Broadcastable to ``[B, Hq, 1, L]``; bool (True = attend) or float.
+    batch, n_heads, length, page_size : int
+        ``B``, ``Hq``, ``L``, ``S``.
+
+    Returns
+    -------
+    torch.Tensor or None
+        fp32 ``[B, 1 or Hq, P]``: 0 / -inf for a boolean mask.
+    """
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    if m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(~m, float("-inf"))
+    m = m.float()
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    hm = m.shape[1]
+    m = m.expand(batch, hm, 1, length)[:, :, 0, :]  # [B,Hm,L]
+    return _paged(m.unsqueeze(-1), page_size, float("-inf")).squeeze(-1).amax(-1)
+
+
+def select_pages(
+    scores: torch.Tensor,
+    valid_len: torch.Tensor,
+    page_size: int,
+    token_budget: int,
+    sink_pages: int = 0,
+    n_select: Optional[int] = None,
+) -> Optional[Selection]:
+    """Top-K pages per KV head, with the forced pages.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``[B, Hkv, P]`` fp32, higher is more important.
+    valid_len : torch.Tensor
+        int64 ``[B]``.
+    page_size, token_budget, sink_pages : int
+        ``K = token_budget // page_size`` pages are kept.
+    n_select : int, optional
+        Override ``K`` (two-stage candidates).
+
+    Returns
+    -------
+    Selection or None
+        None when every valid page of every row fits in the budget (attend densely).
+        The page holding the newest token and the first ``sink_pages`` pages score
+        +inf; pages past ``valid_len`` score -inf and are never kept.
+    """
+    B, H, P = scores.shape
+    K = token_budget // page_size if n_select is None else n_select
+    vl = _as_valid_len(valid_len, B, scores.device)
+    n_valid = (vl + page_size - 1) // page_size  # [B]
+    if int(n_valid.max()) <= K:
+        return None
+    page = torch.arange(P, device=scores.device)
+    valid = page[None, :] < n_valid[:, None]  # [B,P]
+    forced = (page[None, :] == (vl[:, None] - 1) // page_size) | (page[None, :] < sink_pages)
+    s = scores.masked_fill(forced[:, None, :], float("inf"))
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    top, idx = s.topk(min(K, P), dim=-1, sorted=False)
+    idx, order = idx.sort(-1)
+    ok = top.gather(-1, order) > float("-inf")
+    ok = ok & (idx < n_valid[:, None, None])
+    return Selection(idx, ok)
+
+
+def _selected_tokens(sel: Selection, page_size: int, length: int, valid_len: torch.Tensor):
+    """Token positions ``[B,Hkv,K*S]`` (clamped) and their validity."""
+    B, H, K = sel.idx.shape
+    tok = sel.idx[..., None] * page_size + torch.arange(page_size, device=sel.idx.device)
+    tok = tok.reshape(B, H, K * page_size)
+    ok = sel.ok.repeat_interleave(page_size, dim=-1) & (tok < valid_len.reshape(B, 1, 1)) & (tok < length)
+    return tok.clamp(max=length - 1), ok
+
+
+def refine_by_page_mass(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    cand: Selection,
+    valid_len: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    page_size: int,
+    n_select: int,
+    sink_pages: int,
+) -> Selection:
+    """Second stage: keep the ``n_select`` candidate pages of highest true attention mass.
+
+    Exact logits are computed over the candidates' keys (no values are read). A
+    page's mass for query head ``h`` is its share of softmax mass among the
+    candidates; the KV-head score is the max over the group. Forced pages
+    (newest, sinks) stay.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]``.
+    k_cache : torch.Tensor
+        ``[B, Hkv, L, D]``.
+    cand : Selection
+        ``[B, Hkv, Kc]`` candidate pages.
+    valid_len : torch.Tensor
+        int64 ``[B]``.
+    attn_mask : torch.Tensor, optional
+        As in :func:`sparse_decode_reference`.
+    scale : float
+    page_size, n_select, sink_pages : int
+
+    Returns
+    -------
+    Selection
+        ``[B, Hkv, n_select]``.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    Kc = cand.idx.shape[-1]
+    vl = _as_valid_len(valid_len, B, q.device)
+    tok, tok_ok = _selected_tokens(cand, page_size, L, vl)  # [B,Hkv,Kc*S]
+    kg = k_cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
+    logits = (q.float().reshape(B, Hkv, G, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
+    logits = logits + _gathered_mask(attn_mask, tok, B, Hq, L)
+    logits = logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+    return rank_candidates(logits, cand, vl, page_size, n_select, sink_pages)[0]
+
+
+def rank_candidates(logits, cand: Selection, valid_len, page_size: int, n_select: int, sink_pages: int):
+    """Pick ``n_select`` of the candidate pages by their share of softmax mass.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[B, Hkv, G, Kc*S]`` fp32 masked logits of the candidates' tokens.
+    cand : Selection
+        ``[B, Hkv, Kc]``.
+    valid_len : torch.Tensor
+        int64 ``[B]``.
+
+    Returns
+    -------
+    (Selection, torch.Tensor)
+        The chosen pages ``[B, Hkv, n_select]`` (ascending) and their slots in
+        ``cand`` ``[B, Hkv, n_select]`` int64.
+    """
+    B, Hkv, G, _ = logits.shape
+    Kc = cand.idx.shape[-1]
+    page_lse = logits.reshape(B, Hkv, G, Kc, page_size).logsumexp(-1)  # [B,Hkv,G,Kc]
+    total = page_lse.logsumexp(-1, keepdim=True)
+    share = (page_lse - total).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,Kc]
+    forced = (cand.idx == ((valid_len - 1) // page_size).reshape(B, 1, 1)) | (cand.idx < sink_pages)
+    share = share.masked_fill(forced & cand.ok, float("inf")).masked_fill(~cand.ok, float("-inf"))
+    top, pos = share.topk(min(n_select, Kc), dim=-1, sorted=False)
+    pos, order = pos.sort(-1)  # candidate slots ascending = pages ascending
+    top = top.gather(-1, order)
+    idx = cand.idx.gather(-1, pos)
+    ok = cand.ok.gather(-1, pos) & (top > float("-inf"))
+    return Selection(idx, ok), pos
+
+
+def _gathered_mask(attn_mask, tok, B, Hq, L):
+    """The additive mask at the selected tokens: ``[B, Hkv, 1 or G, T]`` fp32 (0 if None)."""
+    if attn_mask is None:
+        return torch.zeros((), device=tok.device)
+    m = attn_mask
+    if m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(~m, float("-inf"))
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    Hkv, T = tok.shape[1], tok.shape[2]
+    hm = m.shape[1]
+    m = m.float().expand(B, hm, 1, L)[:, :, 0, :]  # [B,Hm,L]
+    if hm == 1:
+        return m.gather(2, tok.reshape(B, 1, Hkv * T)).reshape(B, Hkv, 1, T)
+    G = Hq // Hkv
+    m = m.reshape(B, Hkv, G, L)
+    return m.gather(3, tok[:, :, None, :].expand(B, Hkv, G, T))
+
+
+def selected_token_mask(sel: Optional[Selection], page_size: int, length: int, valid_len) -> torch.Tensor:
+    """Boolean ``[B, Hkv, L]``: True at the tokens that sparse attention reads."""
+    if sel is None:
+        raise ValueError("selected_token_mask: sel is None (dense); every valid token is read")
+    B, H, _ = sel.idx.shape
+    vl = _as_valid_len(valid_len, B, sel.idx.device)
+    tok, ok = _selected_tokens(sel, page_size, length, vl)
+    out = torch.zeros(B, H, length, dtype=torch.int32, device=sel.idx.device)
+    return out.scatter_add_(2, tok, ok.to(torch.int32)) > 0  # clamped slots add 0
+
+
+def choose_pages(
+    q, k_cache, bounds, valid_len, attn_mask, scale, page_size, token_budget, sink_pages=0, candidate_factor=1
+) -> Optional[Selection]:
+    """Full query-aware selection (bound scan, optional two-stage refinement).
+
+    Returns None when attention is dense. Shapes as in :func:`sparse_decode_reference`.
+    """
+    B, Hq, _, D = q.shape
+    L = k_cache.shape[2]
+    vl = _as_valid_len(valid_len, B, q.device)
+    K = token_budget // page_size
+    mp = mask_page_max(attn_mask, B, Hq, L, page_size)
+    scores = page_scores(q, bounds, scale, mp)
+    if candidate_factor <= 1:
+        return select_pages(scores, vl, page_size, token_budget, sink_pages)
+    cand = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=K * candidate_factor)
+    if cand is None:  # the candidates cover every valid page: rank them all
+        cand = select_pages(scores, vl, page_size, token_budget, sink_pages)
+        if cand is None:
+            return None
+        P = scores.shape[-1]
+        n_valid = (vl + page_size - 1) // page_size
+        idx = torch.arange(P, device=q.device).expand(B, scores.shape[1], P)
+        cand = Selection(idx.contiguous(), (idx < n_valid.reshape(B, 1, 1)))
+    return refine_by_page_mass(q, k_cache, cand, vl, attn_mask, scale, page_size, K, sink_pages)
+
+
+def sparse_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    valid_len,
+    attn_mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    page_size: int = 16,
+    token_budget: int = 2048,
+    sink_pages: int = 0,
+    candidate_factor: int = 1,
+    bounds: Optional[PageBounds] = None,
+) -> torch.Tensor:
+    """Sparse decode attention, written for clarity: dense SDPA with a token mask.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]``.
+    k_cache, v_cache : torch.Tensor
+        ``[B, Hkv, L, D]``, same dtype as ``q``.
+    valid_len : torch.Tensor or int
+        int64 ``[B]``.
+    attn_mask : torch.Tensor, optional
+        Broadcastable to ``[B, Hq, 1, L]``, bool or additive float.
+    scale : float, optional
+        Defaults to ``1/sqrt(D)`` as in SDPA.
+    page_size, token_budget, sink_pages, candidate_factor : int
+        Selection knobs (see :func:`select_pages`, :func:`refine_by_page_mass`).
+    bounds : PageBounds, optional
+        Defaults to :func:`page_bounds` over all ``L`` slots.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq, 1, D]``, dtype of ``q``.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    vl = _as_valid_len(valid_len, B, q.device)
+    if bounds is None:
+        bounds = page_bounds(k_cache, page_size)
+    sel = choose_pages(q, k_cache, bounds, vl, attn_mask, scale, page_size, token_budget, sink_pages, candidate_factor)
+    keep = torch.arange(L, device=q.device)[None, None, :] < vl[:, None, None]  # [B,1,L]
+    if sel is not None:
+        keep = keep & selected_token_mask(sel, page_size, L, vl)  # [B,Hkv,L]
+    keep = keep.expand(B, Hkv, L).repeat_interleave(G, dim=1)[:, :, None, :]  # [B,Hq,1,L]
+    add = torch.zeros(B, Hq, 1, L, dtype=torch.float32, device=q.device).masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        m = attn_mask
+        if m.dtype == torch.bool:
+            m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(~m, float("-inf"))
+        add = add + m.float()
+    k = k_cache.float().repeat_interleave(G, dim=1)
+    v = v_cache.float().repeat_interleave(G, dim=1)
+    logits = (q.float() @ k.transpose(-1, -2)) * scale + add  # [B,Hq,1,L]
+    return softmax_attend(logits, v).to(q.dtype)
+
+
+def softmax_attend(logits: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits) @ v`` in fp32; a row with no finite logit gives zeros, as SDPA does.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[..., T]`` fp32.
+    v : torch.Tensor
+        ``[..., T, D]`` fp32.
+    """
+    m = logits.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(logits - m)
+    den = p.sum(-1, keepdim=True)
+    return (p @ v) / torch.where(den > 0, den, torch.ones_like(den))

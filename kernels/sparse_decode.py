@@ -1,0 +1,299 @@
+"""The ``tinyserve::sparse_decode`` op: query-aware paged sparse decode attention.
+
+Layout (Liger-Kernel style): :func:`_sparse_decode_torch` is the fast PyTorch
+path (CPU, or any device without Triton), :func:`sparse_decode` is the Python
+launcher that validates and dispatches, and ``torch.ops.tinyserve.sparse_decode``
+is the registered op with a real fake implementation. The reference in
+:mod:`.reference` is the source of truth for all of them.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from .reference import (
+    PageBounds,
+    Selection,
+    _as_valid_len,
+    _gathered_mask,
+    _selected_tokens,
+    mask_page_max,
+    page_scores,
+    rank_candidates,
+    select_pages,
+    softmax_attend,
+)
+
+__all__ = ["sparse_decode", "check_decode_inputs", "KERNELS"]
+
+KERNELS = ("auto", "torch", "triton")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_decode_inputs(
+    q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+    candidate_factor, kernel="auto",
+) -> None:
+    """Raise ``ValueError`` naming the first bad argument of :func:`sparse_decode`."""
+
+    def bad(name, msg):
+        raise ValueError(f"sparse_decode: argument '{name}' {msg}")
+
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            bad(name, f"must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            bad(name, f"must be 4-D [B, H, L, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            bad(name, f"must be float32, float16 or bfloat16, got {t.dtype}")
+    B, Hq, Lq, D = q.shape
+    if Lq != 1:
+        bad("q", f"must hold one decode token ([B, Hq, 1, D]), got query length {Lq}")
+    if k_cache.shape != v_cache.shape:
+        bad("v_cache", f"must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+        bad("k_cache", f"must be [B={B}, Hkv, L, D={D}], got {tuple(k_cache.shape)}")
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    if Hq % Hkv:
+        bad("k_cache", f"KV heads ({Hkv}) must divide query heads ({Hq})")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            bad(name, f"must have the dtype of q ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            bad(name, f"must be on the device of q ({q.device}), got {t.device}")
+    if not isinstance(page_size, int) or page_size <= 0:
+        bad("page_size", f"must be a positive int, got {page_size!r}")
+    if not isinstance(token_budget, int) or token_budget < page_size:
+        bad("token_budget", f"must be an int of at least one page ({page_size} tokens), got {token_budget!r}")
+    K = token_budget // page_size
+    if not isinstance(sink_pages, int) or not 0 <= sink_pages < K:
+        bad("sink_pages", f"must be an int in [0, {K}) (fewer than the pages in the budget), got {sink_pages!r}")
+    if not isinstance(candidate_factor, int) or candidate_factor < 1:
+        bad("candidate_factor", f"must be an int >= 1, got {candidate_factor!r}")
+    if not isinstance(scale, (int, float)) or not scale > 0 or not math.isfinite(scale):
+        bad("scale", f"must be a finite float > 0, got {scale!r}")
+    if kernel not in KERNELS:
+        bad("kernel", f"must be one of {KERNELS}, got {kernel!r}")
+    P = (L + page_size - 1) // page_size
+    for name, t, shape in (("kmax", kmax, (B, Hkv, P, D)), ("kmin", kmin, (B, Hkv, P, D)), ("kabs", kabs, (B, Hkv, P))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            bad(name, f"must be a float32 tensor of shape {shape} (page_size={page_size}), got {got}")
+        if t.dtype != torch.float32:
+            bad(name, f"must be float32 (bounds stay exact only in fp32), got {t.dtype}")
+        if t.device != q.device:
+            bad(name, f"must be on the device of q ({q.device}), got {t.device}")
+    if not isinstance(valid_len, torch.Tensor) or valid_len.dtype not in (torch.int64, torch.int32):
+        bad("valid_len", "must be an int64 tensor of shape [B] or [1]")
+    if valid_len.numel() not in (1, B):
+        bad("valid_len", f"must have 1 or B={B} elements, got {valid_len.numel()}")
+    if valid_len.device != q.device:
+        bad("valid_len", f"must be on the device of q ({q.device}), got {valid_len.device}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            bad("attn_mask", f"must be a tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOAT_DTYPES:
+            bad("attn_mask", f"must be bool or floating, got {attn_mask.dtype}")
+        if attn_mask.device != q.device:
+            bad("attn_mask", f"must be on the device of q ({q.device}), got {attn_mask.device}")
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (B, Hq, 1, L))
+        except RuntimeError:
+            bad("attn_mask", f"must broadcast to [B, Hq, 1, L] = {(B, Hq, 1, L)}, got {tuple(attn_mask.shape)}")
+        if attn_mask.dim() == 4 and attn_mask.shape[1] not in (1, Hq):
+            bad("attn_mask", f"head dim must be 1 or Hq={Hq}, got {attn_mask.shape[1]}")
+
+
+def _gather_pages(cache: torch.Tensor, idx: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Keys or values of the selected pages.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        ``[B, Hkv, L, D]``.
+    idx : torch.Tensor
+        int64 ``[B, Hkv, K]`` page indices.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hkv, K*S, D]`` in fp32 (slots past ``L`` clamp to ``L-1``; callers mask them).
+    """
+    B, H, L, D = cache.shape
+    K = idx.shape[-1]
+    if L % page_size == 0 and cache.is_contiguous():
+        P = L // page_size
+        rows = (torch.arange(B * H, device=idx.device).reshape(B, H, 1) * P + idx).reshape(-1)
+        out = cache.reshape(B * H * P, page_size * D).index_select(0, rows)  # [B*H*K, S*D]: page memcpy
+        return out.reshape(B, H, K * page_size, D).float()
+    tok = (idx[..., None] * page_size + torch.arange(page_size, device=idx.device)).reshape(B, H, K * page_size)
+    tok = tok.clamp(max=L - 1)
+    return cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
+
+
+def _attend(qg, kg, vg, tok_ok, mask_add, scale) -> torch.Tensor:
+    """Masked softmax attention of grouped queries over gathered tokens.
+
+    qg ``[B,Hkv,G,D]`` fp32, kg/vg ``[B,Hkv,T,D]`` fp32, tok_ok ``[B,Hkv,T]`` bool,
+    mask_add broadcastable to ``[B,Hkv,G,T]``; returns ``[B,Hkv,G,D]`` fp32.
+    """
+    logits = (qg @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,T]
+    logits = (logits + mask_add).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+    return softmax_attend(logits, vg)
+
+
+def _sparse_decode_torch(
+    q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+    candidate_factor,
+) -> torch.Tensor:
+    """Fast PyTorch path: matmul bound scan, top-k, page gather, exact attention."""
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    vl = _as_valid_len(valid_len, B, q.device)
+    K = token_budget // page_size
+    qg = q.float().reshape(B, Hkv, G, D)
+    n_valid = (vl + page_size - 1) // page_size
+    if int(n_valid.max()) <= K:
+        # ---- dense: every valid page fits in the budget
+        T = min(int(vl.max()), L)
+        tok_ok = (torch.arange(T, device=q.device)[None, :] < vl[:, None])[:, None, :].expand(B, Hkv, T)
+        tok = torch.arange(T, device=q.device).expand(B, Hkv, T)
+        mask_add = _gathered_mask(attn_mask, tok, B, Hq, L)
+        kd, vd = k_cache[:, :, :T].float(), v_cache[:, :, :T].float()
+        out = _attend(qg, kd, vd, tok_ok, mask_add, scale)
+        return out.reshape(B, Hq, 1, D).to(q.dtype)
+    # ---- stage 1: bound scan and top-k (or top-cK candidates)
+    bounds = PageBounds(kmax, kmin, kabs)
+    scores = page_scores(q, bounds, scale, mask_page_max(attn_mask, B, Hq, L, page_size))  # [B,Hkv,P]
+    n_first = K * candidate_factor
+    sel = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=n_first)
+    if sel is None:  # candidates cover every valid page
+        P = scores.shape[-1]
+        idx = torch.arange(P, device=q.device).expand(B, Hkv, P).contiguous()
+        sel = Selection(idx, idx < n_valid.reshape(B, 1, 1))
+    tok, tok_ok = _selected_tokens(sel, page_size, L, vl)  # [B,Hkv,T]
+    kg = _gather_pages(k_cache, sel.idx, page_size)  # [B,Hkv,T,D]
+    mask_add = _gathered_mask(attn_mask, tok, B, Hq, L)
+    if candidate_factor > 1:
+        # ---- stage 2: exact logits over the candidates' keys pick K pages by mass
+        logits = (qg @ kg.transpose(-1, -2)) * scale
+        logits = (logits + mask_add).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+        final, slots = rank_candidates(logits, sel, vl, page_size, K, sink_pages)
+        Kc = sel.idx.shape[-1]
+        lp = logits.reshape(B, Hkv, G, Kc, page_size)
+        lp = lp.gather(3, slots[:, :, None, :, None].expand(B, Hkv, G, slots.shape[-1], page_size))
+        logits = lp.reshape(B, Hkv, G, -1).masked_fill(~final.ok.repeat_interleave(page_size, -1)[:, :, None], float("-inf"))
+        vg = _gather_pages(v_cache, final.idx, page_size)
+        out = softmax_attend(logits, vg)
+        return out.reshape(B, Hq, 1, D).to(q.dtype)
+    # ---- gather values of the kept pages and attend
+    vg = _gather_pages(v_cache, sel.idx, page_size)
+    out = _attend(qg, kg, vg, tok_ok, mask_add, scale)  # [B,Hkv,G,D]
+    return out.reshape(B, Hq, 1, D).to(q.dtype)
+
+
+def _triton_allowed(q: torch.Tensor) -> bool:
+    return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _run(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+         candidate_factor, kernel):
+    args = (q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+            candidate_factor)
+    use_triton = kernel == "triton" or (kernel == "auto" and q.is_cuda)
+    if use_triton:
+        if not _triton_allowed(q):
+            raise ValueError(
+                "sparse_decode: argument 'kernel'='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run the "
+                f"Triton interpreter on {q.device}"
+            )
+        from .triton_sparse_decode import sparse_decode_triton, triton_available
+
+        if triton_available():
+            return sparse_decode_triton(*args)
+        if kernel == "triton":
+            raise ValueError("sparse_decode: argument 'kernel'='triton' but triton is not installed")
+    return _sparse_decode_torch(*args)
+
+
+@torch.library.custom_op("tinyserve::sparse_decode", mutates_args=())
+def _sparse_decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kmax: torch.Tensor,
+    kmin: torch.Tensor,
+    kabs: torch.Tensor,
+    valid_len: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    page_size: int,
+    token_budget: int,
+    sink_pages: int,
+    candidate_factor: int,
+    kernel: str,
+) -> torch.Tensor:
+    return _run(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
+                sink_pages, candidate_factor, kernel)
+
+
+@_sparse_decode_op.register_fake
+def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+      candidate_factor, kernel):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    bounds: PageBounds,
+    valid_len,
+    attn_mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    page_size: int = 16,
+    token_budget: int = 2048,
+    sink_pages: int = 0,
+    candidate_factor: int = 1,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Exact attention of one decode token over the query-aware selected pages.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]``, float32/float16/bfloat16.
+    k_cache, v_cache : torch.Tensor
+        ``[B, Hkv, L, D]``, dtype of ``q``; read in place (never repeated for GQA).
+    bounds : PageBounds
+        fp32 page bounds of ``k_cache`` (``kmax``/``kmin`` ``[B, Hkv, P, D]``,
+        ``kabs`` ``[B, Hkv, P]``), e.g. from :func:`.bounds.allocate_bounds`.
+    valid_len : torch.Tensor or int
+        int64 ``[B]`` or ``[1]``: tokens ``>= valid_len`` are absent.
+    attn_mask : torch.Tensor, optional
+        Bool (True = attend) or additive float, broadcastable to ``[B, Hq, 1, L]``.
+    scale : float, optional
+        Defaults to ``1/sqrt(D)``.
+    page_size, token_budget, sink_pages, candidate_factor : int
+        Selection knobs; see :mod:`.reference`.
+    kernel : {"auto", "torch", "triton"}
+        "auto" picks Triton on CUDA and the PyTorch path elsewhere.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq, 1, D]``, dtype of ``q``.
+    """
+    if not isinstance(valid_len, torch.Tensor):
+        valid_len = torch.tensor([int(valid_len)], dtype=torch.int64, device=q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None and isinstance(q, torch.Tensor) else scale
+    if not isinstance(bounds, tuple) or len(bounds) != 3:
+        raise ValueError("sparse_decode: argument 'bounds' must be a PageBounds(kmax, kmin, kabs)")
+    check_decode_inputs(q, k_cache, v_cache, *bounds, valid_len, attn_mask, scale, page_size, token_budget,
+                        sink_pages, candidate_factor, kernel)
+    return torch.ops.tinyserve.sparse_decode(q, k_cache, v_cache, *bounds, valid_len, attn_mask, float(scale),
+                                             page_size, token_budget, sink_pages, candidate_factor, kernel)

@@ -1,0 +1,1 @@
+"""FX passes of the tinyserve backend, one per file."""

@@ -1,0 +1,1 @@
+"""Page-selection policies."""
