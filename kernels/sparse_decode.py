@@ -27,7 +27,7 @@ from .reference import (
     softmax_attend,
 )
 
-__all__ = ["sparse_decode", "check_decode_inputs", "KERNELS"]
+__all__ = ["sparse_decode", "attend_selection", "check_decode_inputs", "KERNELS"]
 
 KERNELS = ("auto", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -157,15 +157,8 @@ def _sparse_decode_torch(
     K = token_budget // page_size
     qg = q.float().reshape(B, Hkv, G, D)
     n_valid = (vl + page_size - 1) // page_size
-    if int(n_valid.max()) <= K:
-        # ---- dense: every valid page fits in the budget
-        T = min(int(vl.max()), L)
-        tok_ok = (torch.arange(T, device=q.device)[None, :] < vl[:, None])[:, None, :].expand(B, Hkv, T)
-        tok = torch.arange(T, device=q.device).expand(B, Hkv, T)
-        mask_add = _gathered_mask(attn_mask, tok, B, Hq, L)
-        kd, vd = k_cache[:, :, :T].float(), v_cache[:, :, :T].float()
-        out = _attend(qg, kd, vd, tok_ok, mask_add, scale)
-        return out.reshape(B, Hq, 1, D).to(q.dtype)
+    if int(n_valid.max()) <= K:  # ---- dense: every valid page fits in the budget
+        return attend_selection(q, k_cache, v_cache, None, vl, attn_mask, scale, page_size)
     # ---- stage 1: bound scan and top-k (or top-cK candidates)
     bounds = PageBounds(kmax, kmin, kabs)
     scores = page_scores(q, bounds, scale, mask_page_max(attn_mask, B, Hq, L, page_size))  # [B,Hkv,P]
@@ -175,24 +168,70 @@ def _sparse_decode_torch(
         P = scores.shape[-1]
         idx = torch.arange(P, device=q.device).expand(B, Hkv, P).contiguous()
         sel = Selection(idx, idx < n_valid.reshape(B, 1, 1))
-    tok, tok_ok = _selected_tokens(sel, page_size, L, vl)  # [B,Hkv,T]
-    kg = _gather_pages(k_cache, sel.idx, page_size)  # [B,Hkv,T,D]
-    mask_add = _gathered_mask(attn_mask, tok, B, Hq, L)
     if candidate_factor > 1:
         # ---- stage 2: exact logits over the candidates' keys pick K pages by mass
+        tok, tok_ok = _selected_tokens(sel, page_size, L, vl)  # [B,Hkv,T]
+        kg = _gather_pages(k_cache, sel.idx, page_size)  # [B,Hkv,T,D]
         logits = (qg @ kg.transpose(-1, -2)) * scale
-        logits = (logits + mask_add).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+        logits = (logits + _gathered_mask(attn_mask, tok, B, Hq, L)).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
         final, slots = rank_candidates(logits, sel, vl, page_size, K, sink_pages)
         Kc = sel.idx.shape[-1]
         lp = logits.reshape(B, Hkv, G, Kc, page_size)
         lp = lp.gather(3, slots[:, :, None, :, None].expand(B, Hkv, G, slots.shape[-1], page_size))
-        logits = lp.reshape(B, Hkv, G, -1).masked_fill(~final.ok.repeat_interleave(page_size, -1)[:, :, None], float("-inf"))
+        keep = final.ok.repeat_interleave(page_size, -1)[:, :, None]
+        logits = lp.reshape(B, Hkv, G, -1).masked_fill(~keep, float("-inf"))
         vg = _gather_pages(v_cache, final.idx, page_size)
         out = softmax_attend(logits, vg)
         return out.reshape(B, Hq, 1, D).to(q.dtype)
-    # ---- gather values of the kept pages and attend
-    vg = _gather_pages(v_cache, sel.idx, page_size)
-    out = _attend(qg, kg, vg, tok_ok, mask_add, scale)  # [B,Hkv,G,D]
+    return attend_selection(q, k_cache, v_cache, sel, vl, attn_mask, scale, page_size)
+
+
+def attend_selection(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    sel: Optional[Selection],
+    valid_len: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    page_size: int,
+) -> torch.Tensor:
+    """Exact attention over the tokens of the selected pages (dense when ``sel`` is None).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]``.
+    k_cache, v_cache : torch.Tensor
+        ``[B, Hkv, L, D]``, read in place (GQA-native, no repeat).
+    sel : Selection or None
+        ``[B, Hkv, K]`` pages; None attends every valid token.
+    valid_len : torch.Tensor
+        int64 ``[B]`` (or one element).
+    attn_mask : torch.Tensor, optional
+        Bool or additive float, broadcastable to ``[B, Hq, 1, L]``.
+    scale : float
+    page_size : int
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq, 1, D]``, dtype of ``q``.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
+    vl = _as_valid_len(valid_len, B, q.device)
+    if sel is None:
+        T = min(int(vl.max()), L)
+        tok = torch.arange(T, device=q.device).expand(B, Hkv, T)
+        tok_ok = tok < vl.reshape(B, 1, 1)
+        kg, vg = k_cache[:, :, :T].float(), v_cache[:, :, :T].float()
+    else:
+        tok, tok_ok = _selected_tokens(sel, page_size, L, vl)  # [B,Hkv,T]
+        kg = _gather_pages(k_cache, sel.idx, page_size)  # [B,Hkv,T,D]
+        vg = _gather_pages(v_cache, sel.idx, page_size)
+    out = _attend(qg, kg, vg, tok_ok, _gathered_mask(attn_mask, tok, B, Hq, L), scale)  # [B,Hkv,G,D]
     return out.reshape(B, Hq, 1, D).to(q.dtype)
 
 

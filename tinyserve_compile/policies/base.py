@@ -1,0 +1,120 @@
+"""Page-selection policies: one small class each, one scoring method.
+
+The base class (kvpress ``ScorerPress`` style) does the rest once: forced pages
+(newest, attention sinks), invalid pages, top-k, the optional two-stage
+refinement, and the exact attention over the kept pages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Dict, Optional
+
+import torch
+
+from ..kernels.reference import PageBounds, Selection, choose_pages, mask_page_max, refine_by_page_mass, select_pages
+from ..kernels.sparse_decode import attend_selection
+
+__all__ = ["DecodeContext", "PagePolicy", "register_policy", "get_policy", "POLICIES"]
+
+
+@dataclass
+class DecodeContext:
+    """Everything a policy may look at for one decode step of one attention site.
+
+    Attributes
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]``.
+    k_cache, v_cache : torch.Tensor
+        ``[B, Hkv, L, D]``.
+    bounds : PageBounds
+        fp32 page bounds of ``k_cache``.
+    valid_len : torch.Tensor
+        int64 ``[B]``.
+    attn_mask : torch.Tensor or None
+        Bool or additive float, broadcastable to ``[B, Hq, 1, L]``.
+    scale : float
+    page_size, token_budget, sink_pages, candidate_factor : int
+    state : dict
+        Per cache buffer, kept across steps and cleared whenever the bounds are
+        rebuilt (a new sequence); for stateful policies.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    bounds: PageBounds
+    valid_len: torch.Tensor
+    attn_mask: Optional[torch.Tensor]
+    scale: float
+    page_size: int
+    token_budget: int
+    sink_pages: int = 0
+    candidate_factor: int = 1
+    state: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def n_pages(self) -> int:
+        return self.bounds.kmax.shape[2]
+
+    def mask_pages(self) -> Optional[torch.Tensor]:
+        """``[B, 1 or Hq, P]`` max of the additive mask per page (None without a mask)."""
+        B, Hq = self.q.shape[0], self.q.shape[1]
+        return mask_page_max(self.attn_mask, B, Hq, self.k_cache.shape[2], self.page_size)
+
+
+class PagePolicy:
+    """Base policy: subclasses implement :meth:`score`; everything else is shared.
+
+    Subclasses may override :meth:`observe` to update ``ctx.state`` after attending.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def score(self, ctx: DecodeContext) -> torch.Tensor:
+        """Importance of every page: fp32 ``[B, Hkv, P]``, higher is kept first."""
+        raise NotImplementedError
+
+    def select(self, ctx: DecodeContext) -> Optional[Selection]:
+        """Pages to attend per KV head, or None for dense attention."""
+        B = ctx.q.shape[0]
+        K = ctx.token_budget // ctx.page_size
+        vl = ctx.valid_len.reshape(-1).expand(B)
+        if int(((vl + ctx.page_size - 1) // ctx.page_size).max()) <= K:
+            return None
+        scores = self.score(ctx)
+        if ctx.candidate_factor <= 1:
+            return select_pages(scores, vl, ctx.page_size, ctx.token_budget, ctx.sink_pages)
+        cand = select_pages(scores, vl, ctx.page_size, ctx.token_budget, ctx.sink_pages, n_select=K * ctx.candidate_factor)
+        if cand is None:
+            P = scores.shape[-1]
+            idx = torch.arange(P, device=scores.device).expand(B, scores.shape[1], P).contiguous()
+            cand = Selection(idx, idx < ((vl + ctx.page_size - 1) // ctx.page_size).reshape(B, 1, 1))
+        return refine_by_page_mass(ctx.q, ctx.k_cache, cand, vl, ctx.attn_mask, ctx.scale, ctx.page_size, K,
+                                   ctx.sink_pages)
+
+    def observe(self, ctx: DecodeContext, sel: Optional[Selection]) -> None:
+        """Hook after attention (stateful policies); default does nothing."""
+
+    def __call__(self, ctx: DecodeContext) -> torch.Tensor:
+        """Attend: ``[B, Hq, 1, D]`` in the dtype of ``q``."""
+        sel = self.select(ctx)
+        out = attend_selection(ctx.q, ctx.k_cache, ctx.v_cache, sel, ctx.valid_len, ctx.attn_mask, ctx.scale,
+                               ctx.page_size)
+        self.observe(ctx, sel)
+        return out
+
+
+POLICIES: Dict[str, PagePolicy] = {}
+
+
+def register_policy(cls):
+    """Class decorator: make a policy available by ``cls.name`` (``options={"policy": name}``)."""
+    POLICIES[cls.name] = cls()
+    return cls
+
+
+def get_policy(name: str) -> PagePolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid: {sorted(POLICIES)}")
+    return POLICIES[name]
