@@ -1,0 +1,123 @@
+"""The one frozen configuration of the backend, and its defaults as named constants.
+
+``torch.compile(model, backend="tinyserve", options={...})`` parses ``options``
+into :class:`TinyServeConfig` with :meth:`TinyServeConfig.from_options`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+__all__ = [
+    "TinyServeConfig",
+    "DEFAULT_PAGE_SIZE",
+    "DEFAULT_TOKEN_BUDGET",
+    "DEFAULT_DENSE_LAYERS",
+    "DEFAULT_SINK_PAGES",
+    "DEFAULT_CANDIDATE_FACTOR",
+    "DEFAULT_POLICY",
+    "DEFAULT_LOWER",
+    "DEFAULT_KERNEL",
+    "LOWERINGS",
+    "KERNEL_CHOICES",
+]
+
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_TOKEN_BUDGET = 2048
+DEFAULT_DENSE_LAYERS = 2
+#: attention-sink pages always kept (0 = the paper's rule; see the selection-quality study)
+DEFAULT_SINK_PAGES = 0
+#: two-stage selection: the bound scan keeps ``candidate_factor * K`` pages, exact logits keep K (1 = off)
+DEFAULT_CANDIDATE_FACTOR = 1
+DEFAULT_POLICY = "query_aware"
+DEFAULT_LOWER = "inductor"
+DEFAULT_KERNEL = "auto"
+
+LOWERINGS = ("inductor", "eager", "tensorrt")
+KERNEL_CHOICES = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class TinyServeConfig:
+    """Settings of the tinyserve backend.
+
+    Attributes
+    ----------
+    page_size : int
+        Tokens per KV page ``S``.
+    token_budget : int
+        Tokens attended per KV head and step; ``token_budget // page_size`` pages.
+    dense_layers : int
+        The first ``dense_layers`` decode attention sites (graph order) stay dense.
+    sink_pages : int
+        First pages always kept (attention sinks).
+    candidate_factor : int
+        Two-stage selection factor (1 = the bound alone).
+    policy : str
+        Page-selection policy name (see :mod:`tinyserve_compile.policies`).
+    lower : {"inductor", "eager", "tensorrt"}
+        What compiles the rewritten graph.
+    kernel : {"auto", "torch", "triton"}
+        Sparse-attention implementation ("auto": Triton on CUDA, PyTorch elsewhere).
+    strict : bool
+        Raise instead of leaving a decode attention site dense.
+    """
+
+    page_size: int = DEFAULT_PAGE_SIZE
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    dense_layers: int = DEFAULT_DENSE_LAYERS
+    sink_pages: int = DEFAULT_SINK_PAGES
+    candidate_factor: int = DEFAULT_CANDIDATE_FACTOR
+    policy: str = DEFAULT_POLICY
+    lower: str = DEFAULT_LOWER
+    kernel: str = DEFAULT_KERNEL
+    strict: bool = False
+
+    def __post_init__(self):
+        def bad(name, msg):
+            raise ValueError(f"tinyserve option '{name}' {msg}")
+
+        for name in ("page_size", "token_budget"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(name, f"must be a positive int, got {v!r}")
+        if self.token_budget < self.page_size:
+            bad("token_budget", f"must be at least one page ({self.page_size} tokens), got {self.token_budget}")
+        for name in ("dense_layers", "sink_pages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(name, f"must be an int >= 0, got {v!r}")
+        if self.sink_pages >= self.token_budget // self.page_size:
+            bad("sink_pages", f"must be fewer than the pages in the budget ({self.token_budget // self.page_size})")
+        c = self.candidate_factor
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            bad("candidate_factor", f"must be an int >= 1, got {c!r}")
+        if self.lower not in LOWERINGS:
+            bad("lower", f"must be one of {LOWERINGS}, got {self.lower!r}")
+        if self.kernel not in KERNEL_CHOICES:
+            bad("kernel", f"must be one of {KERNEL_CHOICES}, got {self.kernel!r}")
+        if not isinstance(self.strict, bool):
+            bad("strict", f"must be a bool, got {self.strict!r}")
+        from .policies import POLICIES
+
+        if self.policy not in POLICIES:
+            bad("policy", f"must be one of {sorted(POLICIES)}, got {self.policy!r}")
+
+    @classmethod
+    def from_options(cls, options: Optional[Mapping[str, Any]] = None) -> "TinyServeConfig":
+        """Parse ``torch.compile(..., options=...)``; unknown keys raise ``ValueError`` listing the valid ones."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, Mapping):
+            raise ValueError(f"tinyserve options must be a dict, got {type(options).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown tinyserve option(s) {unknown}; valid options: {valid}")
+        return cls(**dict(options))
+
+    def replace(self, **changes) -> "TinyServeConfig":
+        return dataclasses.replace(self, **changes)
