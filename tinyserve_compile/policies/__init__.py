@@ -1,5 +1,5 @@
 """Page-selection policies. Each file registers one policy by name."""
 from .base import POLICIES, DecodeContext, PagePolicy, get_policy, register_policy
-from . import full, query_aware  # noqa: F401  (registration)
+from . import full, h2o, oracle, query_aware, streaming  # noqa: F401  (registration)
 
 __all__ = ["POLICIES", "DecodeContext", "PagePolicy", "get_policy", "register_policy"]
