@@ -37,6 +37,7 @@ __all__ = [
     "num_pages",
     "page_bounds",
     "score_slack_factor",
+    "score_underflow_slack",
     "page_scores",
     "mask_page_max",
     "select_pages",
@@ -154,6 +155,18 @@ def score_slack_factor(head_dim: int) -> float:
     return 4.0 * (head_dim + 2) * 2.0**-24
 
 
+def score_underflow_slack(head_dim: int) -> float:
+    """Absolute slack covering gradual underflow in the fp32 score and logit.
+
+    With subnormal results every product carries an absolute error of up to
+    ``2^-150`` on top of the relative one, so tiny keys and queries could make the
+    computed score fall below a (tiny) logit. ``(D + 2) * 2^-126`` (the smallest
+    normal number times ``D + 2``) dwarfs those errors for any scale in
+    ``[2^-20, 2^20]`` and is far below any logit that matters.
+    """
+    return (head_dim + 2) * 2.0**-126
+
+
 def page_scores(
     q: torch.Tensor,
     bounds: PageBounds,
@@ -165,7 +178,8 @@ def page_scores(
 
     ``score[b, g, j] = max_{h in group g} (scale * (r_hj + slack_hj) + mask_max_hj)``
     with ``r_hj = sum_i max(q_hi*M_ji, q_hi*m_ji)``, computed as
-    ``relu(q)@M + min(q,0)@m`` (the same sum, two small matmuls).
+    ``relu(q)@M + min(q,0)@m`` (the same sum, two small matmuls), and
+    ``slack_hj = score_slack_factor(D) * |q_h|_1 * kabs_j + score_underflow_slack(D) / scale``.
 
     Parameters
     ----------
@@ -189,11 +203,19 @@ def page_scores(
     B, Hq, _, D = q.shape
     Hkv, P = bounds.kmax.shape[1], bounds.kmax.shape[2]
     G = Hq // Hkv
-    q32 = q.float().reshape(B, Hkv, G, D)
-    qp, qn = q32.clamp(min=0), q32.clamp(max=0)
-    r = qp @ bounds.kmax.transpose(-1, -2) + qn @ bounds.kmin.transpose(-1, -2)  # [B,Hkv,G,P]
-    slack = score_slack_factor(D) * q32.abs().sum(-1, keepdim=True) * bounds.kabs[:, :, None, :]
-    s = (r + slack) * scale
+    # ---- stage 1: split the query by sign, one row per (batch, KV head)
+    q32 = q.float().reshape(B * Hkv, G, D)
+    qp, qn = q32.clamp(min=0), q32.clamp(max=0)  # [B*Hkv,G,D]
+    kmax = bounds.kmax.reshape(B * Hkv, P, D)
+    kmin = bounds.kmin.reshape(B * Hkv, P, D)
+    # ---- stage 2: slack, then the two bound matmuls accumulated onto it
+    factor = score_slack_factor(D)
+    base = score_underflow_slack(D) / (scale * factor)
+    slack = torch.addcmul(q32.new_full((), base), q32.abs().sum(-1, keepdim=True), bounds.kabs.reshape(B * Hkv, 1, P))
+    r = torch.baddbmm(slack, qn, kmin.transpose(1, 2), beta=factor)  # [B*Hkv,G,P]
+    r = torch.baddbmm(r, qp, kmax.transpose(1, 2))
+    s = r.mul_(scale).reshape(B, Hkv, G, P)
+    # ---- stage 3: mask and GQA group max
     if mask_pages is not None:
         mp = mask_pages.float()
         if mp.shape[1] == 1:
