@@ -28,11 +28,18 @@ def allocate_bounds(k_cache: torch.Tensor, page_size: int) -> PageBounds:
 def _check(fn, k_cache, kmax, kmin, kabs, page_size):
     if not isinstance(page_size, int) or page_size <= 0:
         raise ValueError(f"{fn}: argument 'page_size' must be a positive int, got {page_size!r}")
-    if k_cache.dim() != 4:
-        raise ValueError(f"{fn}: argument 'k_cache' must be 4-D [B, Hkv, L, D], got {tuple(k_cache.shape)}")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        got = tuple(k_cache.shape) if isinstance(k_cache, torch.Tensor) else type(k_cache).__name__
+        raise ValueError(f"{fn}: argument 'k_cache' must be a 4-D tensor [B, Hkv, L, D], got {got}")
+    if k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{fn}: argument 'k_cache' must be float32, float16 or bfloat16, got {k_cache.dtype}")
+    if k_cache.device.type == "meta":
+        raise ValueError(f"{fn}: argument 'k_cache' is on the 'meta' device (no data to bound)")
     B, H, L, D = k_cache.shape
     P = num_pages(L, page_size)
     for name, t, shape in (("kmax", kmax, (B, H, P, D)), ("kmin", kmin, (B, H, P, D)), ("kabs", kabs, (B, H, P))):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{fn}: argument '{name}' must be a float32 tensor {shape}, got {type(t).__name__}")
         if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != k_cache.device:
             raise ValueError(
                 f"{fn}: argument '{name}' must be float32 {shape} on {k_cache.device}, "

@@ -49,6 +49,8 @@ def check_decode_inputs(
             bad(name, f"must be 4-D [B, H, L, D], got shape {tuple(t.shape)}")
         if t.dtype not in _FLOAT_DTYPES:
             bad(name, f"must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.device.type == "meta":
+            bad(name, "is on the 'meta' device: the op reads real data (use FakeTensors for tracing)")
     B, Hq, Lq, D = q.shape
     if Lq != 1:
         bad("q", f"must hold one decode token ([B, Hq, 1, D]), got query length {Lq}")
