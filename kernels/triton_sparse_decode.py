@@ -1,0 +1,599 @@
+"""Triton kernels for query-aware paged sparse decode attention (GPU; CPU under ``TRITON_INTERPRET=1``).
+
+Layout (Liger-Kernel style): private ``@triton.jit`` kernels ``_..._kernel``, the
+launchers :func:`select_pages_triton` and :func:`sparse_decode_triton`, and the
+registered op ``torch.ops.tinyserve.sparse_decode`` (in :mod:`.sparse_decode`),
+whose ``kernel="triton"`` / CUDA dispatch calls :func:`sparse_decode_triton`.
+
+Design: a tightly fused pair of passes rather than one kernel
+----------------------------------------------------------------
+The work per decode step is (1) a scan of the fp32 page bounds, (2) a top-K over
+the ``P`` page scores of each KV head, (3) a gather of the selected pages and exact
+attention. Step (2) is a global reduction over all pages of a head; doing it inside
+the attention kernel would either serialize one head on one program (a single
+sequence at 128K context then uses ``Hkv`` of the GPU's ~132 SMs) or need a
+grid-wide barrier. So the work is split at that reduction:
+
+1. :func:`_page_scores_kernel` (grid ``B*Hkv x P/BLOCK_P``): reads each page's
+   ``kmax``/``kmin``/``kabs`` once for the whole GQA group, scores it for every
+   query head of the group with exactly the formula of
+   :func:`.reference.page_scores` (``relu(q).M + min(q,0).m`` plus the same rounding
+   slack, times ``scale``, plus the page max of the mask), reduces with a max over
+   the group, and writes ``+inf`` for the forced pages (newest page, sink pages)
+   and ``-inf`` past ``valid_len``. Pages past ``valid_len`` are never loaded.
+2. ``torch.topk`` over ``[B, Hkv, P]`` fp32 scores (a few KB per head; the one
+   place where a hand-written radix select would save a launch or two, not bytes).
+   No host synchronisation: when every valid page fits in the budget, the top-K
+   holds every page with a finite score, and pages scored ``-inf`` contribute
+   nothing, so the sparse path equals dense attention without a branch on data
+   (the reference's "dense when it fits" rule). When ``P <= K`` is known from the
+   shapes the scan is skipped and the attention kernel walks pages directly.
+3. :func:`_sparse_attn_splitk_kernel` (grid ``B*Hkv x n_splits``): flash-decoding.
+   Each program owns a slice of one KV head's selected pages, loads the group's
+   ``G`` query heads once, gathers whole pages straight from the ``[B, Hkv, L, D]``
+   cache (page ``j`` is ``S`` contiguous rows), and keeps an online softmax in
+   fp32. Tokens past ``valid_len`` / ``L`` and the partial last page are masked at
+   the load, so they cost no bandwidth. The number of splits is chosen so that
+   ``B*Hkv*n_splits`` covers the SMs twice even at ``B=1``.
+4. :func:`_splitk_combine_kernel` (grid ``B*Hq``): merges the split partials
+   (max / rescaled sum) and writes ``[B, Hq, 1, D]`` in the dtype of ``q``.
+
+Two-stage selection (``candidate_factor > 1``) adds
+:func:`_candidate_page_lse_kernel`, the attention-logit kernel without ``V``: it
+computes each candidate page's log-sum-exp of exact logits per query head; the
+share-of-mass ranking of :func:`.reference.rank_candidates` then runs on the tiny
+``[B, Hkv, G, cK]`` result in PyTorch, and step 3 attends over the K survivors.
+
+Precision: scores and softmax are fp32. On a GPU, fp16/bf16 ``Q.K`` and ``P.V``
+run as tensor-core dots with fp32 accumulation (``P`` rounded to the value dtype,
+as in FlashAttention); fp32 inputs use ``input_precision="ieee"`` (no TF32). Under
+the interpreter bf16 is upcast to fp32 right after ``tl.load`` (numpy has no bf16).
+
+Triton is imported lazily: :func:`triton_available` is False (and no kernel is
+defined) when it is missing, so the package imports without it.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from .reference import Selection, score_slack_factor
+
+try:  # guarded: the package must import without triton
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    _HAS_TRITON = False
+
+__all__ = ["triton_available", "select_pages_triton", "sparse_decode_triton"]
+
+_MASK_NONE, _MASK_BOOL, _MASK_FLOAT = 0, 1, 2
+
+
+def triton_available() -> bool:
+    """True when triton imports (the kernels below are defined)."""
+    return _HAS_TRITON
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if _HAS_TRITON:
+
+    @triton.jit
+    def _page_mask_max(mrow_ptr, stride_ml, offs_p, page_ok, L, S: tl.constexpr, S_PAD: tl.constexpr,
+                       MASK_KIND: tl.constexpr):
+        """Max of one head's additive mask over each page of ``offs_p``: ``[BLOCK_P]`` fp32."""
+        offs_s = tl.arange(0, S_PAD)
+        pos = offs_p[:, None] * S + offs_s[None, :]
+        ok = page_ok[:, None] & (offs_s < S)[None, :] & (pos < L)
+        if MASK_KIND == 1:  # bool (stored as uint8): True = attend
+            mv = tl.load(mrow_ptr + pos * stride_ml, mask=ok, other=0)
+            add = tl.where(mv != 0, 0.0, float("-inf"))
+        else:
+            add = tl.load(mrow_ptr + pos * stride_ml, mask=ok, other=0.0).to(tl.float32)
+        add = tl.where(ok, add, float("-inf"))
+        return tl.max(add, axis=1)
+
+    @triton.jit
+    def _page_scores_kernel(
+        q_ptr, kmax_ptr, kmin_ptr, kabs_ptr, vl_ptr, mask_ptr, score_ptr,
+        stride_qb, stride_qh, stride_qd,
+        stride_xb, stride_xh, stride_xp, stride_xd,
+        stride_ab, stride_ah, stride_ap,
+        stride_vb,
+        stride_mb, stride_mh, stride_ml,
+        Hkv, P, L, scale, slack_c, sink_pages,
+        G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+        BLOCK_P: tl.constexpr, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr,
+    ):
+        """Group-max page scores with forced / invalid pages: ``score[b, kvh, p]`` fp32."""
+        pid_bh = tl.program_id(0)
+        pid_p = tl.program_id(1)
+        b = pid_bh // Hkv
+        kvh = pid_bh % Hkv
+
+        # -- stage 0: valid pages of row b (pages past valid_len are never loaded)
+        vl = tl.load(vl_ptr + b * stride_vb).to(tl.int64)
+        n_valid = (vl + S - 1) // S
+        newest = tl.where(vl > 0, (vl - 1) // S, -1)  # C division truncates: guard vl = 0
+        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_d = tl.arange(0, D_PAD)
+        p_in = offs_p < P
+        p_ok = p_in & (offs_p < n_valid)
+        d_ok = offs_d < D
+
+        # -- stage 1: the pages' bounds, read once for the whole GQA group
+        x_off = b * stride_xb + kvh * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :] * stride_xd
+        ld = p_ok[:, None] & d_ok[None, :]
+        kmax = tl.load(kmax_ptr + x_off, mask=ld, other=0.0)
+        kmin = tl.load(kmin_ptr + x_off, mask=ld, other=0.0)
+        kabs = tl.load(kabs_ptr + b * stride_ab + kvh * stride_ah + offs_p * stride_ap, mask=p_ok, other=0.0)
+        mrow = mask_ptr + b * stride_mb
+        if MASK_KIND != 0:
+            if not MASK_PER_HEAD:
+                mp_shared = _page_mask_max(mrow, stride_ml, offs_p, p_ok, L, S, S_PAD, MASK_KIND)
+
+        # -- stage 2: score every query head of the group, reduce with max
+        best = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            h = kvh * G + g
+            qv = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0)
+            qv = qv.to(tl.float32)
+            qp = tl.maximum(qv, 0.0)
+            qn = tl.minimum(qv, 0.0)
+            r = tl.sum(qp[None, :] * kmax + qn[None, :] * kmin, axis=1)
+            slack = slack_c * tl.sum(tl.abs(qv), axis=0) * kabs
+            s = (r + slack) * scale
+            if MASK_KIND != 0:
+                if MASK_PER_HEAD:
+                    s = s + _page_mask_max(mrow + h * stride_mh, stride_ml, offs_p, p_ok, L, S, S_PAD, MASK_KIND)
+                else:
+                    s = s + mp_shared
+            best = tl.maximum(best, s)
+
+        # -- stage 3: forced pages (+inf), pages past valid_len (-inf)
+        forced = (offs_p == newest) | (offs_p < sink_pages)
+        best = tl.where(forced, float("inf"), best)
+        best = tl.where(offs_p < n_valid, best, float("-inf"))
+        tl.store(score_ptr + pid_bh * P + offs_p, best, mask=p_in)
+
+    @triton.jit
+    def _sparse_attn_splitk_kernel(
+        q_ptr, k_ptr, v_ptr, idx_ptr, vl_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
+        stride_qb, stride_qh, stride_qd,
+        stride_kb, stride_kh, stride_kl, stride_kd,
+        stride_vb_, stride_vh, stride_vl_, stride_vd,
+        stride_ib, stride_ih,
+        stride_vlb,
+        stride_mb, stride_mh, stride_ml,
+        Hkv, L, n_pages, pages_per_split, n_splits, scale,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        S: tl.constexpr, S_PAD: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
+        MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """One split of flash-decoding over the selected pages of one KV head, all G query heads.
+
+        Writes the unnormalised partial ``acc[b, h, split, :]`` fp32 with its running
+        max ``m`` and denominator ``l``.
+        """
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = pid_bh // Hkv
+        kvh = pid_bh % Hkv
+        BLOCK_T: tl.constexpr = PAGES_PER_BLOCK * S_PAD
+
+        # -- stage 0: the group's query heads, loaded once
+        vl = tl.load(vl_ptr + b * stride_vlb).to(tl.int64)
+        lim = tl.minimum(vl, L)  # tokens >= lim do not exist
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        g_ok = offs_g < G
+        d_ok = offs_d < D
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+
+        offs_t = tl.arange(0, BLOCK_T)
+        t_page = offs_t // S_PAD
+        t_slot = offs_t % S_PAD
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+
+        start = pid_s * pages_per_split
+        end = tl.minimum(start + pages_per_split, n_pages)
+        if DENSE:  # pages are 0..n_pages-1 in order: stop at the last valid one
+            end = tl.minimum(end, (lim + S - 1) // S)
+        k_base = k_ptr + b * stride_kb + kvh * stride_kh
+        v_base = v_ptr + b * stride_vb_ + kvh * stride_vh
+        for j0 in range(start, end, PAGES_PER_BLOCK):
+            # -- stage 1: token positions of PAGES_PER_BLOCK selected pages (gather)
+            jp = j0 + t_page
+            j_ok = jp < end
+            if DENSE:
+                page = jp.to(tl.int64)
+            else:
+                page = tl.load(idx_ptr + b * stride_ib + kvh * stride_ih + jp, mask=j_ok, other=0).to(tl.int64)
+            pos = page * S + t_slot
+            tok_ok = j_ok & (t_slot < S) & (pos < lim)
+
+            # -- stage 2: logits of all G heads, masked
+            k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                        mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = qk * scale
+            if MASK_KIND != 0:
+                if MASK_PER_HEAD:
+                    m_off = b * stride_mb + heads[:, None] * stride_mh + pos[None, :] * stride_ml
+                    m_ld = g_ok[:, None] & tok_ok[None, :]
+                    if MASK_KIND == 1:
+                        mv = tl.load(mask_ptr + m_off, mask=m_ld, other=1)
+                        qk = tl.where(mv != 0, qk, float("-inf"))
+                    else:
+                        qk = qk + tl.load(mask_ptr + m_off, mask=m_ld, other=0.0).to(tl.float32)
+                else:
+                    m_off = b * stride_mb + pos * stride_ml
+                    if MASK_KIND == 1:
+                        mv = tl.load(mask_ptr + m_off, mask=tok_ok, other=1)
+                        qk = tl.where((mv != 0)[None, :], qk, float("-inf"))
+                    else:
+                        qk = qk + tl.load(mask_ptr + m_off, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
+            qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+
+            # -- stage 3: online softmax (rows with no finite logit stay at zero)
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+
+            # -- stage 4: P.V
+            v = tl.load(v_base + pos[:, None] * stride_vl_ + offs_d[None, :] * stride_vd,
+                        mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        # -- stage 5: unnormalised partials for the combine kernel
+        row = (b * Hkv * G + heads) * n_splits + pid_s  # [G_PAD]
+        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(m_ptr + row, m_i, mask=g_ok)
+        tl.store(l_ptr + row, l_i, mask=g_ok)
+
+    @triton.jit
+    def _splitk_combine_kernel(
+        acc_ptr, m_ptr, l_ptr, out_ptr, n_splits,
+        D: tl.constexpr, D_PAD: tl.constexpr, NS_PAD: tl.constexpr,
+    ):
+        """Merge the split partials of one query head: ``out[b, h, 0, :]`` in the dtype of ``out``."""
+        row = tl.program_id(0)  # b * Hq + h
+        offs_s = tl.arange(0, NS_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        s_ok = offs_s < n_splits
+        d_ok = offs_d < D
+
+        # -- stage 1: global max and rescaled denominators
+        m = tl.load(m_ptr + row * n_splits + offs_s, mask=s_ok, other=float("-inf"))
+        l = tl.load(l_ptr + row * n_splits + offs_s, mask=s_ok, other=0.0)
+        m_max = tl.max(m, axis=0)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp(m - m_safe)
+        den = tl.sum(w * l, axis=0)
+
+        # -- stage 2: weighted sum of partial numerators; no finite logit -> zeros (as SDPA)
+        acc = tl.load(acc_ptr + (row * n_splits + offs_s)[:, None] * D + offs_d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        num = tl.sum(w[:, None] * acc, axis=0)
+        out = num / tl.where(den > 0, den, 1.0)
+        tl.store(out_ptr + row * D + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+    @triton.jit
+    def _candidate_page_lse_kernel(
+        q_ptr, k_ptr, idx_ptr, vl_ptr, mask_ptr, lse_ptr,
+        stride_qb, stride_qh, stride_qd,
+        stride_kb, stride_kh, stride_kl, stride_kd,
+        stride_ib, stride_ih,
+        stride_vlb,
+        stride_mb, stride_mh, stride_ml,
+        Hkv, L, n_cand, scale,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        S: tl.constexpr, S_PAD: tl.constexpr,
+        MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """Log-sum-exp of the exact logits of one candidate page: ``lse[b, kvh, g, c]`` fp32 (no V read)."""
+        pid_bh = tl.program_id(0)
+        c = tl.program_id(1)
+        b = pid_bh // Hkv
+        kvh = pid_bh % Hkv
+
+        # -- stage 1: group queries and the page's keys
+        vl = tl.load(vl_ptr + b * stride_vlb).to(tl.int64)
+        lim = tl.minimum(vl, L)
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        offs_s = tl.arange(0, S_PAD)
+        g_ok = offs_g < G
+        d_ok = offs_d < D
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        page = tl.load(idx_ptr + b * stride_ib + kvh * stride_ih + c).to(tl.int64)
+        pos = page * S + offs_s
+        tok_ok = (offs_s < S) & (pos < lim)
+        k = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                    mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+
+        # -- stage 2: masked logits
+        if UPCAST:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * scale
+        if MASK_KIND != 0:
+            if MASK_PER_HEAD:
+                m_off = b * stride_mb + heads[:, None] * stride_mh + pos[None, :] * stride_ml
+                m_ld = g_ok[:, None] & tok_ok[None, :]
+                if MASK_KIND == 1:
+                    mv = tl.load(mask_ptr + m_off, mask=m_ld, other=1)
+                    qk = tl.where(mv != 0, qk, float("-inf"))
+                else:
+                    qk = qk + tl.load(mask_ptr + m_off, mask=m_ld, other=0.0).to(tl.float32)
+            else:
+                m_off = b * stride_mb + pos * stride_ml
+                if MASK_KIND == 1:
+                    mv = tl.load(mask_ptr + m_off, mask=tok_ok, other=1)
+                    qk = tl.where((mv != 0)[None, :], qk, float("-inf"))
+                else:
+                    qk = qk + tl.load(mask_ptr + m_off, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
+        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+
+        # -- stage 3: per-head log-sum-exp over the page (-inf when nothing is attended)
+        mx = tl.max(qk, axis=1)
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        lse = mx_safe + tl.log(tl.sum(tl.exp(qk - mx_safe[:, None]), axis=1))
+        tl.store(lse_ptr + ((b * Hkv + kvh) * G + offs_g) * n_cand + c, lse, mask=g_ok)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+def _mask_view(attn_mask: Optional[torch.Tensor], B: int, Hq: int, L: int, device):
+    """``(tensor, strides (b, h, l), kind, per_head)`` of the mask viewed as ``[B, Hm, L]`` without a copy."""
+    if attn_mask is None:
+        dummy = torch.zeros(1, dtype=torch.float32, device=device)
+        return dummy, (0, 0, 0), _MASK_NONE, False
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    hm = m.shape[1]
+    m = m.expand(B, hm, 1, L)[:, :, 0, :]  # stride 0 on broadcast dims, no copy
+    kind = _MASK_FLOAT
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+        kind = _MASK_BOOL
+    return m, tuple(m.stride()), kind, hm != 1 and Hq != 1
+
+
+def _valid_len_view(valid_len, B: int, device):
+    if not isinstance(valid_len, torch.Tensor):
+        valid_len = torch.tensor([int(valid_len)], dtype=torch.int64, device=device)
+    vl = valid_len.reshape(-1)
+    return vl, (0 if vl.numel() == 1 else vl.stride(0))
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """fp32 dots in ieee mode; bf16 under the interpreter (numpy has no bf16 arithmetic)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreting())
+
+
+def _n_splits(bh: int, n_pages: int, pages_per_block: int, device, n_splits: Optional[int]):
+    """Split count and pages per split so that ``bh * n_splits`` fills the device twice."""
+    max_splits = max(1, triton.cdiv(n_pages, pages_per_block))
+    if n_splits is None:
+        if device.type == "cuda":
+            target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        else:  # interpreter: few programs, but still more than one split
+            target = 2 * bh
+        n_splits = triton.cdiv(target, bh)
+    n_splits = max(1, min(int(n_splits), max_splits))
+    pps = triton.cdiv(triton.cdiv(n_pages, n_splits), pages_per_block) * pages_per_block
+    return triton.cdiv(n_pages, pps), pps
+
+
+def _page_scores(q, kmax, kmin, kabs, vl, vl_stride, mask, mstr, mkind, mper, scale, page_size, sink_pages, L):
+    B, Hq, _, D = q.shape
+    Hkv, P = kmax.shape[1], kmax.shape[2]
+    if kmin.stride() != kmax.stride():
+        kmin = kmin.contiguous()
+        kmax = kmax.contiguous()
+    scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
+    BLOCK_P = min(64, _pow2(P))
+    grid = (B * Hkv, triton.cdiv(P, BLOCK_P))
+    _page_scores_kernel[grid](
+        q, kmax, kmin, kabs, vl, mask, scores,
+        q.stride(0), q.stride(1), q.stride(3),
+        *kmax.stride(),
+        *kabs.stride(),
+        vl_stride,
+        *mstr,
+        Hkv, P, L, float(scale), score_slack_factor(D), int(sink_pages),
+        G=Hq // Hkv, D=D, D_PAD=_pow2(D), S=page_size, S_PAD=_pow2(page_size),
+        BLOCK_P=BLOCK_P, MASK_KIND=mkind, MASK_PER_HEAD=mper,
+    )
+    return scores
+
+
+def _candidate_page_lse(q, k_cache, cand, vl, vl_stride, mask, mstr, mkind, mper, scale, page_size):
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    Kc = cand.shape[-1]
+    lse = torch.empty(B, Hkv, G, Kc, dtype=torch.float32, device=q.device)
+    _candidate_page_lse_kernel[(B * Hkv, Kc)](
+        q, k_cache, cand, vl, mask, lse,
+        q.stride(0), q.stride(1), q.stride(3),
+        *k_cache.stride(),
+        cand.stride(0), cand.stride(1),
+        vl_stride,
+        *mstr,
+        Hkv, L, Kc, float(scale),
+        G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), S=page_size, S_PAD=_pow2(page_size, 16),
+        MASK_KIND=mkind, MASK_PER_HEAD=mper, UPCAST=_upcast(q.dtype),
+    )
+    return lse
+
+
+def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+            candidate_factor):
+    """Page indices ``[B, Hkv, K]`` (unsorted) and their scores, or ``(None, None)`` when dense from the shapes."""
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    P = kmax.shape[2]
+    K = token_budget // page_size
+    if P <= K:  # every page fits whatever valid_len is: dense
+        return None, None
+    vl, vls = _valid_len_view(valid_len, B, q.device)
+    mask, mstr, mkind, mper = _mask_view(attn_mask, B, Hq, L, q.device)
+    scores = _page_scores(q, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, scale, page_size, sink_pages, L)
+    if candidate_factor <= 1:
+        top, idx = scores.topk(K, dim=-1, sorted=False)
+        return idx, top
+    # ---- two-stage: top-cK candidates, then K of them by share of exact softmax mass
+    ctop, cand = scores.topk(min(K * candidate_factor, P), dim=-1, sorted=False)
+    lse = _candidate_page_lse(q, k_cache, cand, vl, vls, mask, mstr, mkind, mper, scale, page_size)
+    share = (lse - lse.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,Kc]
+    vlb = vl.expand(B).reshape(B, 1, 1)
+    newest = torch.where(vlb > 0, (vlb - 1) // page_size, -1)
+    cand_ok = ctop > float("-inf")
+    forced = (cand == newest) | (cand < sink_pages)
+    share = share.masked_fill(forced & cand_ok, float("inf")).masked_fill(~cand_ok, float("-inf"))
+    top, slot = share.topk(min(K, cand.shape[-1]), dim=-1, sorted=False)
+    return cand.gather(-1, slot), top
+
+
+def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
+                        sink_pages=0, candidate_factor=1) -> Optional[Selection]:
+    """Pages the Triton path attends, for checks against :func:`.reference.choose_pages`.
+
+    Parameters
+    ----------
+    q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+    candidate_factor
+        As in :func:`sparse_decode_triton`.
+
+    Returns
+    -------
+    Selection or None
+        ``idx`` ``[B, Hkv, K]`` int64 ascending and ``ok`` (False for a slot whose page
+        scored ``-inf``: past ``valid_len`` or fully masked, so it contributes nothing).
+        None when ``P <= K`` (dense from the shapes alone).
+    """
+    idx, top = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
+                       sink_pages, candidate_factor)
+    if idx is None:
+        return None
+    idx, order = idx.sort(-1)
+    return Selection(idx, top.gather(-1, order) > float("-inf"))
+
+
+def sparse_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kmax: torch.Tensor,
+    kmin: torch.Tensor,
+    kabs: torch.Tensor,
+    valid_len: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    page_size: int,
+    token_budget: int,
+    sink_pages: int = 0,
+    candidate_factor: int = 1,
+    n_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Query-aware paged sparse decode attention with Triton kernels.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]``, float32/float16/bfloat16 (any strides).
+    k_cache, v_cache : torch.Tensor
+        ``[B, Hkv, L, D]``, dtype of ``q``, ``Hq % Hkv == 0``; read in place.
+    kmax, kmin : torch.Tensor
+        ``[B, Hkv, P, D]`` float32 page bounds, ``P = ceil(L / page_size)``.
+    kabs : torch.Tensor
+        ``[B, Hkv, P]`` float32.
+    valid_len : torch.Tensor
+        int64/int32 ``[B]`` or ``[1]``.
+    attn_mask : torch.Tensor or None
+        Bool (True = attend) or additive float, broadcastable to ``[B, Hq, 1, L]``
+        with a head dim of 1 or ``Hq``.
+    scale : float
+        Softmax scale.
+    page_size, token_budget, sink_pages, candidate_factor : int
+        Selection knobs, as in :func:`.reference.sparse_decode_reference`.
+    n_splits : int, optional
+        Split-K programs per KV head (default: enough to fill the device twice).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq, 1, D]`` in the dtype of ``q``.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    idx, _ = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+                     candidate_factor)
+    dense = idx is None
+    n_pages = kmax.shape[2] if dense else idx.shape[-1]
+    vl, vls = _valid_len_view(valid_len, B, q.device)
+    mask, mstr, mkind, mper = _mask_view(attn_mask, B, Hq, L, q.device)
+    S_PAD = _pow2(page_size)
+    ppb = max(1, 64 // S_PAD) if D <= 128 else max(1, 32 // S_PAD)
+    if ppb * S_PAD < 16:  # tl.dot needs N >= 16
+        ppb = 16 // S_PAD
+    ns, pps = _n_splits(B * Hkv, n_pages, ppb, q.device, n_splits)
+    acc = torch.empty(B, Hq, ns, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
+    l = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
+    idx_t = vl if dense else idx  # dummy pointer when dense
+    _sparse_attn_splitk_kernel[(B * Hkv, ns)](
+        q, k_cache, v_cache, idx_t, vl, mask, acc, m, l,
+        q.stride(0), q.stride(1), q.stride(3),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        0 if dense else idx.stride(0), 0 if dense else idx.stride(1),
+        vls,
+        *mstr,
+        Hkv, L, n_pages, pps, ns, float(scale),
+        G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), S=page_size, S_PAD=S_PAD, PAGES_PER_BLOCK=ppb,
+        MASK_KIND=mkind, MASK_PER_HEAD=mper, DENSE=dense, UPCAST=_upcast(q.dtype),
+    )
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+    _splitk_combine_kernel[(B * Hq,)](acc, m, l, out, ns, D=D, D_PAD=_pow2(D), NS_PAD=_pow2(ns))
+    return out
