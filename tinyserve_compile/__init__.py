@@ -1,4 +1,16 @@
-"""tinyserve-compile: query-aware paged sparse decode attention as a torch.compile backend."""
+"""tinyserve-compile: query-aware paged sparse decode attention as a torch.compile backend.
+
+``torch.compile(model, backend="tinyserve", options={...})`` rewrites decode-mode
+scaled-dot-product attention over a KV cache into paged sparse attention.
+Importing the package registers the ``tinyserve::*`` ops and the backend.
+"""
 from . import kernels  # noqa: F401  (registers the tinyserve ops)
+from .backend import register as _register
+from .backend import tinyserve_backend
+from .config import TinyServeConfig
+from .explain import counters, explain, reset
 
 __version__ = "0.1.0"
+__all__ = ["tinyserve_backend", "TinyServeConfig", "counters", "explain", "reset"]
+
+_register()

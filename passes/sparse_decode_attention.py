@@ -1,0 +1,59 @@
+"""Pass: replace each rewritable decode SDPA with ``tinyserve::paged_attention``.
+
+The op reads the cache buffers directly, so the ``repeat_kv`` copy of the whole
+cache that the stock graph makes (expand + reshape) disappears with it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from tinyserve_compile import runtime  # noqa: F401  (registers the ops)
+
+from ._graph import fake
+
+__all__ = ["sparse_decode_attention"]
+
+
+def _erase_dead_chain(graph: fx.Graph, node) -> None:
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n.users or n.op in ("placeholder", "output"):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        todo.extend(inputs)
+
+
+def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
+    graph = gm.graph
+    for site in gm.meta.get("tinyserve_sites", []):
+        if site.status != "sparse":
+            continue
+        if site.positions is None:  # the write pass did not run for it: stay dense
+            site.status, site.reason = "dense", "key-cache write was not rewritten"
+            continue
+        a = site.args
+        q = fake(a["query"])
+        scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(int(q.shape[-1]))
+        with graph.inserting_before(site.node):
+            top = graph.call_function(torch.ops.aten.amax.default, (site.positions, [0], True))
+            valid_len = graph.call_function(torch.ops.aten.add.Scalar, (top, 1))  # [1] int64
+            new = graph.call_function(
+                torch.ops.tinyserve.paged_attention.default,
+                (a["query"], site.k_base, site.v_base, valid_len, a["attn_mask"], float(scale), config.page_size,
+                 config.token_budget, config.sink_pages, config.candidate_factor, config.policy, config.kernel),
+            )
+        new.meta["example_value"] = site.node.meta.get("example_value")
+        old_k, old_v = a["key"], a["value"]
+        site.node.replace_all_uses_with(new)
+        graph.erase_node(site.node)
+        _erase_dead_chain(graph, old_k)
+        _erase_dead_chain(graph, old_v)
+        site.node = new
+    graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,82 @@
+"""What the backend did: counters (asserted by tests) and a readable report.
+
+``tinyserve_compile.counters`` counts, over every graph compiled since the last
+:func:`reset`: ``graphs``, ``attention_sites``, ``decode_sites``, ``rewritten``,
+``dense``, ``prefill_sites`` and one ``dense:<reason>`` key per reason.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import List
+
+__all__ = ["counters", "explain", "reset", "ExplainReport"]
+
+counters: Counter = Counter()
+_GRAPHS: List[dict] = []
+
+
+def _reason_key(reason: str) -> str:
+    return reason.split(":")[0].split(" (")[0]
+
+
+def record_graph(gm, config) -> None:
+    sites = gm.meta.get("tinyserve_sites", [])
+    counters["graphs"] += 1
+    info = {"graph": len(_GRAPHS), "config": config, "sites": [s.describe() for s in sites]}
+    for s in sites:
+        counters["attention_sites"] += 1
+        if s.status == "prefill":
+            counters["prefill_sites"] += 1
+            continue
+        if s.query_len == 1:
+            counters["decode_sites"] += 1
+        if s.status == "sparse":
+            counters["rewritten"] += 1
+        else:
+            counters["dense"] += 1
+            counters[f"dense:{_reason_key(s.reason)}"] += 1
+    counters["cache_writes_rewritten"] += len(gm.meta.get("tinyserve_probes", []))
+    _GRAPHS.append(info)
+
+
+@dataclass
+class ExplainReport:
+    """Sites found, rewritten and left dense (with reasons), plus run-time statistics."""
+
+    graphs: List[dict] = field(default_factory=list)
+    counters: dict = field(default_factory=dict)
+    runtime: dict = field(default_factory=dict)
+
+    @property
+    def dense_reasons(self) -> List[str]:
+        return [s["reason"] for g in self.graphs for s in g["sites"] if s["status"] == "dense"]
+
+    def __str__(self) -> str:
+        c = self.counters
+        lines = [f"tinyserve: {c.get('graphs', 0)} graph(s), {c.get('attention_sites', 0)} attention site(s): "
+                 f"{c.get('rewritten', 0)} rewritten, {c.get('dense', 0)} dense decode, "
+                 f"{c.get('prefill_sites', 0)} prefill"]
+        for g in self.graphs:
+            for s in g["sites"]:
+                why = f"  ({s['reason']})" if s["reason"] else ""
+                lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{why}")
+        if self.runtime:
+            lines.append("  runtime: " + ", ".join(f"{k}={v}" for k, v in sorted(self.runtime.items())))
+        return "\n".join(lines)
+
+
+def explain() -> ExplainReport:
+    """Report on every graph the backend compiled since the last :func:`reset`."""
+    from .runtime import runtime_stats
+
+    return ExplainReport([dict(g) for g in _GRAPHS], dict(counters), dict(runtime_stats))
+
+
+def reset() -> None:
+    """Clear the counters, the graph reports and every cache's bounds."""
+    from .runtime import reset_runtime
+
+    counters.clear()
+    _GRAPHS.clear()
+    reset_runtime()
