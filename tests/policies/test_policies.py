@@ -114,12 +114,21 @@ def test_h2o_state_accumulates_observed_mass():
     S, budget = 8, 32
     state = {}
     pol = get_policy("h2o")
+    ctx0 = make_ctx(L=96, S=S, budget=budget, vl=59, seed=3, state=state)
+    pol(ctx0)
+    # the first step seeds the state with the true page mass over every valid key
+    seed = state[H2O_KEY].clone()
+    G = ctx0.q.shape[1] // ctx0.k_cache.shape[1]
+    logits0 = (ctx0.q.reshape(1, 2, G, -1) @ ctx0.k_cache.transpose(-1, -2)) * ctx0.scale
+    p0 = torch.softmax(logits0.masked_fill(torch.arange(96) >= 59, float("-inf")), -1).sum(2)
+    torch.testing.assert_close(seed, p0.reshape(1, 2, 12, S).sum(-1), atol=1e-5, rtol=1e-5)
+    assert torch.all(seed[:, :, :8] > 0)  # pages outside the budget were seeded too
+    state[H2O_KEY] = torch.zeros_like(seed)  # start the accumulation check from zero
     ctx = make_ctx(L=96, S=S, budget=budget, vl=60, seed=3, state=state)
     sel1 = pol.select(ctx)
     pol(ctx)
     m1 = state[H2O_KEY].clone()
     # each query head spreads mass 1 over the attended tokens: per KV head the group sums to G
-    G = ctx.q.shape[1] // ctx.k_cache.shape[1]
     torch.testing.assert_close(m1.sum(-1), torch.full_like(m1.sum(-1), float(G)))
     # only observed (selected) pages received mass
     for h, pages in enumerate(kept_pages(sel1)[0]):

@@ -4,10 +4,11 @@ How this differs from the paper's H2O:
 
 * **Page granularity.** Mass is accumulated per KV page (``page_size`` tokens),
   not per token, and pages are kept or dropped whole.
-* **Decode-time only.** The paper seeds the scores with the prefill attention
-  matrix; here accumulation starts at the first decode step (the prefill runs
-  dense and is not observed), so at the first step every page scores 0 and the
-  tie is broken toward recent pages.
+* **Decode-time only.** The paper accumulates the prefill attention matrix;
+  here the prefill runs dense and is not observed. Instead the first decode
+  step (empty state) is seeded with that step's true page mass over every valid
+  key (one query's worth of "prefill statistics"; it still attends only the
+  budget), and from then on only observed mass accumulates.
 * **Only observed pages accumulate.** A page gains mass only on steps where it
   was attended (selected); a page outside the kept set never gains, so an
   early miss is permanent, as in the paper's eviction, but nothing is evicted
@@ -65,7 +66,7 @@ class H2OPolicy(PagePolicy):
         B, Hkv, P = ctx.q.shape[0], ctx.k_cache.shape[1], ctx.n_pages
         mass = ctx.state.get(KEY)
         if mass is None or tuple(mass.shape) != (B, Hkv, P):
-            mass = torch.zeros(B, Hkv, P, device=ctx.q.device)
+            mass = observed_page_mass(ctx, None)  # the seed: this step's true mass over all valid keys
         page = torch.arange(P, device=ctx.q.device)
         vl = ctx.valid_len.reshape(-1).expand(B)
         last = (vl - 1) // ctx.page_size  # [B]
@@ -75,6 +76,8 @@ class H2OPolicy(PagePolicy):
         return (mass + tie).masked_fill(recent[:, None, :], float("inf"))
 
     def observe(self, ctx: DecodeContext, sel: Optional[Selection]) -> None:
-        m = observed_page_mass(ctx, sel)
         prev = ctx.state.get(KEY)
-        ctx.state[KEY] = m if prev is None or prev.shape != m.shape else prev + m
+        if prev is None or prev.shape[-1] != ctx.n_pages:
+            ctx.state[KEY] = observed_page_mass(ctx, None)  # seed (see the module docstring)
+        else:
+            ctx.state[KEY] = prev + observed_page_mass(ctx, sel)

@@ -1,0 +1,267 @@
+"""Eager evaluation harness: SmolLM2 (or any HF Llama) with a static KV cache whose decode
+attention goes through the selection policies of :mod:`tinyserve_compile.policies`.
+
+It is the reference path of the compile backend: for a query of length 1 at layers
+``>= dense_layers`` it builds a :class:`DecodeContext` over the layer's whole static
+key/value cache (``valid_len = position + 1``), keeps per-layer page bounds
+(``allocate_bounds`` + ``rebuild_bounds_`` after prefill, ``update_bounds_`` at the
+written position every step) and calls ``get_policy(policy)(ctx)``; every other
+attention call is stock SDPA.
+
+One prefill is reused for many configurations: :meth:`EvalModel.reset` rolls the cache
+back to the prefill (zeroing the decoded slots and rebuilding bounds), so only the decode
+steps are paid per configuration.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from tinyserve_compile.kernels.bounds import allocate_bounds, rebuild_bounds_, update_bounds_
+from tinyserve_compile.kernels.reference import choose_pages, dropped_mass_bound, selected_token_mask
+from tinyserve_compile.policies import DecodeContext, get_policy
+
+ATTN_NAME = "tinyserve_eval"
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """One decode configuration (mirrors the backend options)."""
+
+    policy: str = "query_aware"
+    token_budget: int = 2048
+    page_size: int = 16
+    dense_layers: int = 2
+    sink_pages: int = 0
+    candidate_factor: int = 1
+    #: optional per-layer budget override {layer: budget}
+    layer_budgets: Optional[tuple] = None
+
+    def label(self) -> str:
+        s = f"{self.policy}/B{self.token_budget}/S{self.page_size}/d{self.dense_layers}"
+        if self.sink_pages:
+            s += f"/sink{self.sink_pages}"
+        if self.candidate_factor > 1:
+            s += f"/c{self.candidate_factor}"
+        if self.layer_budgets:
+            s += "/lb"
+        return s
+
+    def budget_for(self, layer: int) -> int:
+        if self.layer_budgets:
+            return dict(self.layer_budgets).get(layer, self.token_budget)
+        return self.token_budget
+
+
+FULL = Sparse(policy="full", dense_layers=0)
+
+_ACTIVE: List["EvalModel"] = []
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """The registered attention function: dispatches to the active :class:`EvalModel`."""
+    return _ACTIVE[-1].attend(module, query, key, value, attention_mask, scaling)
+
+
+def _register():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+@dataclass
+class StepStats:
+    """Per-step statistics, averaged over sparse layers (and heads)."""
+
+    kv_fraction: float  # attended K/V tokens / valid tokens
+    bytes_fraction: float  # everything read (K/V, bounds, candidate keys) / dense K+V bytes
+    rho: float  # |S_t & S_{t-1}| / |S_t|, NaN on the first step
+    dropped: float  # measured softmax mass left out (mean over heads)
+    dropped_max: float
+    bound: float  # certified upper bound on it (mean over heads); NaN for policies without bounds
+    bound_max: float
+    bound_violations: int
+
+
+class EvalModel:
+    """A causal LM with a static cache, decoded token by token through the policies."""
+
+    def __init__(self, model, max_len: int):
+        from transformers import StaticCache
+
+        _register()
+        self.model = model
+        self.max_len = max_len
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cfg: Sparse = FULL
+        self.pos = 0
+        self.n_prefill = 0
+        self.bounds: Dict[int, object] = {}
+        self.states: Dict[int, dict] = {}
+        self.prev_sel: Dict[int, torch.Tensor] = {}
+        self.collect = False
+        self._step_rows: List[dict] = []
+        self.stats: List[StepStats] = []
+
+    # ---------------------------------------------------------------- attention
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        q_len = query.shape[2]
+        layer = module.layer_idx
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        if q_len > 1:  # prefill from position 0: causal SDPA over the written prefix
+            assert self.pos == 0, "prefill must start at position 0"
+            n = q_len
+            out = F.scaled_dot_product_attention(query, key[:, :, :n], value[:, :, :n], is_causal=True,
+                                                 scale=scale, enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
+        vl = self.pos + 1
+        cfg = self.cfg
+        if layer < cfg.dense_layers or cfg.policy == "full" and not self.collect:
+            out = F.scaled_dot_product_attention(query, key[:, :, :vl], value[:, :, :vl], scale=scale,
+                                                 enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
+        S = cfg.page_size
+        bounds = self.bounds.get(layer)
+        if bounds is None:
+            bounds = self.bounds[layer] = rebuild_bounds_(key, allocate_bounds(key, S), S)
+        update_bounds_(key, bounds, torch.tensor([self.pos]), S)
+        ctx = DecodeContext(query, key, value, bounds, torch.tensor([vl]), None, float(scale), S,
+                            cfg.budget_for(layer), cfg.sink_pages, cfg.candidate_factor,
+                            self.states.setdefault(layer, {}))
+        pol = get_policy(cfg.policy)
+        if self.collect:
+            self._collect(layer, pol, ctx)
+        out = pol(ctx)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _collect(self, layer, pol, ctx: DecodeContext):
+        S, L, D = ctx.page_size, ctx.k_cache.shape[2], ctx.q.shape[-1]
+        vl = int(ctx.valid_len[0])
+        sel = pol.select(ctx)
+        Hkv = ctx.k_cache.shape[1]
+        n_pages_valid = (vl + S - 1) // S
+        if sel is None:
+            kept = torch.zeros(1, Hkv, ctx.n_pages, dtype=torch.bool)
+            kept[:, :, :n_pages_valid] = True
+            frac, extra = 1.0, 0.0
+        else:
+            kept = torch.zeros(1, Hkv, ctx.n_pages, dtype=torch.bool).scatter_(2, sel.idx, sel.ok)
+            tok = selected_token_mask(sel, S, L, ctx.valid_len)[..., :vl]
+            frac = float(tok.float().mean())
+            extra = 0.0
+            if self.cfg.policy == "query_aware":
+                extra += n_pages_valid * 2 / (vl * 2)  # two fp32 bound vectors per page vs K+V per token
+                if ctx.candidate_factor > 1:
+                    extra += min(ctx.candidate_factor * (ctx.token_budget // S) * S, vl) / (2 * vl)  # candidate keys
+            elif self.cfg.policy in ("oracle", "h2o"):
+                extra += 0.5  # every key is read to score (an oracle, or the observed-mass update)
+        prev = self.prev_sel.get(layer)
+        rho = float("nan")
+        if prev is not None and prev.shape == kept.shape:
+            rho = float(((kept & prev).sum(-1).float() / kept.sum(-1).clamp(min=1).float()).mean())
+        self.prev_sel[layer] = kept
+        bound, measured = dropped_mass_bound(ctx.q, ctx.k_cache, ctx.bounds, sel, ctx.valid_len, None, ctx.scale, S)
+        viol = int((bound < measured - 1e-6).sum())
+        self._step_rows.append(dict(kv=frac, bytes=frac + extra, rho=rho, dropped=float(measured.mean()),
+                                    dropped_max=float(measured.max()), bound=float(bound.mean()),
+                                    bound_max=float(bound.max()), viol=viol))
+
+    # ---------------------------------------------------------------- driving
+    @contextlib.contextmanager
+    def active(self):
+        old = self.model.config._attn_implementation
+        self.model.config._attn_implementation = ATTN_NAME
+        _ACTIVE.append(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.pop()
+            self.model.config._attn_implementation = old
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dense prefill of ``ids`` ``[1, n]``; returns the logits of the last position ``[V]``."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys.zero_()
+                layer.values.zero_()
+                layer.cumulative_length.zero_()
+        self.pos = 0
+        n = ids.shape[1]
+        with self.active():
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.pos = self.n_prefill = n
+        self.bounds.clear()
+        return out.logits[0, -1].float()
+
+    def reset(self, cfg: Sparse, collect: bool = False):
+        """Roll back to the prefill and set the decode configuration."""
+        n = self.n_prefill
+        for layer in self.cache.layers:
+            layer.keys[:, :, n:].zero_()
+            layer.values[:, :, n:].zero_()
+            layer.cumulative_length.fill_(n)
+        self.pos = n
+        self.cfg = cfg
+        self.collect = collect
+        self.bounds.clear()
+        self.states.clear()
+        self.prev_sel.clear()
+        self.stats = []
+
+    @torch.no_grad()
+    def step(self, token: int) -> torch.Tensor:
+        """Decode one token at the current position; returns its logits ``[V]``."""
+        if self.pos >= self.max_len:
+            raise ValueError("static cache is full")
+        self._step_rows = []
+        with self.active():
+            out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[self.pos]]),
+                             cache=self.cache, use_cache=True)
+        self.pos += 1
+        if self.collect and self._step_rows:
+            r = self._step_rows
+            mean = lambda k: sum(x[k] for x in r) / len(r)  # noqa: E731
+            rhos = [x["rho"] for x in r if not math.isnan(x["rho"])]
+            self.stats.append(StepStats(mean("kv"), mean("bytes"), sum(rhos) / len(rhos) if rhos else float("nan"),
+                                        mean("dropped"), max(x["dropped_max"] for x in r), mean("bound"),
+                                        max(x["bound_max"] for x in r), sum(x["viol"] for x in r)))
+        return out.logits[0, -1].float()
+
+    def teacher_forced(self, tokens) -> torch.Tensor:
+        """Feed ``tokens`` one by one; returns the logits after each ``[T, V]``."""
+        return torch.stack([self.step(int(t)) for t in tokens])
+
+    def generate(self, first_logits: torch.Tensor, n: int) -> List[int]:
+        """Greedy: the first token from ``first_logits``, then ``n - 1`` decode steps."""
+        out = [int(first_logits.argmax())]
+        for _ in range(n - 1):
+            out.append(int(self.step(out[-1]).argmax()))
+        return out
+
+
+def summarize_stats(stats: List[StepStats]) -> dict:
+    """Means over steps (max for the *_max fields), NaN-safe."""
+    if not stats:
+        return {}
+    out = {}
+    for f in dataclasses.fields(StepStats):
+        vals = [getattr(s, f.name) for s in stats]
+        vals = [v for v in vals if not (isinstance(v, float) and math.isnan(v))]
+        if not vals:
+            out[f.name] = float("nan")
+        elif f.name.endswith("_max"):
+            out[f.name] = max(vals)
+        elif f.name == "bound_violations":
+            out[f.name] = int(sum(vals))
+        else:
+            out[f.name] = sum(vals) / len(vals)
+    return out
