@@ -147,6 +147,87 @@ def _attend(qg, kg, vg, tok_ok, mask_add, scale) -> torch.Tensor:
     return softmax_attend(logits, vg)
 
 
+def _uniform_len(valid_len: torch.Tensor, batch: int):
+    """``int(valid_len)`` when every batch row has the same length, else None (one host sync)."""
+    if valid_len.numel() == 1:
+        return int(valid_len.reshape(()))
+    lo_hi = torch.aminmax(valid_len.reshape(-1))
+    lo, hi = int(lo_hi.min), int(lo_hi.max)
+    return lo if lo == hi else None
+
+
+def _select_uniform(scores: torch.Tensor, n: int, page_size: int, K: int, sink_pages: int) -> torch.Tensor:
+    """:func:`.reference.select_pages` for rows that share one valid length, in place on ``scores``.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``[B, Hkv, P]`` fp32 page scores (overwritten: forced pages +inf, pages past
+        the valid length -inf, exactly the values ``select_pages`` builds).
+    n : int
+        The shared valid length, with ``ceil(n / page_size) > K``.
+
+    Returns
+    -------
+    torch.Tensor
+        int64 ``[B, Hkv, K]`` page indices, in ``topk`` order (the same set as
+        ``select_pages``; every slot is a valid page since more than ``K`` exist).
+    """
+    n_valid = (n + page_size - 1) // page_size
+    scores[..., n_valid:] = float("-inf")
+    scores[..., (n - 1) // page_size] = float("inf")
+    if sink_pages:
+        scores[..., :sink_pages] = float("inf")
+    return scores.topk(min(K, scores.shape[-1]), dim=-1, sorted=False).indices
+
+
+def _gather_pages_raw(cache: torch.Tensor, idx: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pages of a contiguous cache with ``L % page_size == 0``, in the cache dtype.
+
+    ``cache`` ``[B, H, L, D]``, ``idx`` int64 ``[B, H, K]`` -> ``[B*H, K*S, D]`` (one
+    ``index_select`` of whole pages: ``S*D`` contiguous elements each).
+    """
+    B, H, L, D = cache.shape
+    P, K = L // page_size, idx.shape[-1]
+    rows = idx.reshape(B * H, K)
+    if B * H > 1:
+        rows = rows + torch.arange(0, B * H * P, P, device=idx.device)[:, None]
+    out = cache.view(B * H * P, page_size * D).index_select(0, rows.reshape(-1))  # [B*H*K, S*D]
+    return out.view(B * H, K * page_size, D)
+
+
+def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages):
+    """Sparse decode for the common case: no mask, one valid length ``n``, contiguous caches, ``L % S == 0``.
+
+    Same pages as the reference (same scores, same ``topk``), fewer and cheaper ops:
+    no token masks (only the newest page can be partial), page gather in the cache
+    dtype with one upcast of the gathered pages, fused softmax.
+    """
+    B, Hq, _, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    # ---- stage 1: bound scan (the reference scorer, bit for bit) and top-K
+    scores = page_scores(q, PageBounds(kmax, kmin, kabs), scale)  # [B,Hkv,P] fp32
+    idx = _select_uniform(scores, n, page_size, K, sink_pages)  # [B,Hkv,K]
+    # ---- stage 2: gather the selected pages (cache dtype), upcast only them
+    kg = _gather_pages_raw(k_cache, idx, page_size)  # [B*Hkv,T,D]
+    vg = _gather_pages_raw(v_cache, idx, page_size)
+    if kg.dtype != torch.float32:
+        kg, vg = kg.float(), vg.float()
+    # ---- stage 3: exact attention over the gathered tokens
+    qg = q.reshape(B * Hkv, G, D).float()
+    logits = torch.bmm(qg, kg.transpose(1, 2)).mul_(scale)  # [B*Hkv,G,T]
+    tail = n % page_size
+    if tail:  # the newest page is partial: its slots at or past n do not exist
+        newest = (n - 1) // page_size
+        slot = (idx.reshape(B * Hkv, K) == newest).nonzero()  # [B*Hkv, 2]: (row, slot)
+        pos = slot[:, 1:] * page_size + torch.arange(tail, page_size, device=q.device)  # [B*Hkv, S-tail]
+        lg = logits.view(B * Hkv, G, K * page_size)
+        lg[slot[:, :1], :, pos] = float("-inf")
+    out = torch.bmm(torch.softmax(logits, dim=-1), vg)  # [B*Hkv,G,D]
+    return out.view(B, Hq, 1, D).to(q.dtype)
+
+
 def _sparse_decode_torch(
     q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
     candidate_factor,
@@ -155,8 +236,16 @@ def _sparse_decode_torch(
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    vl = _as_valid_len(valid_len, B, q.device)
     K = token_budget // page_size
+    n = _uniform_len(valid_len, B)  # one host sync; None when rows differ
+    if n is not None and attn_mask is None and 0 < n:
+        n = min(n, L)
+        if (n + page_size - 1) // page_size <= K:  # ---- dense fit: plain SDPA over the n valid tokens
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k_cache[:, :, :n], v_cache[:, :, :n], scale=scale, enable_gqa=G > 1)
+        if candidate_factor == 1 and L % page_size == 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
+            return _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages)
+    vl = _as_valid_len(valid_len, B, q.device)
     qg = q.float().reshape(B, Hkv, G, D)
     n_valid = (vl + page_size - 1) // page_size
     if int(n_valid.max()) <= K:  # ---- dense: every valid page fits in the budget

@@ -219,3 +219,26 @@ def test_good_input_runs():
     """The baseline used by the bad-input cases is itself accepted."""
     out = sparse_decode(**_good())
     assert out.shape == (1, 4, 1, 8) and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, L, n, sink, G", [(1, 256, 256, 0, 3), (1, 256, 201, 2, 3), (2, 128, 97, 1, 2),
+                                             (2, 96, 96, 0, 1), (1, 64, 64, 3, 4)])
+def test_unmasked_uniform_length_path(dtype, B, L, n, sink, G):
+    """The common decode case (no mask, one valid length, L a multiple of the page): a partial
+    newest page, sinks, GQA and a batch; equals the masked dense oracle and the reference."""
+    gen = make_gen(L + n + sink)
+    S, Hkv, D, budget = 8, 3, 16, 48
+    q = randn((B, Hkv * G, 1, D), gen, dtype)
+    k = randn((B, Hkv, L, D), gen, dtype)
+    v = randn((B, Hkv, L, D), gen, dtype)
+    vl = torch.full((B,), n)
+    bounds = rebuild_bounds_(k, allocate_bounds(k, S), S)
+    out = sparse_decode(q, k, v, bounds, vl, None, None, S, budget, sink, 1, "torch")
+    scale = 1.0 / math.sqrt(D)
+    sel = ref.choose_pages(q, k, bounds, vl, None, scale, S, budget, sink)
+    assert sel is not None
+    want = dense_sdpa(q, k, v, vl, None, scale, keep_kv=ref.selected_token_mask(sel, S, L, vl))
+    assert_close_report(out, want, *TOL[dtype], f"fast path vs masked dense oracle ({dtype}, B={B}, n={n})")
+    want_ref = ref.sparse_decode_reference(q, k, v, vl, None, scale, S, budget, sink, 1, bounds)
+    assert_close_report(out, want_ref, *TOL[dtype], "fast path vs reference")
