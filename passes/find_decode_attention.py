@@ -64,8 +64,13 @@ def _classify(site: AttentionSite, order: dict) -> None:
     except Exception:
         site.reason = "query length is symbolic"
         return
-    k_base, why = _cache_of(a["key"], int(q.shape[1]), bool(a["enable_gqa"]))
-    v_base, why_v = _cache_of(a["value"], int(q.shape[1]), bool(a["enable_gqa"]))
+    decode = site.query_len == 1
+    if decode:
+        k_base, why = _cache_of(a["key"], int(q.shape[1]), bool(a["enable_gqa"]))
+        v_base, why_v = _cache_of(a["value"], int(q.shape[1]), bool(a["enable_gqa"]))
+    else:  # prefill: only the key cache's writes matter (its SDPA stays dense), any view chain will do
+        k_base, why = (trace_view_chain(a["key"])[0] if isinstance(a["key"], fx.Node) else None), ""
+        v_base, why_v = None, ""
     site.k_base, site.v_base = k_base, v_base
     if k_base is not None:
         writes, unknown = cache_writes(k_base)

@@ -1,0 +1,126 @@
+"""Random-init HF models (static cache, SDPA) and a gpt-fast-style model through the backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tinyserve_compile as tc
+from helpers import hf_decode, prompt, worst
+from models import HF_FAMILIES, gpt_fast_model, hf_model, n_heads
+from tinyserve_compile.runtime import state_for
+from tinyserve_compile.kernels.reference import page_bounds
+
+N_LAYERS = 4
+PROMPT = 90
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_budget_above_context_gives_eager_tokens(family):
+    model = hf_model(family)
+    ids = prompt(PROMPT)
+    ref_toks, ref_logits, _ = hf_decode(model, model, ids, 6)
+    opts = {"token_budget": 256, "lower": "eager"}
+    toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 6)
+    assert torch.equal(toks, ref_toks), worst(logits, ref_logits)
+    assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4), worst(logits, ref_logits)
+    c = tc.counters
+    assert c["decode_sites"] == N_LAYERS
+    assert c["rewritten"] == N_LAYERS - 2, tc.explain()
+    assert c["dense:within the first dense_layers=2 sites"] == 2
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_small_budget_matches_sparse_reference(family):
+    model = hf_model(family)
+    ids = prompt(PROMPT, seed=1)
+    opts = {"token_budget": 32, "page_size": 16, "lower": "eager"}
+    ref_toks, ref_logits, _ = hf_decode(model, None, ids, 5, reference=opts)
+    toks, logits, cache = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 5)
+    assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
+    assert torch.equal(toks, ref_toks)
+    assert tc.explain().runtime["decode_calls"] == 5 * (N_LAYERS - 2)
+    # the rewritten layers read fewer tokens than the valid context
+    rt = tc.explain().runtime
+    assert rt["tokens_attended"] < rt["tokens_valid"]
+    # maintained bounds equal a rebuild from scratch
+    for layer in cache.layers[2:]:
+        st = state_for(layer.keys, 16)
+        assert not st.stale
+        fresh = page_bounds(layer.keys, 16)
+        assert torch.equal(st.bounds.kmax, fresh.kmax) and torch.equal(st.bounds.kmin, fresh.kmin)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_inductor_lowering_matches_reference_without_recompiles(family):
+    model = hf_model(family)
+    ids = prompt(PROMPT, seed=2)
+    opts = {"token_budget": 32, "page_size": 16}  # lower="inductor" is the default
+    ref_toks, ref_logits, _ = hf_decode(model, None, ids, 6, reference=opts)
+    toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 6)
+    assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4), worst(logits, ref_logits)
+    assert tc.counters["graphs"] == 1, "a decode step recompiled"
+    assert tc.counters["rewritten"] == N_LAYERS - 2
+    rt = tc.explain().runtime
+    assert rt["bounds_rebuilds"] == N_LAYERS - 2, rt  # once, after the eager prefill
+    assert rt["bounds_updates"] == 5 * (N_LAYERS - 2), rt  # then one page per step
+
+
+@torch.no_grad()
+def _gpt_fast_run(model, step, n_prompt=70, n_new=6, reference=None):
+    from tinyserve_compile.testing import reference_sparse_attention
+
+    ids = prompt(n_prompt, seed=3)
+    for layer in model.layers:
+        layer.k_cache.zero_()
+        layer.v_cache.zero_()
+    logits = model(ids, torch.arange(n_prompt))
+    tok, out = logits[:, -1:].argmax(-1), []
+    for i in range(n_new):
+        pos = torch.tensor([n_prompt + i])
+        if reference is not None:
+            with reference_sparse_attention(4, 2, reference):
+                lg = model(tok, pos)
+        else:
+            lg = step(tok, pos)
+        out.append(lg[:, -1])
+        tok = lg[:, -1:].argmax(-1)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_gpt_fast_setitem_and_repeat_interleave(lower):
+    model = gpt_fast_model()
+    opts = {"token_budget": 32, "page_size": 16, "dense_layers": 1, "lower": lower}
+    ref = _gpt_fast_run(model, None, reference=opts)
+    got = _gpt_fast_run(model, torch.compile(model, backend="tinyserve", options=opts))
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), worst(got, ref)
+    assert tc.counters["rewritten"] == 3, tc.explain()
+    dense = _gpt_fast_run(model, model)
+    assert not torch.allclose(got, dense, atol=1e-4), "budget 32 of 70+ tokens should change the logits"
+
+
+def test_compiled_prefill_stays_dense_and_keeps_bounds():
+    model = hf_model("llama")
+    ids = prompt(PROMPT, seed=4)
+    opts = {"token_budget": 32, "page_size": 16, "lower": "eager"}
+    ref_toks, ref_logits, _ = hf_decode(model, None, ids, 4, reference=opts)
+    from transformers import StaticCache
+
+    compiled = torch.compile(model, backend="tinyserve", options=opts)
+    cache = StaticCache(config=model.config, max_cache_len=192)
+    with torch.no_grad():
+        model(prompt(120, seed=5), past_key_values=cache, use_cache=True)  # allocates the lazy cache buffers
+        cache.reset()
+        out = compiled(ids, past_key_values=cache, use_cache=True)  # prefill through the backend
+        c = dict(tc.counters)
+        assert c["prefill_sites"] == N_LAYERS and c.get("rewritten", 0) == 0, tc.explain()
+        assert c["cache_writes_rewritten"] == N_LAYERS - 2
+        for layer in cache.layers[2:]:
+            st = state_for(layer.keys, 16)
+            assert torch.equal(st.bounds.kmax, page_bounds(layer.keys, 16).kmax)
+        toks, logits = [out.logits[:, -1:].argmax(-1)], []
+        for _ in range(4):
+            o = compiled(toks[-1], past_key_values=cache, use_cache=True)
+            logits.append(o.logits[:, -1])
+            toks.append(o.logits[:, -1:].argmax(-1))
+    assert torch.allclose(torch.stack(logits), ref_logits, atol=2e-5, rtol=1e-4)
