@@ -82,8 +82,9 @@ def triton_available() -> bool:
     return _HAS_TRITON
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# The kernels below are interpreted iff TRITON_INTERPRET=1 when this module is imported (triton decides at
+# decoration time), so that is when the bf16 upcast is decided too.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if _HAS_TRITON:
@@ -406,7 +407,7 @@ def _valid_len_view(valid_len, B: int, device):
 
 def _upcast(dtype: torch.dtype) -> bool:
     """fp32 dots in ieee mode; bf16 under the interpreter (numpy has no bf16 arithmetic)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreting())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _INTERPRETED)
 
 
 def _n_splits(bh: int, n_pages: int, pages_per_block: int, device, n_splits: Optional[int]):

@@ -1,0 +1,224 @@
+"""The Triton sparse-decode kernels (issue 4), run on CPU under the Triton interpreter.
+
+Every case compares :func:`sparse_decode_triton` with the pure-PyTorch reference
+(``reference.sparse_decode_reference``) and the pages it attends
+(:func:`select_pages_triton`) with ``reference.choose_pages``: the same attended
+tokens (ties of the fp32 page score aside) and outputs within dtype tolerance.
+fp16 runs the GPU code path (native-dtype ``tl.dot`` with fp32 accumulation);
+bf16 is upcast after ``tl.load`` (the interpreter has no bf16 arithmetic).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+
+def _import_interpreted(name: str):
+    """Import a kernel module so that its kernels run in the Triton interpreter.
+
+    Triton picks interpreter or compiler when a function is decorated, and that
+    includes its own ``tl.sum``/``tl.max``, decorated when triton is first imported.
+    In a full test run triton is usually imported earlier, in compiled mode, by
+    ``torch._dynamo``; then its Python modules (not the C extension) are imported
+    again with ``TRITON_INTERPRET=1``. torch keeps its references to the first copy.
+    """
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        triton = pytest.importorskip("triton")
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(triton.language.standard.sum, InterpretedFunction):
+            for mod in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+                if not mod.startswith("triton._C"):
+                    del sys.modules[mod]
+            sys.modules.pop(name, None)
+        return importlib.import_module(name)
+    finally:
+        if prev is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
+
+
+tsd = _import_interpreted("tinyserve_compile.kernels.triton_sparse_decode")
+
+from kernel_checks import DTYPES, TOL, assert_close_report, make_gen, randn  # noqa: E402
+from tinyserve_compile.kernels import reference as ref  # noqa: E402
+from tinyserve_compile.kernels import sparse_decode  # noqa: E402
+
+
+# log(0) = -inf is how a fully masked candidate page gets its -inf log-sum-exp; numpy warns about it
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _mask(kind, B, Hq, L, gen, dtype):
+    if kind is None:
+        return None
+    if kind == "bool_L":
+        return torch.rand(L, generator=gen) < 0.7
+    if kind == "bool_per_head":
+        return torch.rand(B, Hq, 1, L, generator=gen) < 0.6
+    if kind == "bool_padding":  # left padding: row b starts at pad[b]
+        pad = torch.randint(0, max(1, L // 2), (B,), generator=gen)
+        return (torch.arange(L)[None, :] >= pad[:, None])[:, None, None, :]
+    if kind == "float_shared":
+        return randn((1, 1, 1, L), gen, dtype, 2.0)
+    if kind == "float_per_head":
+        m = randn((B, Hq, 1, L), gen, dtype, 2.0)
+        return m.masked_fill(torch.rand(B, Hq, 1, L, generator=gen) < 0.2, float("-inf"))
+    raise ValueError(kind)
+
+
+def _inputs(B, Hkv, G, L, D, S, dtype, mask_kind, vl_kind, seed):
+    gen = make_gen(seed)
+    Hq = Hkv * G
+    q = randn((B, Hq, 1, D), gen, dtype)
+    k = randn((B, Hkv, L, D), gen, dtype)
+    v = randn((B, Hkv, L, D), gen, dtype)
+    # a few "hot" pages so that selection matters
+    hot = torch.randint(0, L, (4,), generator=gen)
+    k[:, :, hot] = (k[:, :, hot].float() + 2.0 * q.float().reshape(B, Hkv, G, D)[:, :, :1]).to(dtype)
+    if vl_kind == "full":
+        vl = torch.full((B,), L, dtype=torch.int64)
+    elif vl_kind == "ragged":  # rows of different lengths, one short enough to be dense
+        vl = torch.tensor([L - 7, 13, L, L // 2][:B], dtype=torch.int64)
+    elif vl_kind == "one":  # a single element, broadcast over the batch
+        vl = torch.tensor([L - 3], dtype=torch.int64)
+    else:
+        raise ValueError(vl_kind)
+    bounds = ref.page_bounds(k, S)
+    return q, k, v, vl, _mask(mask_kind, B, Hq, L, gen, dtype), bounds
+
+
+def _attended(sel, B, Hkv, G, L, S, vl, mask):
+    """Bool ``[B, Hkv, L]``: tokens the selection reads that some head of the group can attend to."""
+    vl = vl.reshape(-1).expand(B)
+    live = (torch.arange(L)[None, :] < vl[:, None])[:, None, :].expand(B, Hkv, L)
+    if mask is not None:
+        add = mask if mask.dtype != torch.bool else torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        add = add.float()
+        while add.dim() < 4:
+            add = add.unsqueeze(0)
+        fin = torch.isfinite(add.expand(B, Hkv * G, 1, L))[:, :, 0, :].reshape(B, Hkv, G, L).any(2)
+        live = live & fin
+    if sel is None:
+        return live
+    return live & ref.selected_token_mask(sel, S, L, vl)
+
+
+def _check_selection(q, k, bounds, vl, mask, scale, S, budget, sink, cf):
+    B, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    want = ref.choose_pages(q, k, bounds, vl, mask, scale, S, budget, sink, cf)
+    got = tsd.select_pages_triton(q, k, *bounds, vl, mask, scale, S, budget, sink, cf)
+    a_want = _attended(want, B, Hkv, G, L, S, vl, mask)
+    a_got = _attended(got, B, Hkv, G, L, S, vl, mask)
+    if torch.equal(a_want, a_got):
+        return
+    # Only near-ties of the fp32 page score may differ (summation order): report everything else.
+    scores = ref.page_scores(q, bounds, scale, ref.mask_page_max(mask, B, Hq, L, S))
+    diff = (a_want != a_got).nonzero().tolist()
+    lines = []
+    for b, h, t in diff[:8]:
+        p = t // S
+        lines.append(f"b={b} kvh={h} page={p}: ref reads={bool(a_want[b, h, t])} triton reads={bool(a_got[b, h, t])} "
+                     f"score={float(scores[b, h, p]):.8e}")
+    if cf == 1:
+        for b, h in {(b, h) for b, h, _ in diff}:
+            only_w = {t // S for t in (a_want[b, h] & ~a_got[b, h]).nonzero().flatten().tolist()}
+            only_g = {t // S for t in (a_got[b, h] & ~a_want[b, h]).nonzero().flatten().tolist()}
+            sw = torch.tensor([float(scores[b, h, p]) for p in only_w])
+            sg = torch.tensor([float(scores[b, h, p]) for p in only_g])
+            if len(sw) and len(sg) and float((sw.max() - sg.min()).abs()) <= 1e-5 * (1 + float(sw.abs().max())):
+                continue
+            raise AssertionError("selection differs beyond ties:\n" + "\n".join(lines))
+        return
+    raise AssertionError("selection differs:\n" + "\n".join(lines))
+
+
+# (B, Hkv, G, L, D, S, budget, dtype, mask, cf, sink, valid_len)
+CASES = [
+    (1, 1, 1, 96, 32, 16, 32, "fp32", None, 1, 0, "full"),
+    (2, 2, 3, 200, 32, 16, 64, "fp32", None, 1, 0, "ragged"),
+    (2, 3, 1, 157, 32, 16, 48, "fp32", "bool_L", 1, 1, "ragged"),  # partial last page
+    (2, 1, 3, 150, 32, 8, 40, "fp32", "bool_per_head", 1, 0, "full"),
+    (2, 2, 3, 256, 64, 16, 64, "fp32", "float_per_head", 1, 2, "one"),
+    (2, 2, 1, 130, 24, 6, 36, "fp32", "float_shared", 1, 0, "ragged"),  # non-power-of-2 D and S
+    (2, 2, 3, 300, 32, 16, 48, "fp32", "bool_padding", 1, 0, "full"),
+    (2, 2, 3, 200, 32, 16, 256, "fp32", None, 1, 0, "ragged"),  # dense from the shapes (P <= K)
+    (1, 2, 3, 200, 32, 16, 64, "fp32", None, 2, 0, "full"),  # two-stage
+    (2, 3, 1, 260, 32, 16, 48, "fp32", "float_per_head", 2, 1, "ragged"),
+    (2, 1, 3, 180, 32, 16, 64, "fp32", "bool_L", 2, 0, "ragged"),  # candidates cover every page
+    (2, 2, 3, 200, 32, 16, 64, "fp16", None, 1, 0, "ragged"),
+    (2, 3, 1, 157, 64, 16, 48, "fp16", "bool_per_head", 1, 1, "full"),
+    (2, 2, 3, 256, 32, 16, 64, "fp16", "float_per_head", 2, 0, "ragged"),
+    (2, 2, 3, 200, 32, 16, 64, "bf16", None, 1, 0, "ragged"),
+    (2, 1, 3, 157, 32, 16, 48, "bf16", "bool_padding", 1, 1, "full"),
+    (1, 3, 3, 256, 32, 16, 64, "bf16", "float_shared", 2, 0, "full"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_matches_reference(case):
+    B, Hkv, G, L, D, S, budget, dname, mask_kind, cf, sink, vl_kind = case
+    dtype = DTYPES[dname]
+    q, k, v, vl, mask, bounds = _inputs(B, Hkv, G, L, D, S, dtype, mask_kind, vl_kind, seed=zlib.crc32(repr(case).encode()) % 1000)
+    scale = D ** -0.5
+    _check_selection(q, k, bounds, vl, mask, scale, S, budget, sink, cf)
+    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, mask, scale, S, budget, sink, cf)
+    assert out.dtype == dtype and out.shape == q.shape
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, scale, S, budget, sink, cf, bounds=bounds)
+    atol, rtol = TOL[dtype]
+    assert_close_report(out.float(), want.float(), atol, rtol, f"triton vs reference {case}")
+
+
+@pytest.mark.parametrize("n_splits", [1, 3, 64])
+def test_split_counts_agree(n_splits):
+    """Any split-K partition gives the same result (combine kernel, empty splits)."""
+    q, k, v, vl, mask, bounds = _inputs(2, 2, 3, 240, 32, 16, torch.float32, "bool_L", "ragged", seed=5)
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, 32 ** -0.5, 16, 80, 0, 1, bounds=bounds)
+    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, mask, 32 ** -0.5, 16, 80, 0, 1, n_splits=n_splits)
+    assert_close_report(out, want, *TOL[torch.float32], f"n_splits={n_splits}")
+
+
+def test_fully_masked_rows_give_zeros():
+    """A head with no attendable token gives zeros (as SDPA), not NaN; a row of valid_len 0 too."""
+    B, Hkv, G, L, D, S = 2, 1, 3, 100, 32, 16
+    q, k, v, _, _, bounds = _inputs(B, Hkv, G, L, D, S, torch.float32, None, "full", seed=7)
+    vl = torch.tensor([L, 0])
+    mask = torch.ones(B, Hkv * G, 1, L, dtype=torch.bool)
+    mask[0, 1] = False
+    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, mask, D ** -0.5, S, 32, 0, 1)
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, D ** -0.5, S, 32, 0, 1, bounds=bounds)
+    assert not torch.isnan(out).any()
+    assert float(out[0, 1].abs().max()) == 0.0 and float(out[1].abs().max()) == 0.0
+    assert_close_report(out, want, *TOL[torch.float32], "fully masked")
+
+
+@pytest.mark.parametrize("dname", ["fp32", "bf16"])
+def test_op_dispatch_kernel_triton(dname):
+    """``sparse_decode(kernel="triton")`` on CPU under the interpreter runs these kernels."""
+    from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_
+
+    dtype = DTYPES[dname]
+    q, k, v, vl, mask, _ = _inputs(2, 2, 3, 200, 32, 16, dtype, "float_per_head", "ragged", seed=11)
+    bounds = rebuild_bounds_(k, allocate_bounds(k, 16), 16)
+    out = sparse_decode(q, k, v, bounds, vl, mask, page_size=16, token_budget=64, kernel="triton")
+    want = sparse_decode(q, k, v, bounds, vl, mask, page_size=16, token_budget=64, kernel="torch")
+    assert_close_report(out.float(), want.float(), *TOL[dtype], f"op kernel=triton vs torch ({dname})")
+
+
+def test_triton_available():
+    assert tsd.triton_available()
