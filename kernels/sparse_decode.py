@@ -13,6 +13,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .reference import (
     PageBounds,
@@ -199,33 +200,24 @@ def _gather_pages_raw(cache: torch.Tensor, idx: torch.Tensor, page_size: int) ->
 def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages):
     """Sparse decode for the common case: no mask, one valid length ``n``, contiguous caches, ``L % S == 0``.
 
-    Same pages as the reference (same scores, same ``topk``), fewer and cheaper ops:
-    no token masks (only the newest page can be partial), page gather in the cache
-    dtype with one upcast of the gathered pages, fused softmax.
+    Same pages as the reference (same scores, same ``topk`` set), fewer and cheaper
+    ops: the pages are gathered in the cache dtype and attended by SDPA's fused CPU
+    kernel (fp32 accumulation, no fp32 copy of bf16/fp16 pages, no logits tensor).
+    Only the newest page can be partial; with the pages ascending it comes last, so
+    its missing slots are cut off the end instead of masked.
     """
     B, Hq, _, D = q.shape
     Hkv = k_cache.shape[1]
-    G = Hq // Hkv
-    # ---- stage 1: bound scan (the reference scorer, bit for bit) and top-K
+    # ---- stage 1: bound scan (the reference scorer, bit for bit) and top-K pages
     scores = page_scores(q, PageBounds(kmax, kmin, kabs), scale)  # [B,Hkv,P] fp32
-    idx = _select_uniform(scores, n, page_size, K, sink_pages)  # [B,Hkv,K]
-    # ---- stage 2: gather the selected pages (cache dtype), upcast only them
-    kg = _gather_pages_raw(k_cache, idx, page_size)  # [B*Hkv,T,D]
-    vg = _gather_pages_raw(v_cache, idx, page_size)
-    if kg.dtype != torch.float32:
-        kg, vg = kg.float(), vg.float()
-    # ---- stage 3: exact attention over the gathered tokens
-    qg = q.reshape(B * Hkv, G, D).float()
-    logits = torch.bmm(qg, kg.transpose(1, 2)).mul_(scale)  # [B*Hkv,G,T]
-    tail = n % page_size
-    if tail:  # the newest page is partial: its slots at or past n do not exist
-        newest = (n - 1) // page_size
-        slot = (idx.reshape(B * Hkv, K) == newest).nonzero()  # [B*Hkv, 2]: (row, slot)
-        pos = slot[:, 1:] * page_size + torch.arange(tail, page_size, device=q.device)  # [B*Hkv, S-tail]
-        lg = logits.view(B * Hkv, G, K * page_size)
-        lg[slot[:, :1], :, pos] = float("-inf")
-    out = torch.bmm(torch.softmax(logits, dim=-1), vg)  # [B*Hkv,G,D]
-    return out.view(B, Hq, 1, D).to(q.dtype)
+    idx = _select_uniform(scores, n, page_size, K, sink_pages).sort(-1).values  # [B,Hkv,K] ascending
+    # ---- stage 2: gather whole pages in the cache dtype
+    T = idx.shape[-1] * page_size
+    kg = _gather_pages_raw(k_cache, idx, page_size).view(B, Hkv, T, D)  # [B,Hkv,K*S,D]
+    vg = _gather_pages_raw(v_cache, idx, page_size).view(B, Hkv, T, D)
+    # ---- stage 3: exact attention over the selected tokens (the newest page's slots >= n dropped)
+    T -= -n % page_size
+    return F.scaled_dot_product_attention(q, kg[:, :, :T], vg[:, :, :T], scale=scale, enable_gqa=Hq != Hkv)
 
 
 def _sparse_decode_torch(
@@ -241,8 +233,8 @@ def _sparse_decode_torch(
     if n is not None and attn_mask is None and 0 < n:
         n = min(n, L)
         if (n + page_size - 1) // page_size <= K:  # ---- dense fit: plain SDPA over the n valid tokens
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k_cache[:, :, :n], v_cache[:, :, :n], scale=scale, enable_gqa=G > 1)
+            return F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], scale=scale,
+                                                  enable_gqa=G > 1)
         if candidate_factor == 1 and L % page_size == 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
             return _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages)
     vl = _as_valid_len(valid_len, B, q.device)
