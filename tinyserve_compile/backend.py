@@ -74,6 +74,11 @@ def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], optio
     config = TinyServeConfig.from_options(options)
     gm = run_passes(_copy(gm), config)
     record_graph(gm, config)
+    if config.strict:
+        for site in gm.meta.get("tinyserve_sites", []):
+            if site.query_len == 1 and site.status == "dense" and "dense_layers" not in site.reason:
+                raise ValueError(f"tinyserve option 'strict'=True: decode attention site {site.node.name} "
+                                 f"stays dense: {site.reason}")
     probes = [torch.zeros(1) for _ in gm.meta.get("tinyserve_probes", [])]
     compiled = _lower(gm, list(example_inputs) + probes, config)
     if not probes:
