@@ -85,6 +85,10 @@ class Selection(NamedTuple):
     ok: torch.Tensor
 
 
+#: up to this many (batch, KV head) pairs, :func:`page_scores` loops over per-head GEMMs on CPU
+_MM_LOOP_MAX = 16
+
+
 def num_pages(length: int, page_size: int) -> int:
     """Number of pages of ``page_size`` tokens covering ``length`` tokens."""
     return (length + page_size - 1) // page_size
@@ -212,8 +216,16 @@ def page_scores(
     factor = score_slack_factor(D)
     base = score_underflow_slack(D) / (scale * factor)
     slack = torch.addcmul(q32.new_full((), base), q32.abs().sum(-1, keepdim=True), bounds.kabs.reshape(B * Hkv, 1, P))
-    r = torch.baddbmm(slack, qn, kmin.transpose(1, 2), beta=factor)  # [B*Hkv,G,P]
-    r = torch.baddbmm(r, qp, kmax.transpose(1, 2))
+    if B * Hkv <= _MM_LOOP_MAX and q32.device.type == "cpu":
+        # a few heads: one addmm pair per head (CPU bmm nests its batch loop around
+        # threaded GEMMs, which stalls badly when the cores are busy)
+        r = torch.empty_like(slack)  # [B*Hkv,G,P]
+        for i in range(B * Hkv):
+            torch.addmm(slack[i], qn[i], kmin[i].t(), beta=factor, out=r[i])
+            r[i].addmm_(qp[i], kmax[i].t())
+    else:
+        r = torch.baddbmm(slack, qn, kmin.transpose(1, 2), beta=factor)  # [B*Hkv,G,P]
+        r = torch.baddbmm(r, qp, kmax.transpose(1, 2))
     s = r.mul_(scale).reshape(B, Hkv, G, P)
     # ---- stage 3: mask and GQA group max
     if mask_pages is not None:
