@@ -172,10 +172,13 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true", help="add 1K, 128K and 256K contexts")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per point (default 15 quick, 60)")
     ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--json", default=None, help="write records here (+ .csv and .png with the same stem)")
     ap.add_argument("--out-dir", default=None, help="write bench_op.json/.csv/.png into this folder")
     args = ap.parse_args(argv)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     contexts = [4096, 16384, 65536]
     if args.full:
         contexts = [1024] + contexts + [131072, 262144]

@@ -32,6 +32,8 @@ __all__ = ["sparse_decode", "attend_selection", "check_decode_inputs", "KERNELS"
 
 KERNELS = ("auto", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: up to this many (batch, KV head) pairs the CPU path loops over per-head GEMMs instead of bmm
+_LOOP_MAX = 16
 
 
 def check_decode_inputs(
@@ -197,12 +199,52 @@ def _gather_pages_raw(cache: torch.Tensor, idx: torch.Tensor, page_size: int) ->
     return out.view(B * H, K * page_size, D)
 
 
+def _small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)``; on CPU with few batches, a loop of ``mm`` instead.
+
+    CPU ``bmm`` (and the fp32 SDPA kernel) run threaded GEMMs inside a threaded
+    batch loop, which stalls for milliseconds when the cores are shared.
+    """
+    if a.shape[0] > _LOOP_MAX or a.device.type != "cpu":
+        return torch.bmm(a, b)
+    out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+    for i in range(a.shape[0]):
+        torch.mm(a[i], b[i], out=out[i])
+    return out
+
+
+def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Unmasked decode attention of query groups over their KV head's tokens.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]``.
+    k, v : torch.Tensor
+        ``[B, Hkv, T, D]`` (any strides with a unit last stride), dtype of ``q``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq, 1, D]``, dtype of ``q``. fp32: grouped GEMMs and a fused softmax
+        (every group row reads its KV head once); fp16/bf16: SDPA's fused kernel,
+        which accumulates in fp32 without an fp32 copy of the pages.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    if q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=Hq != Hkv)
+    BH = B * Hkv
+    logits = _small_bmm(q.reshape(BH, Hq // Hkv, D), k.reshape(BH, T, D).transpose(1, 2))  # [BH,G,T]
+    p = torch.softmax(logits.mul_(scale), dim=-1)
+    return _small_bmm(p, v.reshape(BH, T, D)).view(B, Hq, 1, D)
+
+
 def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages):
     """Sparse decode for the common case: no mask, one valid length ``n``, contiguous caches, ``L % S == 0``.
 
     Same pages as the reference (same scores, same ``topk`` set), fewer and cheaper
-    ops: the pages are gathered in the cache dtype and attended by SDPA's fused CPU
-    kernel (fp32 accumulation, no fp32 copy of bf16/fp16 pages, no logits tensor).
+    ops: whole pages gathered in the cache dtype, then :func:`_attend_grouped`.
     Only the newest page can be partial; with the pages ascending it comes last, so
     its missing slots are cut off the end instead of masked.
     """
@@ -217,7 +259,7 @@ def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, 
     vg = _gather_pages_raw(v_cache, idx, page_size).view(B, Hkv, T, D)
     # ---- stage 3: exact attention over the selected tokens (the newest page's slots >= n dropped)
     T -= -n % page_size
-    return F.scaled_dot_product_attention(q, kg[:, :, :T], vg[:, :, :T], scale=scale, enable_gqa=Hq != Hkv)
+    return _attend_grouped(q, kg[:, :, :T], vg[:, :, :T], scale)
 
 
 def _sparse_decode_torch(
@@ -233,8 +275,7 @@ def _sparse_decode_torch(
     if n is not None and attn_mask is None and 0 < n:
         n = min(n, L)
         if (n + page_size - 1) // page_size <= K:  # ---- dense fit: plain SDPA over the n valid tokens
-            return F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], scale=scale,
-                                                  enable_gqa=G > 1)
+            return _attend_grouped(q, k_cache[:, :, :n], v_cache[:, :, :n], scale)
         if candidate_factor == 1 and L % page_size == 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
             return _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages)
     vl = _as_valid_len(valid_len, B, q.device)
