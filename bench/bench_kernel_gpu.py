@@ -1,0 +1,370 @@
+"""GPU benchmark of the Triton sparse-decode kernels: correctness at scale, then timings (issue 4, section 4).
+
+NOT YET RUN ON A GPU. It was written in a session without one; only ``--dry-run``
+(tiny shapes, CPU, Triton interpreter) has been executed. Its numbers on CPU are
+meaningless; it exists so that the script's logic is known to work.
+
+One call on a lent GPU (H200 by default) does:
+
+1. **Correctness** at every benchmarked shape: the Triton output against the
+   pure-PyTorch reference (``reference.sparse_decode_reference`` when it fits in
+   memory, else the op's PyTorch path ``kernel="torch"``), within dtype tolerance,
+   and the share of KV heads whose attended pages equal ``reference.choose_pages``
+   (ties of the fp32 page score may differ).
+2. **Timings** (``triton.testing.do_bench``, median ms) of
+
+   * ``sparse``: :func:`sparse_decode_triton` (score kernel + top-K + split-K
+     gather/attend + combine), and ``select`` (its score + top-K part alone);
+   * ``dense``: the same Triton kernel with a budget covering the context;
+   * ``sdpa_flash`` / ``sdpa_efficient``: ``F.scaled_dot_product_attention``
+     pinned to each backend (GQA via ``enable_gqa`` where the backend has it,
+     else K/V repeated before timing; "n/a" when the backend refuses the shape).
+
+   at contexts 4K/16K/32K/128K, budget 2048, batch 1 and 8, fp16 and bf16,
+   Hq=32 / Hkv=8 / D=128 (Llama-3-8B attention), page 16.
+3. **Report**: ms, speedup of ``sparse`` over the fastest SDPA backend and over
+   ``dense``, and the GB/s of the bytes the sparse path actually touches (fp32
+   bounds of the valid pages, the selected K/V pages, scores) against the device
+   peak (``--peak-gbs``, default 4800 for an H200). Targets checked: >= 8x over
+   SDPA at 32K, >= 70% of peak on the bytes touched.
+
+Usage::
+
+    python bench/bench_kernel_gpu.py --out-dir results/          # full run: table + json/csv/png
+    python bench/bench_kernel_gpu.py --quick --json q.json       # 4K and 32K, batch 1, fp16
+    TRITON_INTERPRET=1 python bench/bench_kernel_gpu.py --dry-run --out-dir /tmp/dry   # CPU logic check
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tinyserve_compile.kernels import reference as ref  # noqa: E402
+from tinyserve_compile.kernels import sparse_decode  # noqa: E402
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TOL = {torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2), torch.float32: (3e-5, 3e-5)}
+METHODS = ("sparse", "select", "dense", "sdpa_flash", "sdpa_efficient")
+
+FULL = dict(contexts=[4096, 16384, 32768, 131072], batches=[1, 8], dtypes=["fp16", "bf16"], hq=32, hkv=8, d=128,
+            page=16, budget=2048)
+QUICK = dict(FULL, contexts=[4096, 32768], batches=[1], dtypes=["fp16"])
+DRY = dict(contexts=[128, 256], batches=[1, 2], dtypes=["fp16", "bf16"], hq=6, hkv=2, d=32, page=16, budget=64)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# timing and byte counting
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def time_ms(fn, device, iters: int) -> float:
+    """Median milliseconds of ``fn()``: ``triton.testing.do_bench`` on CUDA, wall clock elsewhere."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=max(50, iters), return_mode="median"))
+    fn()
+    ts = []
+    for _ in range(max(1, iters)):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def bytes_touched(method: str, B, hkv, hq, L, D, S, budget, itemsize) -> int:
+    """Bytes a method must read/write at least (K/V it attends, bounds it scans, q/out)."""
+    P = math.ceil(L / S)
+    qo = 2 * B * hq * D * itemsize
+    kv_dense = 2 * B * hkv * L * D * itemsize
+    if method in ("dense", "sdpa_flash", "sdpa_efficient"):
+        return kv_dense + qo
+    bounds = B * hkv * P * (2 * D + 1) * 4 + 2 * B * hkv * P * 4  # kmax, kmin, kabs + scores write/read
+    if method == "select":
+        return bounds + B * hq * D * itemsize
+    kv_sparse = 2 * B * hkv * min(budget // S * S, L) * D * itemsize
+    return bounds + kv_sparse + qo
+
+
+def peak_gbs_for(device, override):
+    if override:
+        return float(override)
+    if device.type != "cuda":
+        return float("nan")
+    name = torch.cuda.get_device_name(device)
+    for key, gbs in (("H200", 4800.0), ("H100", 3350.0), ("A100", 2039.0), ("L40", 864.0), ("4090", 1008.0)):
+        if key in name:
+            return gbs
+    return float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# one shape
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def make_inputs(B, hq, hkv, L, D, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, hq, 1, D, generator=g, device=device, dtype=torch.float32).to(dtype)
+    k = torch.randn(B, hkv, L, D, generator=g, device=device, dtype=torch.float32).to(dtype)
+    v = torch.randn(B, hkv, L, D, generator=g, device=device, dtype=torch.float32).to(dtype)
+    # a few hot tokens per head so that the selection has something to find
+    hot = torch.randint(0, L, (16,), generator=g, device=device)
+    G = hq // hkv
+    k[:, :, hot] = (k[:, :, hot].float() + 3.0 * q.float().reshape(B, hkv, G, D)[:, :, :1]).to(dtype)
+    return q, k, v
+
+
+def check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes):
+    """Worst normalised error vs the reference, and the share of KV heads with the reference's pages."""
+    B, hq, _, D = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    scale = D ** -0.5
+    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, 0, 1)
+    ref_bytes = 3 * B * hq * L * D * 4
+    if ref_bytes <= ref_budget_bytes:
+        want, oracle = ref.sparse_decode_reference(q, k, v, vl, None, scale, S, budget, bounds=bounds), "reference"
+    else:
+        want = sparse_decode(q, k, v, bounds, vl, None, scale, S, budget, kernel="torch")
+        oracle = "kernel=torch"
+    atol, rtol = TOL[q.dtype]
+    err = (out.float() - want.float()).abs()
+    excess = float((err / (atol + rtol * want.float().abs())).max())
+    sel_ref = ref.choose_pages(q, k, bounds, vl, None, scale, S, budget)
+    sel_tri = tsd.select_pages_triton(q, k, *bounds, vl, None, scale, S, budget)
+    if sel_ref is None or sel_tri is None:
+        agree = 1.0 if (sel_ref is None) == (sel_tri is None) else float("nan")
+    else:
+        same = ((sel_ref.idx == sel_tri.idx) | ~(sel_ref.ok & sel_tri.ok)).all(-1)
+        agree = float(same.float().mean())
+    return dict(max_abs_err=float(err.max()), tol_ratio=excess, ok=excess <= 1.0, pages_agree=agree, oracle=oracle)
+
+
+def sdpa_fn(backend_name, q, k, v, device):
+    """A zero-arg SDPA call pinned to one backend, or None when the backend refuses the shape."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+    be = backend[backend_name]
+    G = q.shape[1] // k.shape[1]
+    for gqa in (True, False):
+        kk, vv = (k, v) if gqa else (k.repeat_interleave(G, 1), v.repeat_interleave(G, 1))
+
+        def fn(kk=kk, vv=vv, gqa=gqa):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=gqa)
+
+        try:
+            fn()
+            return fn, ("enable_gqa" if gqa else "repeat_kv")
+        except (RuntimeError, ValueError, NotImplementedError):
+            continue
+    return None, "n/a"
+
+
+def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, log):
+    dtype = DTYPES[dname]
+    hq, hkv, D, S, budget = cfg["hq"], cfg["hkv"], cfg["d"], cfg["page"], cfg["budget"]
+    q, k, v = make_inputs(B, hq, hkv, L, D, dtype, device)
+    bounds = ref.page_bounds(k, S)
+    vl = torch.full((B,), L, dtype=torch.int64, device=device)
+    scale = D ** -0.5
+    row = dict(context=L, batch=B, dtype=dname, hq=hq, hkv=hkv, head_dim=D, page=S, budget=budget)
+    row.update(check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes))
+    fns = {
+        "sparse": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, 0, 1),
+        "select": lambda: tsd._select(q, k, *bounds, vl, None, scale, S, budget, 0, 1),
+        "dense": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, L + S, 0, 1),
+    }
+    for name in ("sdpa_flash", "sdpa_efficient"):
+        fn, how = sdpa_fn(name, q, k, v, device)
+        row[f"{name}_gqa"] = how
+        if fn is not None:
+            fns[name] = fn
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for name in METHODS:
+        if name not in fns:
+            row[f"{name}_ms"] = None
+            row[f"{name}_gbs"] = None
+            continue
+        ms = time_ms(fns[name], device, iters)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_gbs"] = bytes_touched(name, B, hkv, hq, L, D, S, budget, itemsize) / (ms * 1e-3) / 1e9
+    sdpa = [row[f"{n}_ms"] for n in ("sdpa_flash", "sdpa_efficient") if row[f"{n}_ms"] is not None]
+    row["speedup_vs_sdpa"] = (min(sdpa) / row["sparse_ms"]) if sdpa else None
+    row["speedup_vs_dense"] = row["dense_ms"] / row["sparse_ms"]
+    row["sparse_pct_peak"] = None if math.isnan(peak) else row["sparse_gbs"] / peak * 100
+    log(fmt_row(row))
+    del q, k, v, bounds
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------------------------------
+
+HEADER = (f"{'ctx':>7} {'B':>2} {'dt':>4} | {'ok':>3} {'pages=':>6} | {'sparse':>8} {'select':>8} {'dense':>8} "
+          f"{'flash':>8} {'effic':>8} (ms) | {'x sdpa':>6} {'x dense':>7} | {'GB/s':>7} {'%peak':>6}")
+
+
+def _f(x, w=8, p=3):
+    return f"{'n/a':>{w}}" if x is None else f"{x:>{w}.{p}f}"
+
+
+def fmt_row(r):
+    return (f"{r['context']:>7} {r['batch']:>2} {r['dtype']:>4} | {('yes' if r['ok'] else 'NO'):>3} "
+            f"{r['pages_agree']:>6.2f} | {_f(r['sparse_ms'])} {_f(r['select_ms'])} {_f(r['dense_ms'])} "
+            f"{_f(r['sdpa_flash_ms'])} {_f(r['sdpa_efficient_ms'])}      | {_f(r['speedup_vs_sdpa'], 6, 2)} "
+            f"{_f(r['speedup_vs_dense'], 7, 2)} | {_f(r['sparse_gbs'], 7, 0)} {_f(r.get('sparse_pct_peak'), 6, 1)}")
+
+
+def check_targets(rows, peak):
+    """The issue's targets: >= 8x over SDPA at 32K (budget 2048), >= 70% of peak on bytes touched."""
+    out = []
+    at32 = [r for r in rows if r["context"] == 32768 and r["speedup_vs_sdpa"] is not None]
+    if at32:
+        worst = min(r["speedup_vs_sdpa"] for r in at32)
+        out.append(dict(target=">= 8x vs SDPA at 32K", worst=worst, met=worst >= 8.0))
+    if not math.isnan(peak):
+        best = max(r["sparse_gbs"] for r in rows) / peak * 100
+        out.append(dict(target=">= 70% of peak bandwidth on bytes touched (best shape)", worst=best, met=best >= 70))
+    return out
+
+
+def write_outputs(rows, meta, targets, args):
+    paths = {}
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        stem = os.path.join(args.out_dir, "bench_kernel_gpu")
+        paths = {"json": stem + ".json", "csv": stem + ".csv", "png": stem + ".png"}
+    for key in ("json", "csv", "png"):
+        if getattr(args, key):
+            paths[key] = getattr(args, key)
+    if "json" in paths:
+        with open(paths["json"], "w") as f:
+            json.dump({"meta": meta, "targets": targets, "rows": rows}, f, indent=2)
+    if "csv" in paths:
+        keys = list(rows[0])
+        with open(paths["csv"], "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    if "png" in paths:
+        plot(rows, meta, paths["png"])
+    return paths
+
+
+def plot(rows, meta, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["batch"], r["dtype"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, (B, dt) in zip(axes[0], groups):
+        rs = sorted((r for r in rows if r["batch"] == B and r["dtype"] == dt), key=lambda r: r["context"])
+        ctx = [r["context"] for r in rs]
+        for name, style in (("sparse", "o-"), ("dense", "s--"), ("sdpa_flash", "^:"), ("sdpa_efficient", "v:")):
+            ys = [r[f"{name}_ms"] for r in rs]
+            if any(y is not None for y in ys):
+                ax.plot([c for c, y in zip(ctx, ys) if y is not None], [y for y in ys if y is not None], style,
+                        label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(f"B={B} {dt}")
+        ax.legend()
+    fig.suptitle(f"tinyserve Triton sparse decode, budget {rows[0]['budget']} on {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="4K and 32K, batch 1, fp16")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
+    p.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
+    p.add_argument("--dtypes", nargs="*", choices=sorted(DTYPES), help="override the dtypes")
+    p.add_argument("--iters", type=int, default=100, help="timing repetitions (do_bench rep ms on CUDA)")
+    p.add_argument("--peak-gbs", type=float, default=None, help="device peak bandwidth in GB/s (default by name)")
+    p.add_argument("--ref-budget-gb", type=float, default=24.0,
+                   help="largest fp32 working set for the dense reference; above it the op's torch path is the oracle")
+    p.add_argument("--json", default=None)
+    p.add_argument("--csv", default=None)
+    p.add_argument("--png", default=None)
+    p.add_argument("--out-dir", default=None, help="write bench_kernel_gpu.{json,csv,png} here")
+    args = p.parse_args(argv)
+
+    if args.dry_run:
+        device = torch.device("cpu")
+        cfg = dict(DRY)
+        args.iters = min(args.iters, 2)
+    else:
+        if not torch.cuda.is_available():
+            p.error("needs a CUDA GPU (or --dry-run for the CPU logic check)")
+        device = torch.device("cuda")
+        cfg = dict(QUICK if args.quick else FULL)
+    for key in ("contexts", "batches", "dtypes"):
+        if getattr(args, key):
+            cfg[key] = getattr(args, key)
+
+    from tinyserve_compile.kernels import triton_sparse_decode as tsd
+
+    if not tsd.triton_available():
+        p.error("triton is not installed")
+    peak = peak_gbs_for(device, args.peak_gbs)
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()}), "
+        "Triton interpreter: timings meaningless",
+        torch=torch.__version__, triton=__import__("triton").__version__, peak_gbs=peak, dry_run=args.dry_run,
+        config=cfg,
+    )
+    print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  peak {peak} GB/s  {meta['date']}")
+    print(f"# Hq={cfg['hq']} Hkv={cfg['hkv']} D={cfg['d']} page={cfg['page']} budget={cfg['budget']}")
+    print(HEADER)
+    rows = []
+    for dname in cfg["dtypes"]:
+        for B in cfg["batches"]:
+            for L in cfg["contexts"]:
+                rows.append(bench_shape(tsd, cfg, B, L, dname, device, args.iters, args.ref_budget_gb * 1e9, peak,
+                                        print))
+    targets = check_targets(rows, peak)
+    for t in targets:
+        print(f"# target {t['target']}: {t['worst']:.2f} -> {'met' if t['met'] else 'NOT met'}")
+    bad = [r for r in rows if not r["ok"]]
+    for r in bad:
+        print(f"# CORRECTNESS FAILURE at ctx={r['context']} B={r['batch']} {r['dtype']}: "
+              f"max abs err {r['max_abs_err']:.3e} ({r['tol_ratio']:.2f}x tolerance, oracle {r['oracle']})")
+    paths = write_outputs(rows, meta, targets, args)
+    for k_, v_ in paths.items():
+        print(f"# wrote {k_}: {v_}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
