@@ -220,9 +220,11 @@ def page_scores(
         # a few heads: one addmm pair per head (CPU bmm nests its batch loop around
         # threaded GEMMs, which stalls badly when the cores are busy)
         r = torch.empty_like(slack)  # [B*Hkv,G,P]
-        for i in range(B * Hkv):
-            torch.addmm(slack[i], qn[i], kmin[i].t(), beta=factor, out=r[i])
-            r[i].addmm_(qp[i], kmax[i].t())
+        kmin_t, kmax_t = kmin.transpose(1, 2), kmax.transpose(1, 2)  # [B*Hkv,D,P] views
+        for ri, si, qni, qpi, mi, Mi in zip(r.unbind(0), slack.unbind(0), qn.unbind(0), qp.unbind(0),
+                                            kmin_t.unbind(0), kmax_t.unbind(0)):
+            torch.addmm(si, qni, mi, beta=factor, out=ri)
+            ri.addmm_(qpi, Mi)
     else:
         r = torch.baddbmm(slack, qn, kmin.transpose(1, 2), beta=factor)  # [B*Hkv,G,P]
         r = torch.baddbmm(r, qp, kmax.transpose(1, 2))

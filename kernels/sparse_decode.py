@@ -208,8 +208,8 @@ def _small_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[0] > _LOOP_MAX or a.device.type != "cpu":
         return torch.bmm(a, b)
     out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
-    for i in range(a.shape[0]):
-        torch.mm(a[i], b[i], out=out[i])
+    for oi, ai, bi in zip(out.unbind(0), a.unbind(0), b.unbind(0)):
+        torch.mm(ai, bi, out=oi)
     return out
 
 
