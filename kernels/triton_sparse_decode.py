@@ -411,16 +411,25 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def _n_splits(bh: int, n_pages: int, pages_per_block: int, device, n_splits: Optional[int]):
-    """Split count and pages per split so that ``bh * n_splits`` fills the device twice."""
-    max_splits = max(1, triton.cdiv(n_pages, pages_per_block))
+    """Split count and pages per split.
+
+    By default ``bh * n_splits`` covers the GPU's SMs twice, and each split loops
+    over at least two blocks of pages (so loads overlap compute; this also bounds
+    the partials' traffic). Not tuned on hardware yet. Under the interpreter a
+    split may hold one block, so that small test shapes still use several splits.
+    An explicit ``n_splits`` is only clamped to one page per split.
+    """
     if n_splits is None:
         if device.type == "cuda":
-            target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        else:  # interpreter: few programs, but still more than one split
-            target = 2 * bh
+            target, min_blocks = 2 * torch.cuda.get_device_properties(device).multi_processor_count, 2
+        else:
+            target, min_blocks = 2 * bh, 1
         n_splits = triton.cdiv(target, bh)
-    n_splits = max(1, min(int(n_splits), max_splits))
-    pps = triton.cdiv(triton.cdiv(n_pages, n_splits), pages_per_block) * pages_per_block
+        n_splits = max(1, min(n_splits, triton.cdiv(n_pages, min_blocks * pages_per_block)))
+        pps = triton.cdiv(triton.cdiv(n_pages, n_splits), pages_per_block) * pages_per_block
+    else:
+        n_splits = max(1, min(int(n_splits), n_pages))
+        pps = triton.cdiv(n_pages, n_splits)
     return triton.cdiv(n_pages, pps), pps
 
 
@@ -431,7 +440,7 @@ def _page_scores(q, kmax, kmin, kabs, vl, vl_stride, mask, mstr, mkind, mper, sc
         kmin = kmin.contiguous()
         kmax = kmax.contiguous()
     scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
-    BLOCK_P = min(64, _pow2(P))
+    BLOCK_P = min(max(1, 4096 // _pow2(D)), _pow2(P))  # two [BLOCK_P, D] fp32 tiles: ~64 registers a thread
     grid = (B * Hkv, triton.cdiv(P, BLOCK_P))
     _page_scores_kernel[grid](
         q, kmax, kmin, kabs, vl, mask, scores,

@@ -177,11 +177,12 @@ def test_matches_reference(case):
     q, k, v, vl, mask, bounds = _inputs(B, Hkv, G, L, D, S, dtype, mask_kind, vl_kind, seed=zlib.crc32(repr(case).encode()) % 1000)
     scale = D ** -0.5
     _check_selection(q, k, bounds, vl, mask, scale, S, budget, sink, cf)
-    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, mask, scale, S, budget, sink, cf)
-    assert out.dtype == dtype and out.shape == q.shape
     want = ref.sparse_decode_reference(q, k, v, vl, mask, scale, S, budget, sink, cf, bounds=bounds)
     atol, rtol = TOL[dtype]
-    assert_close_report(out.float(), want.float(), atol, rtol, f"triton vs reference {case}")
+    for n_splits in (None, 3):  # the default split-K partition, and 3 splits merged by the combine kernel
+        out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, mask, scale, S, budget, sink, cf, n_splits=n_splits)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert_close_report(out.float(), want.float(), atol, rtol, f"triton (n_splits={n_splits}) vs reference {case}")
 
 
 @pytest.mark.parametrize("n_splits", [1, 3, 64])
