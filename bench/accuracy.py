@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -20,6 +21,8 @@ except ImportError:  # run as a script from bench/
     from harness import FULL, EvalModel, Sparse, summarize_stats
 
 _MODEL = {}
+#: prefilled caches of the perplexity runs, reused across processes (results/ is git-ignored)
+PREFILL_CACHE = os.environ.get("TINYSERVE_PREFILL_CACHE", "results/.prefill")
 
 
 def load_model():
@@ -68,7 +71,13 @@ def perplexity(ctx: int, cfgs: Sequence[Sparse], steps: int = 128, half: str = "
     n = ctx - steps
     em = EvalModel(model, ctx)
     t0 = time.time()
-    em.prefill(ids[None, :n])
+    kv_path = os.path.join(PREFILL_CACHE, f"ppl_{half}_{offset}_{ctx}_{n}.pt")
+    if os.path.exists(kv_path):
+        em.load_prefill(kv_path)
+    else:
+        em.prefill(ids[None, :n])
+        os.makedirs(PREFILL_CACHE, exist_ok=True)
+        em.save_prefill(kv_path)
     prefill_s = time.time() - t0
     feed, target = ids[n: n + steps], ids[n + 1: n + steps + 1]
     rows, ref = [], None

@@ -202,6 +202,27 @@ class EvalModel:
         self.bounds.clear()
         return out.logits[0, -1].float()
 
+    def save_prefill(self, path: str):
+        """Store the prefilled cache (reuse across processes: the prefill is the expensive part)."""
+        n = self.n_prefill
+        torch.save(dict(n=n, k=[l.keys[:, :, :n].clone() for l in self.cache.layers],
+                        v=[l.values[:, :, :n].clone() for l in self.cache.layers]), path)
+
+    @torch.no_grad()
+    def load_prefill(self, path: str):
+        d = torch.load(path)
+        if not getattr(self.cache.layers[0], "is_initialized", False):
+            self.model(input_ids=torch.tensor([[1]]), cache=self.cache, use_cache=True)  # allocate
+        n = d["n"]
+        for layer, k, v in zip(self.cache.layers, d["k"], d["v"]):
+            layer.keys.zero_()
+            layer.values.zero_()
+            layer.keys[:, :, :n].copy_(k)
+            layer.values[:, :, :n].copy_(v)
+            layer.cumulative_length.fill_(n)
+        self.pos = self.n_prefill = n
+        self.bounds.clear()
+
     def reset(self, cfg: Sparse, collect: bool = False):
         """Roll back to the prefill and set the decode configuration."""
         n = self.n_prefill

@@ -9,6 +9,7 @@ running a prefill (a foreign write for the backend: it rebuilds its page bounds 
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from typing import List, Sequence
@@ -25,10 +26,15 @@ def _model_for(ctx: int):
     model, _ = load_model()
     if ctx <= model.config.max_position_embeddings:
         return model, "smollm2"
+    return _long_model(model)
+
+
+@functools.lru_cache(maxsize=1)
+def _long_model(model):
     from transformers import LlamaForCausalLM
 
     cfg = copy.deepcopy(model.config)
-    cfg.max_position_embeddings = max(ctx * 2, 65536)
+    cfg.max_position_embeddings = 65536
     torch.manual_seed(0)
     m = LlamaForCausalLM(cfg).eval()
     return m, "random-init llama (SmolLM2 shape)"
@@ -48,19 +54,9 @@ def _filled_cache(model, ctx: int, extra: int):
     return cache
 
 
-def decode_ms(provider: str, ctx: int, budget: int = 2048, steps: int = 8, warmup: int = 2) -> dict:
-    """Median ms per decode token at ``ctx``; ``provider`` in {"eager", "inductor", "tinyserve"}."""
-    model, which = _model_for(ctx)
+def _decode_timing(fn, model, ctx: int, steps: int, warmup: int):
     cache = _filled_cache(model, ctx, steps + warmup + 1)
-    if provider == "eager":
-        fn = model
-    elif provider == "inductor":
-        fn = torch.compile(model, backend="inductor")
-    else:
-        fn = torch.compile(model, backend="tinyserve", options={"token_budget": budget})
-    times = []
-    pos = ctx
-    first_s = None
+    times, pos, first_s = [], ctx, None
     with torch.no_grad():
         for i in range(warmup + steps):
             t0 = time.perf_counter()
@@ -71,23 +67,42 @@ def decode_ms(provider: str, ctx: int, budget: int = 2048, steps: int = 8, warmu
                 first_s = dt
             if i >= warmup:
                 times.append(dt)
-    ms = statistics.median(times) * 1e3
-    torch._dynamo.reset()
-    return dict(provider=provider if provider != "tinyserve" else f"tinyserve B{budget}", ctx=ctx, model=which,
-                ms_per_token=ms, first_call_s=first_s, compile_s=max(first_s - ms / 1e3, 0.0), steps=steps)
+    return statistics.median(times) * 1e3, first_s
 
 
 def decode_speed(contexts: Sequence[int] = (1024, 2048, 4096, 8192, 16384, 32768),
-                 budgets: Sequence[int] = (512, 1024, 2048), quiet: bool = False) -> List[dict]:
-    runs = [(c, "eager", 0) for c in contexts] + [(c, "inductor", 0) for c in contexts] + \
-           [(c, "tinyserve", b) for c in contexts for b in budgets]
+                 budgets: Sequence[int] = (512, 1024, 2048), steps: int = 8, warmup: int = 2,
+                 quiet: bool = False) -> List[dict]:
+    """Median ms per decode token. One ``torch.compile`` per provider and model, reused across contexts
+    (the first context's first call holds the compile: ``compile_s``; a later context may recompile
+    with dynamic shapes: ``first_call_s``)."""
+    providers = [("eager", None), ("inductor", None)] + [("tinyserve", b) for b in budgets]
     rows = []
-    for ctx, prov, b in _progress(runs, "decode speed", quiet=quiet):
-        try:
-            rows.append(decode_ms(prov, ctx, b or 2048))
-        except Exception as e:  # report, don't hide: the row says what failed
-            rows.append(dict(provider=prov if prov != "tinyserve" else f"tinyserve B{b}", ctx=ctx,
-                             error=f"{type(e).__name__}: {str(e)[:300]}"))
+    for prov, b in _progress(providers, "decode speed", quiet=quiet):
+        name = prov if b is None else f"tinyserve B{b}"
+        compiled = {}
+        for ctx in contexts:
+            model, which = _model_for(ctx)
+            key = id(model)
+            if key not in compiled:
+                torch._dynamo.reset()
+                if prov == "eager":
+                    compiled[key] = model
+                elif prov == "inductor":
+                    compiled[key] = torch.compile(model, backend="inductor")
+                else:
+                    compiled[key] = torch.compile(model, backend="tinyserve", options={"token_budget": b})
+                first_for_model = True
+            else:
+                first_for_model = False
+            try:
+                ms, first_s = _decode_timing(compiled[key], model, ctx, steps, warmup)
+                rows.append(dict(provider=name, ctx=ctx, model=which, ms_per_token=ms, first_call_s=first_s,
+                                 compile_s=max(first_s - ms / 1e3, 0.0) if first_for_model and prov != "eager" else 0.0,
+                                 steps=steps))
+            except Exception as e:  # report, don't hide: the row says what failed
+                rows.append(dict(provider=name, ctx=ctx, error=f"{type(e).__name__}: {str(e)[:300]}"))
+    torch._dynamo.reset()
     return rows
 
 
