@@ -151,7 +151,10 @@ def _attend(qg, kg, vg, tok_ok, mask_add, scale) -> torch.Tensor:
 
 
 def _uniform_len(valid_len: torch.Tensor, batch: int):
-    """``int(valid_len)`` when every batch row has the same length, else None (one host sync)."""
+    """``int(valid_len)`` when every batch row has the same length, else None (one host sync).
+
+    ``valid_len``: int64/int32 ``[B]`` or ``[1]``.
+    """
     if valid_len.numel() == 1:
         return int(valid_len.reshape(()))
     lo_hi = torch.aminmax(valid_len.reshape(-1))
@@ -247,6 +250,27 @@ def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, 
     ops: whole pages gathered in the cache dtype, then :func:`_attend_grouped`.
     Only the newest page can be partial; with the pages ascending it comes last, so
     its missing slots are cut off the end instead of masked.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]``.
+    k_cache, v_cache : torch.Tensor
+        ``[B, Hkv, L, D]`` contiguous, dtype of ``q``, ``L % page_size == 0``.
+    kmax, kmin : torch.Tensor
+        fp32 ``[B, Hkv, P, D]`` page bounds.
+    kabs : torch.Tensor
+        fp32 ``[B, Hkv, P]``.
+    n : int
+        Valid length shared by every batch row, with ``ceil(n / page_size) > K``.
+    scale : float
+    page_size, K, sink_pages : int
+        Tokens per page, pages kept, forced leading pages.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq, 1, D]``, dtype of ``q``.
     """
     B, Hq, _, D = q.shape
     Hkv = k_cache.shape[1]
