@@ -159,7 +159,7 @@ def write_outputs(rows, json_path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("ms per decode step (median)")
-    ax.set_title(f"B={B}, {HQ}q/{HKV}kv heads, D={D}, page {PAGE}, budget {BUDGET} (dotted: bw bound)")
+    ax.set_title(f"B={B}, {HQ}q/{HKV}kv heads, D={D}, page {PAGE}, budget {BUDGET} (dotted: bw bound)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
