@@ -1,20 +1,30 @@
 """Kernels: the pure-PyTorch reference, the registered ops and their launchers.
 
-Importing this package registers ``torch.ops.tinyserve.sparse_decode``,
-``torch.ops.tinyserve.rebuild_bounds`` and ``torch.ops.tinyserve.update_bounds``.
-"""
-from .reference import PageBounds, Selection, page_bounds, page_scores, sparse_decode_reference
-from .bounds import allocate_bounds, rebuild_bounds_, update_bounds_
-from .sparse_decode import sparse_decode
+Importing this package as ``tinyserve_compile.kernels`` registers
+``torch.ops.tinyserve.sparse_decode``, ``torch.ops.tinyserve.rebuild_bounds`` and
+``torch.ops.tinyserve.update_bounds``.
 
-__all__ = [
-    "PageBounds",
-    "Selection",
-    "page_bounds",
-    "page_scores",
-    "sparse_decode_reference",
-    "allocate_bounds",
-    "rebuild_bounds_",
-    "update_bounds_",
-    "sparse_decode",
-]
+This folder sits at the top of the repository, so with the repository root on
+``sys.path`` (``python -m pytest`` from the root, say) it is also importable as a
+top-level ``kernels``, the name of HuggingFace's kernels library; transformers
+imports that name to probe for it. Imported that way it stays inert: no ops are
+registered twice, and transformers sees a package without a version.
+"""
+if __name__ == "tinyserve_compile.kernels":
+    from .reference import PageBounds, Selection, page_bounds, page_scores, sparse_decode_reference
+    from .bounds import allocate_bounds, rebuild_bounds_, update_bounds_
+    from .sparse_decode import sparse_decode
+
+    __all__ = [
+        "PageBounds",
+        "Selection",
+        "page_bounds",
+        "page_scores",
+        "sparse_decode_reference",
+        "allocate_bounds",
+        "rebuild_bounds_",
+        "update_bounds_",
+        "sparse_decode",
+    ]
+else:
+    __all__ = []

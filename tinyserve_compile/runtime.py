@@ -151,6 +151,26 @@ def _(cache, probe, positions, src, token, page_size):
     return None
 
 
+def _mask_is_trivial(attn_mask: torch.Tensor, valid_len: torch.Tensor) -> bool:
+    """True when ``attn_mask`` attends every token below ``valid_len`` with weight 0.
+
+    Tokens at or past ``valid_len`` are never attended, whatever the mask says, so
+    such a mask changes nothing and can be dropped exactly.
+
+    Parameters
+    ----------
+    attn_mask : torch.Tensor
+        Bool or additive float, broadcastable to ``[B, Hq, 1, L]``.
+    valid_len : torch.Tensor
+        int64 ``[B]``.
+    """
+    n_lo, n_hi = int(valid_len.min()), int(valid_len.max())
+    if n_lo != n_hi:
+        return False
+    m = attn_mask[..., :n_hi]
+    return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
+
+
 @torch.library.custom_op("tinyserve::paged_attention", mutates_args=())
 def paged_attention(
     q: torch.Tensor,
@@ -195,6 +215,9 @@ def paged_attention(
         st.probe_ref = None  # force the next cache_sync to rebuild too
     B = q.shape[0]
     vl = valid_len.reshape(-1).to(torch.int64).expand(B)
+    if attn_mask is not None and _mask_is_trivial(attn_mask, vl):
+        attn_mask = None  # the mask adds nothing to valid_len (HF's causal decode mask): take the no-mask path
+        runtime_stats["masks_elided"] += 1
     ctx = DecodeContext(q, k_cache, v_cache, st.bounds, vl, attn_mask, scale, page_size, token_budget, sink_pages,
                         candidate_factor, st.policy_state)
     pol = get_policy(policy)
