@@ -188,14 +188,20 @@ def _select_uniform(scores: torch.Tensor, n: int, page_size: int, K: int, sink_p
 
 
 def _gather_pages_raw(cache: torch.Tensor, idx: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Pages of a contiguous cache with ``L % page_size == 0``, in the cache dtype.
+    """Whole pages of a contiguous cache, in the cache dtype.
 
-    ``cache`` ``[B, H, L, D]``, ``idx`` int64 ``[B, H, K]`` -> ``[B*H, K*S, D]`` (one
-    ``index_select`` of whole pages: ``S*D`` contiguous elements each).
+    ``cache`` ``[B, H, L, D]``, ``idx`` int64 ``[B, H, K]`` -> ``[B*H, K*S, D]``. Every
+    index must name a full page (``idx < L // page_size``). With ``L % S == 0`` this
+    is one ``index_select`` of whole pages (``S*D`` contiguous elements each);
+    otherwise the full pages are indexed through a strided view.
     """
     B, H, L, D = cache.shape
     P, K = L // page_size, idx.shape[-1]
     rows = idx.reshape(B * H, K)
+    if L % page_size:
+        pages = cache.as_strided((B * H, P, page_size * D), (L * D, page_size * D, 1))  # full pages only
+        bh = torch.arange(B * H, device=idx.device)[:, None]
+        return pages[bh, rows].view(B * H, K * page_size, D)
     if B * H > 1:
         rows = rows + torch.arange(0, B * H * P, P, device=idx.device)[:, None]
     out = cache.view(B * H * P, page_size * D).index_select(0, rows.reshape(-1))  # [B*H*K, S*D]
@@ -244,7 +250,7 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages):
-    """Sparse decode for the common case: no mask, one valid length ``n``, contiguous caches, ``L % S == 0``.
+    """Sparse decode for the common case: no mask, one valid length ``n``, contiguous caches, the newest page a full page of the cache.
 
     Same pages as the reference (same scores, same ``topk`` set), fewer and cheaper
     ops: whole pages gathered in the cache dtype, then :func:`_attend_grouped`.
@@ -256,7 +262,7 @@ def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, 
     q : torch.Tensor
         ``[B, Hq, 1, D]``.
     k_cache, v_cache : torch.Tensor
-        ``[B, Hkv, L, D]`` contiguous, dtype of ``q``, ``L % page_size == 0``.
+        ``[B, Hkv, L, D]`` contiguous, dtype of ``q``, ``n <= (L // page_size) * page_size``.
     kmax, kmin : torch.Tensor
         fp32 ``[B, Hkv, P, D]`` page bounds.
     kabs : torch.Tensor
@@ -300,7 +306,8 @@ def _sparse_decode_torch(
         n = min(n, L)
         if (n + page_size - 1) // page_size <= K:  # ---- dense fit: plain SDPA over the n valid tokens
             return _attend_grouped(q, k_cache[:, :, :n], v_cache[:, :, :n], scale)
-        if candidate_factor == 1 and L % page_size == 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
+        full_pages_only = L % page_size == 0 or n <= (L // page_size) * page_size  # newest page inside the cache
+        if candidate_factor == 1 and full_pages_only and k_cache.is_contiguous() and v_cache.is_contiguous():
             return _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages)
     vl = _as_valid_len(valid_len, B, q.device)
     qg = q.float().reshape(B, Hkv, G, D)

@@ -223,7 +223,8 @@ def test_good_input_runs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B, L, n, sink, G", [(1, 256, 256, 0, 3), (1, 256, 201, 2, 3), (2, 128, 97, 1, 2),
-                                             (2, 96, 96, 0, 1), (1, 64, 64, 3, 4)])
+                                             (2, 96, 96, 0, 1), (1, 64, 64, 3, 4),
+                                             (1, 203, 150, 0, 3), (2, 203, 200, 1, 2), (1, 203, 203, 2, 3)])
 def test_unmasked_uniform_length_path(dtype, B, L, n, sink, G):
     """The common decode case (no mask, one valid length, L a multiple of the page): a partial
     newest page, sinks, GQA and a batch; equals the masked dense oracle and the reference."""
@@ -242,3 +243,24 @@ def test_unmasked_uniform_length_path(dtype, B, L, n, sink, G):
     assert_close_report(out, want, *TOL[dtype], f"fast path vs masked dense oracle ({dtype}, B={B}, n={n})")
     want_ref = ref.sparse_decode_reference(q, k, v, vl, None, scale, S, budget, sink, 1, bounds)
     assert_close_report(out, want_ref, *TOL[dtype], "fast path vs reference")
+
+
+def test_fast_path_covers_cache_lengths_off_the_page_grid(monkeypatch):
+    """``L % page_size != 0`` (any HF ``max_cache_len``): the whole-page gather still serves
+    while the newest page is a full page of the cache, and the result equals the reference."""
+    import importlib
+
+    sd = importlib.import_module("tinyserve_compile.kernels.sparse_decode")
+
+    calls = []
+    real = sd._gather_pages_raw
+    monkeypatch.setattr(sd, "_gather_pages_raw", lambda *a: calls.append(1) or real(*a))
+    gen = make_gen(7)
+    S, B, Hkv, G, L, D, n, budget = 8, 1, 2, 3, 203, 16, 170, 48
+    q, k, v = randn((B, Hkv * G, 1, D), gen), randn((B, Hkv, L, D), gen), randn((B, Hkv, L, D), gen)
+    vl = torch.tensor([n])
+    bounds = rebuild_bounds_(k, allocate_bounds(k, S), S)
+    out = sparse_decode(q, k, v, bounds, vl, None, None, S, budget, 0, 1, "torch")
+    assert len(calls) == 2, "the whole-page gather was not used for K and V"
+    want = ref.sparse_decode_reference(q, k, v, vl, None, 1.0 / math.sqrt(D), S, budget, 0, 1, bounds)
+    assert_close_report(out, want, *TOL[torch.float32], "off-grid fast path vs reference")
