@@ -24,8 +24,9 @@ _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attenti
 
 
 class _SparseReferenceMode(TorchFunctionMode):
-    def __init__(self, config: TinyServeConfig, n_q_heads: int, n_kv_heads: int):
+    def __init__(self, config: TinyServeConfig, n_q_heads: int, n_kv_heads: int, n_layers: int = 0):
         super().__init__()
+        self.n_layers = n_layers
         self.config = config
         self.n_q_heads = n_q_heads
         self.n_kv_heads = n_kv_heads
@@ -47,7 +48,7 @@ class _SparseReferenceMode(TorchFunctionMode):
         folded = G > 1 and q.shape[1] == Hkv and q.shape[2] == G and k.shape[1] == Hkv
         if q.shape[2] != 1 and not folded:
             return func(*args, **kwargs)
-        layer = self.decode_calls
+        layer = self.decode_calls % self.n_layers if self.n_layers else self.decode_calls
         self.decode_calls += 1
         if layer < self.config.dense_layers:
             return func(*args, **kwargs)
@@ -74,7 +75,7 @@ class _SparseReferenceMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def reference_sparse_attention(n_q_heads: int, n_kv_heads: int, options=None):
+def reference_sparse_attention(n_q_heads: int, n_kv_heads: int, options=None, n_layers: int = 0):
     """Answer decode SDPA calls of eager code with the pure-PyTorch sparse reference.
 
     Parameters
@@ -83,14 +84,17 @@ def reference_sparse_attention(n_q_heads: int, n_kv_heads: int, options=None):
         Query and KV heads of the model (the reference selects per KV head).
     options : dict, optional
         Backend options (page_size, token_budget, dense_layers, sink_pages,
-        candidate_factor); ``dense_layers`` counts decode SDPA calls per forward
-        call, so use the context for one decode step at a time.
+        candidate_factor).
+    n_layers : int, optional
+        Decode SDPA calls per forward pass; when given, the context may span many
+        steps (``generate``). Otherwise ``dense_layers`` counts calls since entry,
+        so enter it once per decode step.
 
     Yields
     ------
     _SparseReferenceMode
         Its ``sparse_calls`` counts the calls answered sparsely.
     """
-    mode = _SparseReferenceMode(TinyServeConfig.from_options(options), n_q_heads, n_kv_heads)
+    mode = _SparseReferenceMode(TinyServeConfig.from_options(options), n_q_heads, n_kv_heads, n_layers)
     with mode:
         yield mode
