@@ -88,9 +88,10 @@ def plot_accuracy(rows, path):
         rs = [r for r in rows if r["ctx"] == ctx and r["policy"] != "full"]
         for s in dict.fromkeys(r.get("series", r["label"]) for r in rs):
             pts = sorted((r["budget"], 100 * r["ppl_rel"]) for r in rs if r.get("series", r["label"]) == s)
-            ax.plot([p[0] for p in pts], [max(p[1], 1e-3) for p in pts], marker="o", label=s)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.axhline(0, color="k", lw=0.5)
         ax.set_title(f"{ctx} tokens")
         ax.set_xlabel("token budget")
         ax.set_ylabel("+perplexity vs full (%)")
@@ -147,18 +148,33 @@ def plot_speed(rows, path):
     plt.close(fig)
 
 
+def bytes_fraction(r) -> float:
+    """Bytes one sparse layer reads per step, as a fraction of dense K+V (fp32 cache, D=64), from the
+    configuration: selected K+V, plus for the bound the page bounds (2 fp32 vectors per page) and for
+    two-stage the candidates' keys; oracle and h2o read every key to score."""
+    L, B, S, c = r["ctx"], r["budget"], r["page_size"], r.get("candidate_factor", 1)
+    kv = min(B, L) / L
+    if r["policy"] == "query_aware":
+        return kv + 1.0 / S + (min(c * B, L) / (2 * L) if c > 1 else 0.0)
+    if r["policy"] in ("oracle", "h2o"):
+        return kv + 0.5
+    return kv
+
+
 def plot_frontier(rows, path, budget_key="budget"):
-    """+ppl vs fraction of KV bytes read, per variant (issue 6 frontier)."""
+    """+ppl vs fraction of KV bytes read per sparse layer, per variant (issue 6 frontier)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        if r["policy"] == "full" or "stat_bytes_fraction" not in r:
-            continue
-        ax.scatter(100 * r["stat_bytes_fraction"], max(100 * r["ppl_rel"], 1e-3), s=18)
-        ax.annotate(f"{r.get('variant', r['label'])} B{r['budget']}", (100 * r["stat_bytes_fraction"],
-                    max(100 * r["ppl_rel"], 1e-3)), fontsize=5)
-    ax.set_yscale("log")
-    ax.set_xlabel("KV bytes read (% of dense)")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for b, mk in zip(sorted({r["budget"] for r in rows if r["policy"] != "full"}), "os^v"):
+        for r in rows:
+            if r["policy"] == "full" or r["budget"] != b or r["policy"] in ("streaming", "h2o"):
+                continue
+            x, y = 100 * bytes_fraction(r), 100 * r["ppl_rel"]
+            ax.scatter(x, y, s=20, marker=mk)
+            ax.annotate(f"{r.get('variant', r['label'])} B{b}", (x, y), fontsize=5)
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xlabel("bytes read per sparse layer and step (% of dense K+V)")
     ax.set_ylabel("+perplexity vs full (%)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -171,21 +187,23 @@ def study_table(rows: List[dict]) -> str:
     full = next(r for r in rows if r["policy"] == "full")
     orc = {r["budget"]: r for r in rows if r["policy"] == "oracle"}
     head = "| variant | " + " | ".join(f"+ppl @ {b} | top-1 @ {b}" for b in budgets) + " | gap to oracle @ " + \
-           " / ".join(map(str, budgets)) + " |"
+           " / ".join(map(str, budgets)) + " | bytes read @ " + " / ".join(map(str, budgets)) + " |"
     out = [f"full attention ppl {full['ppl']:.3f} ({full['ctx']} tokens, {full['steps']} teacher-forced steps, "
-           f"text: {full['half']})\n", head, "|---|" + "---|---|" * len(budgets) + "---|"]
+           f"text: {full['half']})\n", head, "|---|" + "---|---|" * len(budgets) + "---|---|"]
     for v in dict.fromkeys(r.get("variant") for r in rows if r["policy"] != "full"):
-        cells, gaps = [], []
+        cells, gaps, byts = [], [], []
         for b in budgets:
             r = next((x for x in rows if x.get("variant") == v and x["budget"] == b), None)
             if r is None:
                 cells += ["-", "-"]
                 gaps.append("-")
+                byts.append("-")
                 continue
+            byts.append(f"{100 * bytes_fraction(r):.0f}%")
             cells += [f"{100 * r['ppl_rel']:+.2f}%", f"{100 * r['top1']:.1f}%"]
             o = orc.get(b)
             gaps.append("-" if o is None else f"{100 * (r['ppl'] / o['ppl'] - 1):+.2f}%")
-        out.append(f"| {v} | " + " | ".join(cells) + " | " + " / ".join(gaps) + " |")
+        out.append(f"| {v} | " + " | ".join(cells) + " | " + " / ".join(gaps) + " | " + " / ".join(byts) + " |")
     return "\n".join(out)
 
 
@@ -215,7 +233,9 @@ def report(results_dir="results", img_dir="docs/img") -> str:
     for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
         if name.startswith("study_") and name.endswith(".json"):
             rows = _load(os.path.join(results_dir, name))
-            parts += ["", f"### Selection study `{name}`", study_table(rows)]
+            for r in rows:
+                r.setdefault("series", r.get("variant", r["label"]))
+            parts += ["", f"### Selection study `{name}`", study_table(rows), "", stats_table(rows)]
             if any("stat_bytes_fraction" in r for r in rows):
                 plot_frontier(rows, os.path.join(img_dir, name.replace(".json", "_frontier.png")))
     sp = _load(os.path.join(results_dir, "speed.json"))
