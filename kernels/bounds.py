@@ -65,6 +65,16 @@ def _(k_cache, kmax, kmin, kabs, page_size):
 def _update_bounds_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
                       positions: torch.Tensor, page_size: int) -> None:
     B, H, L, D = k_cache.shape
+    if positions.numel() == 1 and positions.device.type == "cpu":
+        # ---- decode: one position, one page, recomputed from a slice (no unique / gather)
+        p = int(positions.reshape(())) // page_size
+        if 0 <= p < kmax.shape[2]:
+            keys = k_cache[:, :, p * page_size:(p + 1) * page_size]  # [B,H,<=S,D]
+            hi, lo = keys.amax(2).float(), keys.amin(2).float()  # [B,H,D]
+            kmax[:, :, p] = hi
+            kmin[:, :, p] = lo
+            kabs[:, :, p] = torch.maximum(hi.abs(), lo.abs()).amax(-1)
+        return
     pages = torch.unique(positions.reshape(-1).to(torch.int64) // page_size)  # pages touched, ascending
     pages = pages[(pages >= 0) & (pages < kmax.shape[2])]
     if pages.numel() == 0:
