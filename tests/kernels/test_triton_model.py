@@ -5,9 +5,6 @@ the greedy tokens (and, within fp32 tolerance, the logits) of ``kernel="torch"``
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 
 import pytest
 import torch
@@ -15,32 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 
-def _import_interpreted(name: str):
-    """Import a kernel module so that its kernels run in the Triton interpreter.
-
-    Triton picks interpreter or compiler when a function is decorated, and that
-    includes its own ``tl.sum``/``tl.max``, decorated when triton is first imported.
-    In a full test run triton is usually imported earlier, in compiled mode, by
-    ``torch._dynamo``; then its Python modules (not the C extension) are imported
-    again with ``TRITON_INTERPRET=1``. torch keeps its references to the first copy.
-    """
-    prev = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        triton = pytest.importorskip("triton")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(triton.language.standard.sum, InterpretedFunction):
-            for mod in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
-                if not mod.startswith("triton._C"):
-                    del sys.modules[mod]
-            sys.modules.pop(name, None)
-        return importlib.import_module(name)
-    finally:
-        if prev is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = prev
+from triton_interp import _import_interpreted  # noqa: E402
 
 
 _import_interpreted("tinyserve_compile.kernels.triton_sparse_decode")
@@ -83,26 +55,16 @@ def _greedy(model, step, ids, n_new, max_cache_len=160):
 
 
 def _count_launcher_calls(monkeypatch):
-    """Count calls of every loaded copy of the Triton launcher.
-
-    transformers' hub-kernels integration may import this repository's ``kernels/``
-    folder a second time as the top-level package ``kernels`` (the name of HF's
-    own kernels library) when the repo root is on ``sys.path``; that copy
-    registers the ops again, so patch the launcher next to every ``_run``.
-    """
+    """Count calls of the Triton launcher that ``tinyserve::sparse_decode`` dispatches to."""
     calls = []
-    for name, mod in list(sys.modules.items()):
-        if name.endswith("kernels.sparse_decode") or name == "kernels.sparse_decode":
-            if not hasattr(mod, "_run"):
-                continue
-            sib = _import_interpreted(name.rsplit(".", 1)[0] + ".triton_sparse_decode")
-            launcher = sib.sparse_decode_triton
+    sib = _import_interpreted("tinyserve_compile.kernels.triton_sparse_decode")
+    launcher = sib.sparse_decode_triton
 
-            def counting(*args, _launcher=launcher, **kwargs):
-                calls.append(args[0].shape)
-                return _launcher(*args, **kwargs)
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return launcher(*args, **kwargs)
 
-            monkeypatch.setattr(sib, "sparse_decode_triton", counting)
+    monkeypatch.setattr(sib, "sparse_decode_triton", counting)
     return calls
 
 
