@@ -292,6 +292,63 @@ def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, 
     return _attend_grouped(q, kg[:, :, :T], vg[:, :, :T], scale)
 
 
+def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages, candidate_factor):
+    """Two-stage sparse decode for the common case (no mask, one valid length ``n``, contiguous caches).
+
+    The same pages as :func:`.reference.choose_pages`: the bound keeps ``c*K``
+    candidate pages (all valid pages when they number fewer, with no bound scan),
+    exact logits over the candidates' keys rank them by softmax mass
+    (:func:`.reference.rank_candidates`), and the kept pages' logits are reused
+    for the final softmax: only their values are read.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, 1, D]``.
+    k_cache, v_cache : torch.Tensor
+        ``[B, Hkv, L, D]`` contiguous, dtype of ``q``, ``n <= (L // page_size) * page_size``.
+    kmax, kmin : torch.Tensor
+        fp32 ``[B, Hkv, P, D]`` page bounds.
+    kabs : torch.Tensor
+        fp32 ``[B, Hkv, P]``.
+    n : int
+        Valid length shared by every batch row, with ``ceil(n / page_size) > K``.
+    scale : float
+    page_size, K, sink_pages, candidate_factor : int
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq, 1, D]``, dtype of ``q``.
+    """
+    B, Hq, _, D = q.shape
+    Hkv = k_cache.shape[1]
+    G, S = Hq // Hkv, page_size
+    n_valid = (n + S - 1) // S
+    vl = torch.full((B,), n, dtype=torch.int64, device=q.device)
+    # ---- stage 1: candidate pages (every valid page when c*K covers them)
+    if K * candidate_factor >= n_valid:
+        idx = torch.arange(n_valid, device=q.device).expand(B, Hkv, n_valid)
+        kg = k_cache[:, :, :n_valid * S].float()  # [B,Hkv,Kc*S,D]
+    else:
+        scores = page_scores(q, PageBounds(kmax, kmin, kabs), scale)  # [B,Hkv,P] fp32
+        idx = _select_uniform(scores, n, S, K * candidate_factor, sink_pages).sort(-1).values  # [B,Hkv,Kc]
+        kg = _gather_pages_raw(k_cache, idx, S).view(B, Hkv, -1, D).float()
+    Kc = idx.shape[-1]
+    # ---- stage 2: exact logits over the candidates' keys; rank pages by softmax mass
+    logits = (q.float().reshape(B, Hkv, G, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
+    cut = -n % S  # the newest page (last, pages ascending) has slots past n
+    if cut:
+        logits[..., Kc * S - cut:] = float("-inf")
+    final, slots = rank_candidates(logits, Selection(idx, torch.ones_like(idx, dtype=torch.bool)), vl, S, K,
+                                   sink_pages)
+    # ---- stage 3: softmax over the kept pages' logits, values of those pages only
+    kept = logits.view(B, Hkv, G, Kc, S).gather(3, slots[:, :, None, :, None].expand(B, Hkv, G, slots.shape[-1], S))
+    vg = _gather_pages_raw(v_cache, final.idx, S).view(B, Hkv, -1, D).float()  # [B,Hkv,K*S,D]
+    out = softmax_attend(kept.reshape(B, Hkv, G, -1), vg)  # [B,Hkv,G,D]
+    return out.reshape(B, Hq, 1, D).to(q.dtype)
+
+
 def _sparse_decode_torch(
     q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
     candidate_factor,
@@ -307,8 +364,11 @@ def _sparse_decode_torch(
         if (n + page_size - 1) // page_size <= K:  # ---- dense fit: plain SDPA over the n valid tokens
             return _attend_grouped(q, k_cache[:, :, :n], v_cache[:, :, :n], scale)
         full_pages_only = L % page_size == 0 or n <= (L // page_size) * page_size  # newest page inside the cache
-        if candidate_factor == 1 and full_pages_only and k_cache.is_contiguous() and v_cache.is_contiguous():
-            return _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages)
+        if full_pages_only and k_cache.is_contiguous() and v_cache.is_contiguous():
+            if candidate_factor == 1:
+                return _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages)
+            return _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages,
+                                   candidate_factor)
     vl = _as_valid_len(valid_len, B, q.device)
     qg = q.float().reshape(B, Hkv, G, D)
     n_valid = (vl + page_size - 1) // page_size

@@ -264,3 +264,27 @@ def test_fast_path_covers_cache_lengths_off_the_page_grid(monkeypatch):
     assert len(calls) == 2, "the whole-page gather was not used for K and V"
     want = ref.sparse_decode_reference(q, k, v, vl, None, 1.0 / math.sqrt(D), S, budget, 0, 1, bounds)
     assert_close_report(out, want, *TOL[torch.float32], "off-grid fast path vs reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L, n, cf, sink", [(256, 256, 2, 0), (256, 199, 4, 1), (203, 170, 2, 2), (256, 90, 8, 1)])
+def test_two_stage_fast_path_matches_reference(monkeypatch, dtype, L, n, cf, sink):
+    """No mask, one valid length, ``candidate_factor > 1``: the fast two-stage path keeps the
+    reference's pages and output, whether the candidates come from the bound or are every page."""
+    import importlib
+
+    sd = importlib.import_module("tinyserve_compile.kernels.sparse_decode")
+    calls = []
+    real = sd._fast_two_stage
+    monkeypatch.setattr(sd, "_fast_two_stage", lambda *a: calls.append(1) or real(*a))
+    gen = make_gen(L * 7 + n + cf)
+    S, B, Hkv, G, D, budget = 8, 2, 2, 3, 16, 48
+    q, k, v = randn((B, Hkv * G, 1, D), gen, dtype), randn((B, Hkv, L, D), gen, dtype), randn((B, Hkv, L, D), gen, dtype)
+    vl = torch.full((B,), n)
+    bounds = rebuild_bounds_(k, allocate_bounds(k, S), S)
+    out = sparse_decode(q, k, v, bounds, vl, None, None, S, budget, sink, cf, "torch")
+    assert calls, "the fast two-stage path was not taken"
+    scale = 1.0 / math.sqrt(D)
+    sel = ref.choose_pages(q, k, bounds, vl, None, scale, S, budget, sink, cf)
+    want = dense_sdpa(q, k, v, vl, None, scale, keep_kv=ref.selected_token_mask(sel, S, L, vl))
+    assert_close_report(out, want, *TOL[dtype], f"two-stage fast path vs masked dense oracle ({dtype}, n={n}, c={cf})")
