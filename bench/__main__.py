@@ -91,12 +91,20 @@ def cmd_speed(a):
 
     ctxs = (1024, 2048) if a.quick else (1024, 2048, 4096, 8192, 16384, 32768)
     budgets = (512,) if a.quick else (512, 1024, 2048)
-    rows = decode_speed(ctxs, budgets) if "decode" in a.parts else []
+    if a.contexts:
+        ctxs = tuple(int(x) for x in a.contexts.split(","))
+    if a.budgets:
+        budgets = tuple(int(x) for x in a.budgets.split(","))
+    providers = tuple(a.providers.split(",")) if a.providers else ("eager", "inductor", "tinyserve")
+    rows = decode_speed(ctxs, budgets, providers=providers) if "decode" in a.parts else []
     if "op" in a.parts:
-        cfgs = [dict(page_size=16, sink_pages=0, candidate_factor=1)]
+        from tinyserve_compile import config as C
+
+        cfgs = [dict(page_size=C.DEFAULT_PAGE_SIZE, sink_pages=C.DEFAULT_SINK_PAGES,
+                     candidate_factor=C.DEFAULT_CANDIDATE_FACTOR), dict(page_size=16, sink_pages=0, candidate_factor=1)]
         if not a.quick:
-            cfgs += [dict(page_size=16, sink_pages=1, candidate_factor=c) for c in (1, 2, 4)] + \
-                    [dict(page_size=8, sink_pages=1, candidate_factor=1)]
+            cfgs += [dict(page_size=16, sink_pages=1, candidate_factor=c) for c in (2, 4)] + \
+                [dict(page_size=8, sink_pages=1, candidate_factor=c) for c in (1, 2)]
         rows += [dict(kind="op", **r) for r in op_speed((16384,) if a.quick else (16384, 65536), configs=cfgs)]
     _write(rows, os.path.join(a.out, "speed.json"))
 
@@ -120,6 +128,9 @@ def main(argv=None):
             p.add_argument("--parts", default="ppl,passkey,diagnostics")
         if name == "speed":
             p.add_argument("--parts", default="decode,op")
+            p.add_argument("--contexts", default="", help="e.g. 1024,8192 (default: 1K..32K, quick: 1K,2K)")
+            p.add_argument("--budgets", default="", help="tinyserve budgets, e.g. 512,2048")
+            p.add_argument("--providers", default="", help="subset of eager,inductor,tinyserve")
         if name == "report":
             p.add_argument("--img", default="docs/img", help="where the PNGs go")
     a = ap.parse_args(argv)

@@ -247,6 +247,13 @@ def report(results_dir="results", img_dir="docs/img") -> str:
                 parts.append(f"| {r['provider']} | {r['ctx']} | {r.get('ms_per_token', float('nan')):.1f} | "
                              f"{r.get('compile_s', float('nan')):.1f} |" if "error" not in r else
                              f"| {r['provider']} | {r['ctx']} | error: {r['error'][:80]} | |")
+    ops = [r for r in (sp or []) if r.get("kind") == "op"]
+    if ops:
+        parts += ["", "### Attention op vs SDPA (fp32, 9/3 heads, D=64, budget 2048)",
+                  "| context | page | sinks | candidate factor | SDPA ms | op ms | speed-up |", "|---|---|---|---|---|---|---|"]
+        for r in ops:
+            parts.append(f"| {r['context']} | {r['page_size']} | {r['sink_pages']} | {r['candidate_factor']} | "
+                         f"{r['dense_ms']:.2f} | {r['sparse_ms']:.2f} | {r['ratio']:.1f}x |")
     text = "\n".join(parts)
     with open(os.path.join(results_dir, "report.md"), "w") as f:
         f.write(text)

@@ -72,13 +72,14 @@ def _decode_timing(fn, model, ctx: int, steps: int, warmup: int):
 
 def decode_speed(contexts: Sequence[int] = (1024, 2048, 4096, 8192, 16384, 32768),
                  budgets: Sequence[int] = (512, 1024, 2048), steps: int = 8, warmup: int = 2,
-                 quiet: bool = False) -> List[dict]:
+                 providers: Sequence[str] = ("eager", "inductor", "tinyserve"), quiet: bool = False) -> List[dict]:
     """Median ms per decode token. One ``torch.compile`` per provider and model, reused across contexts
     (the first context's first call holds the compile: ``compile_s``; a later context may recompile
     with dynamic shapes: ``first_call_s``)."""
-    providers = [("eager", None), ("inductor", None)] + [("tinyserve", b) for b in budgets]
+    runs = [(p, None) for p in ("eager", "inductor") if p in providers]
+    runs += [("tinyserve", b) for b in budgets] if "tinyserve" in providers else []
     rows = []
-    for prov, b in _progress(providers, "decode speed", quiet=quiet):
+    for prov, b in _progress(runs, "decode speed", quiet=quiet):
         name = prov if b is None else f"tinyserve B{b}"
         compiled = {}
         for ctx in contexts:
