@@ -24,14 +24,14 @@ def test_defaults_are_named_constants():
 @pytest.mark.parametrize("options, name", [
     ({"page_sise": 16}, "page_sise"),
     ({"page_size": 0}, "page_size"),
-    ({"token_budget": 8}, "token_budget"),
+    ({"token_budget": 4}, "token_budget"),  # smaller than one page
     ({"dense_layers": -1}, "dense_layers"),
     ({"lower": "tvm"}, "lower"),
     ({"kernel": "cuda"}, "kernel"),
     ({"strict": "yes"}, "strict"),
     ({"policy": "random"}, "policy"),
     ({"candidate_factor": 0}, "candidate_factor"),
-    ({"sink_pages": 128}, "sink_pages"),
+    ({"sink_pages": 4096}, "sink_pages"),  # not fewer than the pages in the budget
 ])
 def test_bad_option_names_the_option(options, name):
     with pytest.raises(ValueError, match=name):
