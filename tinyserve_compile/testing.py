@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .config import TinyServeConfig
-from .kernels.reference import sparse_decode_reference
+from .kernels.reference import page_bounds, sparse_decode_reference
+from .policies import DecodeContext, get_policy
 
 __all__ = ["reference_sparse_attention"]
 
@@ -32,6 +33,7 @@ class _SparseReferenceMode(TorchFunctionMode):
         self.n_kv_heads = n_kv_heads
         self.decode_calls = 0
         self.sparse_calls = 0
+        self.policy_states = {}  #: per layer, for stateful policies (kept across steps)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -69,8 +71,15 @@ class _SparseReferenceMode(TorchFunctionMode):
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
         self.sparse_calls += 1
         c = self.config
-        out = sparse_decode_reference(q, k, v, valid, mask, scale, c.page_size, c.token_budget, c.sink_pages,
-                                      c.candidate_factor)  # [B, Hq, 1, D]
+        if c.policy == "query_aware":
+            out = sparse_decode_reference(q, k, v, valid, mask, scale, c.page_size, c.token_budget, c.sink_pages,
+                                          c.candidate_factor)  # [B, Hq, 1, D]
+        else:  # the policy itself, over bounds rebuilt from scratch (as the backend maintains them)
+            B = q.shape[0]
+            ctx = DecodeContext(q, k, v, page_bounds(k, c.page_size), valid.expand(B), mask, scale, c.page_size,
+                                c.token_budget, c.sink_pages, c.candidate_factor,
+                                self.policy_states.setdefault(layer, {}))
+            out = get_policy(c.policy)(ctx)
         return out.reshape(out.shape[0], Hkv, G, out.shape[-1]) if folded else out
 
 
@@ -84,7 +93,9 @@ def reference_sparse_attention(n_q_heads: int, n_kv_heads: int, options=None, n_
         Query and KV heads of the model (the reference selects per KV head).
     options : dict, optional
         Backend options (page_size, token_budget, dense_layers, sink_pages,
-        candidate_factor).
+        candidate_factor, policy). ``query_aware`` runs the pure-PyTorch
+        reference; other policies run their own class over bounds rebuilt from
+        scratch each step, with per-layer state kept across steps.
     n_layers : int, optional
         Decode SDPA calls per forward pass; when given, the context may span many
         steps (``generate``). Otherwise ``dense_layers`` counts calls since entry,

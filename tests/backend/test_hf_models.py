@@ -124,3 +124,22 @@ def test_compiled_prefill_stays_dense_and_keeps_bounds():
             logits.append(o.logits[:, -1])
             toks.append(o.logits[:, -1:].argmax(-1))
     assert torch.allclose(torch.stack(logits), ref_logits, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "oracle"])
+def test_policy_option_reaches_the_compiled_graph(policy):
+    """``options={"policy": ...}``: the compiled model equals the eager run of the same policy
+    (h2o's state carried across steps by the runtime), and ``full`` equals dense eager."""
+    model = hf_model("llama")
+    ids = prompt(PROMPT, seed=8)
+    opts = {"token_budget": 32, "page_size": 16, "lower": "eager", "policy": policy}
+    from tinyserve_compile.testing import reference_sparse_attention
+
+    with reference_sparse_attention(*n_heads(model), opts, n_layers=N_LAYERS):
+        ref_toks, ref_logits, _ = hf_decode(model, model, ids, 5)
+    toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 5)
+    assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
+    assert tc.counters["rewritten"] == N_LAYERS - 2
+    if policy == "full":
+        _, dense_logits, _ = hf_decode(model, model, ids, 5)
+        assert torch.allclose(logits, dense_logits, atol=1e-4, rtol=1e-4), worst(logits, dense_logits)
