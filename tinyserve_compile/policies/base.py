@@ -11,7 +11,7 @@ from typing import ClassVar, Dict, Optional
 
 import torch
 
-from ..kernels.reference import PageBounds, Selection, choose_pages, mask_page_max, refine_by_page_mass, select_pages
+from ..kernels.reference import PageBounds, Selection, mask_page_max, refine_by_page_mass, select_pages
 from ..kernels.sparse_decode import attend_selection
 
 __all__ = ["DecodeContext", "PagePolicy", "register_policy", "get_policy", "POLICIES"]
