@@ -365,7 +365,6 @@ def refine_by_page_mass(
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    cand.idx.shape[-1]
     vl = _as_valid_len(valid_len, B, q.device)
     tok, tok_ok = _selected_tokens(cand, page_size, L, vl)  # [B,Hkv,Kc*S]
     kg = k_cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()

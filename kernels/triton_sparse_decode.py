@@ -479,7 +479,7 @@ def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size
             candidate_factor):
     """Page indices ``[B, Hkv, K]`` (unsorted) and their scores, or ``(None, None)`` when dense from the shapes."""
     B, Hq, _, D = q.shape
-    _Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    L = k_cache.shape[2]
     P = kmax.shape[2]
     K = token_budget // page_size
     if P <= K:  # every page fits whatever valid_len is: dense
