@@ -56,7 +56,8 @@ def cmd_accuracy(a):
         "query_aware (paper: no sink, one stage)": lambda b: Sparse(token_budget=b, page_size=16, dense_layers=2),
         "oracle": lambda b: dataclasses.replace(d, policy="oracle", token_budget=b),
         "streaming": lambda b: dataclasses.replace(d, policy="streaming", token_budget=b),
-        "h2o": lambda b: dataclasses.replace(d, policy="h2o", token_budget=b),
+        # one stage: with candidate_factor > 1 the exact-mass refinement, not h2o, would pick the pages
+        "h2o": lambda b: dataclasses.replace(d, policy="h2o", token_budget=b, candidate_factor=1),
     }
     t0 = time.time()
     if "ppl" in a.parts:
