@@ -99,8 +99,9 @@ def test_gpt_fast_setitem_and_repeat_interleave(lower):
     assert not torch.allclose(got, dense, atol=1e-4), "budget 32 of 70+ tokens should change the logits"
 
 
-def test_compiled_prefill_stays_dense_and_keeps_bounds():
-    model = hf_model("llama")
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_compiled_prefill_stays_dense_and_keeps_bounds(family):
+    model = hf_model(family)
     ids = prompt(PROMPT, seed=4)
     opts = {"token_budget": 32, "page_size": 16, "lower": "eager"}
     ref_toks, ref_logits, _ = hf_decode(model, None, ids, 4, reference=opts)
