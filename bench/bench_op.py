@@ -61,22 +61,32 @@ def sdpa_materializes_repeat(q, k, v) -> str:
     return "yes (" + ", ".join(copies) + ")" if copies else "no"
 
 
-def sparse_bytes(L: int, itemsize: int) -> int:
-    """Bytes the sparse op touches: fp32 bounds and kabs of every page, plus the selected K and V."""
-    P = (L + PAGE - 1) // PAGE
-    tokens = min(L, BUDGET)
-    bounds = HKV * (P * D * 2 * 4 + P * 4)
-    kv = HKV * tokens * D * 2 * itemsize
-    return bounds + kv
+def sparse_bytes(L: int, itemsize: int, page: int = PAGE, budget: int = BUDGET, cf: int = 1) -> int:
+    """Bytes the sparse op must touch per call, all KV heads.
+
+    Dense fit (``L <= budget``): every key and value. Otherwise the fp32 bounds and
+    ``kabs`` of every page (skipped when ``cf * budget >= L``: every page is then a
+    candidate), the candidates' keys (two-stage, ``cf > 1``), the kept keys (one
+    stage only: two-stage reuses the candidates' logits) and the kept values.
+    """
+    if L <= budget:
+        return HKV * L * D * 2 * itemsize
+    P = (L + page - 1) // page
+    bounds = HKV * (P * D * 2 * 4 + P * 4) if cf * budget < L else 0
+    cand_keys = HKV * min(L, cf * budget) * D * itemsize if cf > 1 else 0
+    kept_keys = HKV * budget * D * itemsize if cf == 1 else 0
+    kept_values = HKV * budget * D * itemsize
+    return bounds + cand_keys + kept_keys + kept_values
 
 
-def bench_one(L: int, dtype: torch.dtype, reps: int, warmup: int = 3, seed: int = 0) -> dict:
+def bench_one(L: int, dtype: torch.dtype, reps: int, warmup: int = 3, seed: int = 0, page: int = PAGE,
+              budget: int = BUDGET, sink: int = 0, cf: int = 1) -> dict:
     """Time dense SDPA and the sparse op, alternating, on one (context, dtype) point."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, HQ, 1, D, generator=gen).to(dtype)  # [1,9,1,64]
     k = torch.randn(B, HKV, L, D, generator=gen).to(dtype)  # [1,3,L,64]
     v = torch.randn(B, HKV, L, D, generator=gen).to(dtype)
-    bounds = rebuild_bounds_(k, allocate_bounds(k, PAGE), PAGE)  # fp32 [1,3,P,64] x2, [1,3,P]
+    bounds = rebuild_bounds_(k, allocate_bounds(k, page), page)  # fp32 [1,3,P,64] x2, [1,3,P]
     vl = torch.tensor([L], dtype=torch.int64)
     scale = 1.0 / D**0.5
     op = torch.ops.tinyserve.sparse_decode
@@ -85,7 +95,7 @@ def bench_one(L: int, dtype: torch.dtype, reps: int, warmup: int = 3, seed: int 
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
     def sparse():
-        return op(q, k, v, *bounds, vl, None, scale, PAGE, BUDGET, 0, 1, "torch")
+        return op(q, k, v, *bounds, vl, None, scale, page, budget, sink, cf, "torch")
 
     for _ in range(warmup):
         dense()
@@ -99,11 +109,15 @@ def bench_one(L: int, dtype: torch.dtype, reps: int, warmup: int = 3, seed: int 
             (td if name == "dense" else ts).append(dt)
     dense_ms = statistics.median(td) * 1e3
     sparse_ms = statistics.median(ts) * 1e3
-    nbytes = sparse_bytes(L, k.element_size())
+    nbytes = sparse_bytes(L, k.element_size(), page, budget, cf)
     return dict(
         context=L,
         dtype=str(dtype).replace("torch.", ""),
         heads=f"{HQ}/{HKV}",
+        page=page,
+        budget=budget,
+        sink_pages=sink,
+        candidate_factor=cf,
         dense_ms=round(dense_ms, 4),
         sparse_ms=round(sparse_ms, 4),
         ratio=round(dense_ms / sparse_ms, 2),
@@ -159,7 +173,9 @@ def write_outputs(rows, json_path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("ms per decode step (median)")
-    ax.set_title(f"B={B}, {HQ}q/{HKV}kv heads, D={D}, page {PAGE}, budget {BUDGET} (dotted: bw bound)", fontsize=9)
+    r0 = rows[0]
+    ax.set_title(f"B={B}, {HQ}q/{HKV}kv heads, D={D}, page {r0['page']}, budget {r0['budget']}, "
+                 f"c={r0['candidate_factor']} (dotted: bw bound)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
@@ -175,7 +191,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--json", default=None, help="write records here (+ .csv and .png with the same stem)")
     ap.add_argument("--out-dir", default=None, help="write bench_op.json/.csv/.png into this folder")
+    ap.add_argument("--page-size", type=int, default=PAGE)
+    ap.add_argument("--budget", type=int, default=BUDGET)
+    ap.add_argument("--sink-pages", type=int, default=0)
+    ap.add_argument("--candidate-factor", type=int, default=1)
+    ap.add_argument("--defaults", action="store_true",
+                    help="use the backend's default selection (tinyserve_compile.config) instead of the paper's")
     args = ap.parse_args(argv)
+    if args.defaults:
+        from tinyserve_compile import config as C
+
+        args.page_size, args.budget = C.DEFAULT_PAGE_SIZE, C.DEFAULT_TOKEN_BUDGET
+        args.sink_pages, args.candidate_factor = C.DEFAULT_SINK_PAGES, C.DEFAULT_CANDIDATE_FACTOR
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,10 +217,13 @@ def main(argv=None) -> int:
     q = torch.randn(1, HQ, 1, D)
     kv = torch.randn(1, HKV, 4096, D)
     print(f"SDPA enable_gqa materializes repeated K/V: {sdpa_materializes_repeat(q, kv, kv)}")
+    print(f"selection: page {args.page_size}, budget {args.budget}, sink pages {args.sink_pages}, "
+          f"candidate factor {args.candidate_factor}")
     rows = []
     for L in contexts:
         for name in args.dtypes.split(","):
-            r = bench_one(L, DTYPES[name], reps)
+            r = bench_one(L, DTYPES[name], reps, page=args.page_size, budget=args.budget, sink=args.sink_pages,
+                          cf=args.candidate_factor)
             r["bound_ms"] = round(r["sparse_bytes"] / (bw * 1e9) * 1e3, 4)
             r["read_gbs"] = round(bw, 2)
             rows.append(r)
