@@ -29,20 +29,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.speed import _filled_cache, _model_for  # noqa: E402
+from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 
 
-def kv_bytes_per_token(model, ctx: int, provider: str, budget: int, dense_layers: int = 2, page_size: int = 16) -> int:
-    """Bytes of K/V (and page bounds) read per decode token, all layers, analytically."""
-    c = model.config
-    n_layers, hkv = c.num_hidden_layers, c.num_key_value_heads
-    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    item = 4
-    dense = 2 * ctx * hkv * d * item  # K and V of one layer
-    if not provider.startswith("tinyserve") or ctx <= budget:
-        return n_layers * dense
-    pages = -(-ctx // page_size)
-    sparse = hkv * (2 * pages * d * 4 + pages * 4) + 2 * budget * hkv * d * item
-    return dense_layers * dense + (n_layers - dense_layers) * sparse
+def _config(name: str):
+    """The tinyserve config of provider ``name`` (None for the dense providers)."""
+    from tinyserve_compile.config import TinyServeConfig
+
+    return TinyServeConfig(token_budget=int(name.split("B")[-1])) if name.startswith("tinyserve") else None
 
 
 def _provider_fn(model, name: str):
@@ -50,8 +44,7 @@ def _provider_fn(model, name: str):
         return model
     if name == "inductor":
         return torch.compile(model, backend="inductor")
-    budget = int(name.split("B")[-1])
-    return torch.compile(model, backend="tinyserve", options={"token_budget": budget})
+    return torch.compile(model, backend="tinyserve", options={"token_budget": _config(name).token_budget})
 
 
 def run_context(ctx: int, providers, steps: int, rounds: int, warmup: int):
@@ -84,7 +77,7 @@ def run_context(ctx: int, providers, steps: int, rounds: int, warmup: int):
     for p in providers:
         rows.append(dict(provider=p, context=ctx, model=which, ms_per_token=statistics.median(times[p]) * 1e3,
                          warmup_s=compile_s[p], steps=len(times[p]),
-                         kv_bytes_per_token=kv_bytes_per_token(model, ctx, p, int(p.split("B")[-1]) if "B" in p else 0)))
+                         kv_bytes_per_token=kv_bytes_per_token(model.config, ctx, _config(p))))
     return rows
 
 

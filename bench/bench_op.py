@@ -32,6 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tinyserve_compile.cost import sparse_site_bytes
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_
 
 B, HQ, HKV, D, PAGE, BUDGET = 1, 9, 3, 64, 16, 2048
@@ -62,21 +63,8 @@ def sdpa_materializes_repeat(q, k, v) -> str:
 
 
 def sparse_bytes(L: int, itemsize: int, page: int = PAGE, budget: int = BUDGET, cf: int = 1) -> int:
-    """Bytes the sparse op must touch per call, all KV heads.
-
-    Dense fit (``L <= budget``): every key and value. Otherwise the fp32 bounds and
-    ``kabs`` of every page (skipped when ``cf * budget >= L``: every page is then a
-    candidate), the candidates' keys (two-stage, ``cf > 1``), the kept keys (one
-    stage only: two-stage reuses the candidates' logits) and the kept values.
-    """
-    if L <= budget:
-        return HKV * L * D * 2 * itemsize
-    P = (L + page - 1) // page
-    bounds = HKV * (P * D * 2 * 4 + P * 4) if cf * budget < L else 0
-    cand_keys = HKV * min(L, cf * budget) * D * itemsize if cf > 1 else 0
-    kept_keys = HKV * budget * D * itemsize if cf == 1 else 0
-    kept_values = HKV * budget * D * itemsize
-    return bounds + cand_keys + kept_keys + kept_values
+    """Bytes the sparse op must touch per call (see :func:`tinyserve_compile.cost.sparse_site_bytes`)."""
+    return sparse_site_bytes(L, HKV, D, itemsize, page, budget, cf)
 
 
 def bench_one(L: int, dtype: torch.dtype, reps: int, warmup: int = 3, seed: int = 0, page: int = PAGE,

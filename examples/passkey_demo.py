@@ -54,17 +54,6 @@ def build_prompt(tok, n_tokens: int, depth: float, passkey: int):
     return ids
 
 
-def kv_bytes_per_token(cfg, ctx: int, sparse: bool, budget: int, dense_layers: int, page_size: int) -> float:
-    """K/V (+ page bounds) bytes read per decode token over all layers, fp32."""
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_layer_dense = 2 * ctx * cfg.num_key_value_heads * d * 4
-    if not sparse or ctx <= budget:
-        return cfg.num_hidden_layers * per_layer_dense
-    pages = -(-ctx // page_size)
-    per_layer_sparse = cfg.num_key_value_heads * (2 * pages * d * 4 + pages * 4 + 2 * budget * d * 4)
-    return dense_layers * per_layer_dense + (cfg.num_hidden_layers - dense_layers) * per_layer_sparse
-
-
 @torch.no_grad()
 def decode(model, step, cache, first_token: torch.Tensor, n_new: int, eos: int):
     """Greedy decode ``n_new`` tokens through ``step``; returns (tokens, seconds per token after warm-up)."""
@@ -95,6 +84,7 @@ def main(argv=None):
 
     import tinyserve_compile as tc
     from tinyserve_compile.config import TinyServeConfig
+    from tinyserve_compile.cost import kv_bytes_per_token
     from tinyserve_compile.smollm2 import load_smollm2
     from transformers import StaticCache
 
@@ -125,7 +115,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         toks, spt = decode(model, step, c, first, a.new_tokens, eos)
         answer = tok.decode(toks, skip_special_tokens=True).strip()
-        kvb = kv_bytes_per_token(model.config, ctx, sparse, cfg.token_budget, cfg.dense_layers, cfg.page_size)
+        kvb = kv_bytes_per_token(model.config, ctx, cfg if sparse else None)
         rows.append((name, answer, 1.0 / spt, kvb, str(passkey) in answer))
         print(f"\n[{name}] answer: {answer!r}  (total {time.perf_counter() - t0:.0f} s incl. compile)", flush=True)
         if sparse:

@@ -1,0 +1,25 @@
+"""The byte-count cost model quoted by the demo and the benchmarks."""
+from transformers import LlamaConfig
+
+from tinyserve_compile.config import TinyServeConfig
+from tinyserve_compile.cost import kv_bytes_per_token, sparse_site_bytes
+
+
+def test_sparse_site_bytes_cases():
+    # dense fit: all K and V
+    assert sparse_site_bytes(1000, 3, 64, 4, 16, 2048) == 3 * 1000 * 64 * 2 * 4
+    # one stage at 64K, page 16: bounds + kept K and V
+    pages = 65536 // 16
+    assert sparse_site_bytes(65536, 3, 64, 4, 16, 2048) == 3 * (pages * 64 * 8 + pages * 4) + 3 * 2048 * 64 * 2 * 4
+    # two stage, c*budget covers the context: no bounds, every key, kept values
+    assert sparse_site_bytes(8192, 3, 64, 4, 8, 2048, 4) == 3 * 8192 * 64 * 4 + 3 * 2048 * 64 * 4
+
+
+def test_kv_bytes_per_token_dense_layers_and_sparse_layers():
+    cfg = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    dense = kv_bytes_per_token(cfg, 8192)
+    assert dense == 30 * 2 * 8192 * 3 * 64 * 4
+    ts = TinyServeConfig(page_size=16, token_budget=2048, candidate_factor=1, sink_pages=0)
+    sparse = kv_bytes_per_token(cfg, 8192, ts)
+    assert sparse == 2 * 2 * 8192 * 3 * 64 * 4 + 28 * sparse_site_bytes(8192, 3, 64, 4, 16, 2048)
+    assert sparse < dense / 2
