@@ -32,11 +32,27 @@ from bench.speed import _filled_cache, _model_for  # noqa: E402
 from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 
 
+#: selection settings a provider name may carry: "tinyserve B2048" (the backend defaults) or
+#: "tinyserve-paper B2048" (the paper's rule: pages of 16, the bound alone, no sink page)
+PAPER = {"page_size": 16, "candidate_factor": 1, "sink_pages": 0}
+
+
+def _options(name: str):
+    """``options=`` of tinyserve provider ``name`` (None for the dense providers)."""
+    if not name.startswith("tinyserve"):
+        return None
+    opts = {"token_budget": int(name.split("B")[-1])}
+    if name.startswith("tinyserve-paper"):
+        opts.update(PAPER)
+    return opts
+
+
 def _config(name: str):
     """The tinyserve config of provider ``name`` (None for the dense providers)."""
     from tinyserve_compile.config import TinyServeConfig
 
-    return TinyServeConfig(token_budget=int(name.split("B")[-1])) if name.startswith("tinyserve") else None
+    opts = _options(name)
+    return None if opts is None else TinyServeConfig.from_options(opts)
 
 
 def _provider_fn(model, name: str):
@@ -44,7 +60,7 @@ def _provider_fn(model, name: str):
         return model
     if name == "inductor":
         return torch.compile(model, backend="inductor")
-    return torch.compile(model, backend="tinyserve", options={"token_budget": _config(name).token_budget})
+    return torch.compile(model, backend="tinyserve", options=_options(name))
 
 
 def run_context(ctx: int, providers, steps: int, rounds: int, warmup: int):
@@ -86,6 +102,7 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048])
     ap.add_argument("--no-eager", action="store_true", help="skip the eager provider")
+    ap.add_argument("--paper", action="store_true", help="also time the paper's selection (page 16, bound only)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per provider per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
@@ -95,15 +112,16 @@ def main(argv=None):
     if a.quick:
         a.contexts, a.steps, a.rounds, a.warmup = [1024, 2048], 4, 2, 2
     providers = ([] if a.no_eager else ["eager"]) + ["inductor"] + [f"tinyserve B{b}" for b in a.budgets]
+    providers += [f"tinyserve-paper B{b}" for b in a.budgets] if a.paper else []
     rows = []
     for ctx in a.contexts:
         rows += run_context(ctx, providers, a.steps, a.rounds, a.warmup)
     base = {r["context"]: r["ms_per_token"] for r in rows if r["provider"] == "inductor"}
     print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"{'context':>8} {'provider':>16} {'ms/token':>9} {'tok/s':>7} {'vs inductor':>11} {'KV MB/token':>11}")
+    print(f"{'context':>8} {'provider':>22} {'ms/token':>9} {'tok/s':>7} {'vs inductor':>11} {'KV MB/token':>11}")
     for r in rows:
         r["speedup_vs_inductor"] = base[r["context"]] / r["ms_per_token"]
-        print(f"{r['context']:>8} {r['provider']:>16} {r['ms_per_token']:>9.2f} {1e3 / r['ms_per_token']:>7.1f} "
+        print(f"{r['context']:>8} {r['provider']:>22} {r['ms_per_token']:>9.2f} {1e3 / r['ms_per_token']:>7.1f} "
               f"{r['speedup_vs_inductor']:>10.2f}x {r['kv_bytes_per_token'] / 1e6:>11.1f}")
     if a.json:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
