@@ -107,17 +107,21 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1K and 2K contexts, fewer steps")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--json", help="write records here (a .csv and .png go next to it)")
     a = ap.parse_args(argv)
     if a.quick:
         a.contexts, a.steps, a.rounds, a.warmup = [1024, 2048], 4, 2, 2
+    if a.threads:
+        torch.set_num_threads(a.threads)
     providers = ([] if a.no_eager else ["eager"]) + ["inductor"] + [f"tinyserve B{b}" for b in a.budgets]
     providers += [f"tinyserve-paper B{b}" for b in a.budgets] if a.paper else []
     rows = []
     for ctx in a.contexts:
         rows += run_context(ctx, providers, a.steps, a.rounds, a.warmup)
     base = {r["context"]: r["ms_per_token"] for r in rows if r["provider"] == "inductor"}
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.machine()} {os.cpu_count()} cores, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"{'context':>8} {'provider':>22} {'ms/token':>9} {'tok/s':>7} {'vs inductor':>11} {'KV MB/token':>11}")
     for r in rows:
         r["speedup_vs_inductor"] = base[r["context"]] / r["ms_per_token"]
