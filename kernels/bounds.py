@@ -47,13 +47,16 @@ def _check(fn, k_cache, kmax, kmin, kabs, page_size):
             )
 
 
-@torch.library.custom_op("tinyserve::rebuild_bounds", mutates_args=("kmax", "kmin", "kabs"))
-def _rebuild_bounds_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
-                       page_size: int) -> None:
+def rebuild_bounds_impl(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
+                        page_size: int) -> None:
     b = page_bounds(k_cache, page_size)
     kmax.copy_(b.kmax)
     kmin.copy_(b.kmin)
     kabs.copy_(b.kabs)
+
+
+_rebuild_bounds_op = torch.library.custom_op("tinyserve::rebuild_bounds", rebuild_bounds_impl,
+                                             mutates_args=("kmax", "kmin", "kabs"))
 
 
 @_rebuild_bounds_op.register_fake
@@ -61,9 +64,8 @@ def _(k_cache, kmax, kmin, kabs, page_size):
     return None
 
 
-@torch.library.custom_op("tinyserve::update_bounds", mutates_args=("kmax", "kmin", "kabs"))
-def _update_bounds_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
-                      positions: torch.Tensor, page_size: int) -> None:
+def update_bounds_impl(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
+                       positions: torch.Tensor, page_size: int) -> None:
     B, H, L, D = k_cache.shape
     if positions.numel() == 1 and positions.device.type == "cpu":
         # ---- decode: one position, one page, recomputed from a slice (no unique / gather)
@@ -89,6 +91,10 @@ def _update_bounds_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Ten
     kmax.index_copy_(2, pages, hi)
     kmin.index_copy_(2, pages, lo)
     kabs.index_copy_(2, pages, torch.maximum(hi.abs(), lo.abs()).amax(-1))
+
+
+_update_bounds_op = torch.library.custom_op("tinyserve::update_bounds", update_bounds_impl,
+                                            mutates_args=("kmax", "kmin", "kabs"))
 
 
 @_update_bounds_op.register_fake

@@ -28,7 +28,7 @@ from .reference import (
     softmax_attend,
 )
 
-__all__ = ["sparse_decode", "attend_selection", "check_decode_inputs", "KERNELS"]
+__all__ = ["sparse_decode", "sparse_decode_impl", "attend_selection", "check_decode_inputs", "KERNELS"]
 
 KERNELS = ("auto", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -454,7 +454,7 @@ def _triton_allowed(q: torch.Tensor) -> bool:
     return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _run(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+def sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
          candidate_factor, kernel):
     args = (q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
             candidate_factor)
@@ -491,7 +491,7 @@ def _sparse_decode_op(
     candidate_factor: int,
     kernel: str,
 ) -> torch.Tensor:
-    return _run(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
+    return sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
                 sink_pages, candidate_factor, kernel)
 
 

@@ -3,8 +3,7 @@
 ``k_cache.index_copy_(2, pos, k)`` (and the ``setitem`` / ``index_put_`` /
 slice-``copy_`` idioms) becomes::
 
-    token = tinyserve::cache_sync(k_cache, probe, S)
-    tinyserve::cache_write(k_cache, probe, pos, k, token, S)
+    tinyserve::cache_write(k_cache, probe, pos, k, S)
 
 ``probe`` is a new graph input per write site (see :mod:`tinyserve_compile.runtime`);
 the backend passes it in. Decode sites that will be sparse and prefill sites past
@@ -57,9 +56,8 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
         device = w.src.meta.get("example_value").device if "example_value" in w.src.meta else None
         with graph.inserting_before(w.node):
             pos = _positions(graph, site, device)
-            token = graph.call_function(torch.ops.tinyserve.cache_sync.default, (site.k_base, probe, config.page_size))
             graph.call_function(torch.ops.tinyserve.cache_write.default,
-                                (site.k_base, probe, pos, w.src, token, config.page_size))
+                                (site.k_base, probe, pos, w.src, config.page_size))
         w.node.replace_all_uses_with(site.k_base)
         graph.erase_node(w.node)
         for extra in w.extra_nodes:

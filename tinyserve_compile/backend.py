@@ -17,7 +17,6 @@ __all__ = ["tinyserve_backend", "register"]
 BACKEND_NAME = "tinyserve"
 #: ops that must run in PyTorch when the rest of the graph goes to TensorRT
 TORCH_EXECUTED_OPS = (
-    "torch.ops.tinyserve.cache_sync.default",
     "torch.ops.tinyserve.cache_write.default",
     "torch.ops.tinyserve.paged_attention.default",
 )

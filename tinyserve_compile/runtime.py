@@ -1,25 +1,23 @@
 """Run-time state of rewritten graphs: page bounds that live as long as the cache buffer.
 
-Three ops are put into graphs by the passes:
+Two ops are put into graphs by the passes:
 
-``tinyserve::cache_sync(cache, probe)``
-    Non-mutating; runs before the graph's own write. It checks whether anyone
-    else wrote the key cache since this backend last did (a foreign write: an
-    eager prefill, ``cache.reset()``, a roll-back done outside the graph), and
-    marks the bounds stale if so.
-``tinyserve::cache_write(cache, probe, positions, src, token)``
-    The graph's own key-cache write (``index_copy_`` along the sequence dim),
-    followed by the bounds maintenance: a full rebuild after a foreign write or
-    for a new buffer, otherwise only the pages touched.
+``tinyserve::cache_write(cache, probe, positions, src)``
+    The graph's own key-cache write (``index_copy_`` along the sequence dim).
+    It first checks whether anyone else wrote the key cache since this backend
+    last did (a foreign write: an eager prefill, ``cache.reset()``, a roll-back
+    done outside the graph); then it maintains the bounds: a full rebuild after a
+    foreign write or for a new buffer, otherwise only the pages touched.
 ``tinyserve::paged_attention(q, k_cache, v_cache, valid_len, mask, ...)``
     Decode attention through the configured policy.
 
 Foreign writes are found with the tensor version counter. The compiled wrapper
 around a graph (AOTAutograd, the dispatcher) also bumps the version of every
-input that the graph mutates, by an amount that depends on the lowering. Each
-write site therefore gets a private *probe* tensor, passed as an extra graph
-input and declared mutated by the same op, so that it receives exactly the same
-framework bumps: a foreign write is a cache bump the probe did not get.
+input that the graph mutates, by an amount that depends on the lowering, some of
+it before the op's body runs. Each write site therefore gets a private *probe*
+tensor, passed as an extra graph input and declared mutated by the same op, so
+that it receives exactly the same framework bumps: a foreign write is a cache
+bump the probe did not get.
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .kernels.bounds import allocate_bounds
+from .kernels.bounds import allocate_bounds, rebuild_bounds_impl, update_bounds_impl
 from .kernels.reference import PageBounds
 from .policies import DecodeContext, get_policy
 
@@ -77,48 +75,21 @@ def state_for(cache: torch.Tensor, page_size: int) -> PagedKVState:
 
 
 def _rebuild(st: PagedKVState, cache: torch.Tensor) -> None:
-    torch.ops.tinyserve.rebuild_bounds(cache, *st.bounds, st.page_size)
+    rebuild_bounds_impl(cache, *st.bounds, st.page_size)
     st.policy_state.clear()
     st.stale = False
     runtime_stats["bounds_rebuilds"] += 1
 
 
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("tinyserve::cache_sync", mutates_args=())
-def cache_sync(cache: torch.Tensor, probe: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Mark the bounds of ``cache`` stale if it was written since our last write.
-
-    Parameters
-    ----------
-    cache : torch.Tensor
-        ``[B, Hkv, L, D]`` key cache (a graph input).
-    probe : torch.Tensor
-        ``[1]`` float32, this write site's probe (see module docstring).
-    page_size : int
-
-    Returns
-    -------
-    torch.Tensor
-        ``[1]`` int64 token that orders this op before the write.
-    """
-    st = state_for(cache, page_size)
-    if not st.stale:
-        same_probe = st.probe_ref is not None and st.probe_ref() is probe
-        if not same_probe or (cache._version - st.version) != (probe._version - st.probe_version):
-            st.stale = True
-            runtime_stats["foreign_writes"] += 1
-    return torch.zeros(1, dtype=torch.int64, device=cache.device)
-
-
-@cache_sync.register_fake
-def _(cache, probe, page_size):
-    return cache.new_empty(1, dtype=torch.int64)
-
-
 @torch.library.custom_op("tinyserve::cache_write", mutates_args=("cache", "probe"))
 def cache_write(cache: torch.Tensor, probe: torch.Tensor, positions: torch.Tensor, src: torch.Tensor,
-                token: torch.Tensor, page_size: int) -> None:
+                page_size: int) -> None:
     """``cache.index_copy_(2, positions, src)``, then keep the page bounds exact.
+
+    On entry it checks for a foreign write since its last call: the cache's
+    version moved by more than the probe's (both get the same framework bumps,
+    before this body runs too, as both are declared mutated).
 
     Parameters
     ----------
@@ -130,16 +101,19 @@ def cache_write(cache: torch.Tensor, probe: torch.Tensor, positions: torch.Tenso
         int64 ``[n]`` sequence positions written.
     src : torch.Tensor
         ``[B, Hkv, n, D]`` new keys.
-    token : torch.Tensor
-        Output of :func:`cache_sync` (ordering only).
     page_size : int
     """
-    cache.index_copy_(2, positions.reshape(-1), src.to(cache.dtype))
     st = state_for(cache, page_size)
+    if not st.stale:
+        same_probe = st.probe_ref is not None and st.probe_ref() is probe
+        if not same_probe or (cache._version - st.version) != (probe._version - st.probe_version):
+            st.stale = True
+            runtime_stats["foreign_writes"] += 1
+    cache.index_copy_(2, positions.reshape(-1), src.to(cache.dtype))
     if st.stale:
         _rebuild(st, cache)
     else:
-        torch.ops.tinyserve.update_bounds(cache, *st.bounds, positions, page_size)
+        update_bounds_impl(cache, *st.bounds, positions, page_size)
         runtime_stats["bounds_updates"] += 1
     st.version = cache._version
     st.probe_ref = weakref.ref(probe)
@@ -147,7 +121,7 @@ def cache_write(cache: torch.Tensor, probe: torch.Tensor, positions: torch.Tenso
 
 
 @cache_write.register_fake
-def _(cache, probe, positions, src, token, page_size):
+def _(cache, probe, positions, src, page_size):
     return None
 
 
@@ -212,7 +186,7 @@ def paged_attention(
         # the cache changed behind the graph's write op: never read stale bounds
         _rebuild(st, k_cache)
         st.version = k_cache._version
-        st.probe_ref = None  # force the next cache_sync to rebuild too
+        st.probe_ref = None  # the next cache_write rebuilds too
     B = q.shape[0]
     vl = valid_len.reshape(-1).to(torch.int64).expand(B)
     if attn_mask is not None and _mask_is_trivial(attn_mask, vl):

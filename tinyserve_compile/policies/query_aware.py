@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.reference import page_scores
+from ..kernels.sparse_decode import sparse_decode_impl
 from .base import DecodeContext, PagePolicy, register_policy
 
 
@@ -21,7 +22,8 @@ class QueryAwarePolicy(PagePolicy):
         return page_scores(ctx.q, ctx.bounds, ctx.scale, ctx.mask_pages())
 
     def __call__(self, ctx: DecodeContext, kernel: str = "auto") -> torch.Tensor:
-        return torch.ops.tinyserve.sparse_decode(
+        # the op's implementation, called directly: this runs inside tinyserve::paged_attention already
+        return sparse_decode_impl(
             ctx.q, ctx.k_cache, ctx.v_cache, *ctx.bounds, ctx.valid_len, ctx.attn_mask, float(ctx.scale),
             ctx.page_size, ctx.token_budget, ctx.sink_pages, ctx.candidate_factor, kernel,
         )
