@@ -333,10 +333,16 @@ def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, 
     else:
         scores = page_scores(q, PageBounds(kmax, kmin, kabs), scale)  # [B,Hkv,P] fp32
         idx = _select_uniform(scores, n, S, K * candidate_factor, sink_pages).sort(-1).values  # [B,Hkv,Kc]
-        kg = _gather_pages_raw(k_cache, idx, S).view(B, Hkv, -1, D).float()
+        kg = None if 2 * idx.shape[-1] >= n_valid else _gather_pages_raw(k_cache, idx, S).view(B, Hkv, -1, D).float()
     Kc = idx.shape[-1]
     # ---- stage 2: exact logits over the candidates' keys; rank pages by softmax mass
-    logits = (q.float().reshape(B, Hkv, G, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
+    qg = q.float().reshape(B, Hkv, G, D)
+    if kg is None:  # most pages are candidates: one pass over every valid key beats copying most of them
+        full = (qg @ k_cache[:, :, :n_valid * S].float().transpose(-1, -2)) * scale  # [B,Hkv,G,n_valid*S]
+        sel = idx[:, :, None, :, None].expand(B, Hkv, G, Kc, S)
+        logits = full.view(B, Hkv, G, n_valid, S).gather(3, sel).view(B, Hkv, G, Kc * S)
+    else:
+        logits = (qg @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
     cut = -n % S  # the newest page (last, pages ascending) has slots past n
     if cut:
         logits[..., Kc * S - cut:] = float("-inf")
