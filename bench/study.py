@@ -41,19 +41,19 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--half", default="tune")
     ap.add_argument("--budgets", default="512,2048")
-    ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
-    ap.add_argument("--collect", default="bound (paper),two-stage c=4 + sink 1,oracle")
+    ap.add_argument("--only", default="", help="semicolon-separated variant names (default: all)")
+    ap.add_argument("--collect", default="bound (paper);two-stage c=4 + sink 1;oracle")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     cfgs, names, collect = [], {}, []
-    only = [s for s in a.only.split(",") if s]
+    only = [s for s in a.only.split(";") if s]
     for budget in map(int, a.budgets.split(",")):
         for name, cfg in variants(budget).items():
             if only and name not in only:
                 continue
             cfgs.append(cfg)
             names[cfg.label()] = name
-            if name in a.collect.split(","):
+            if name in a.collect.split(";"):
                 collect.append(cfg)
     rows = perplexity(a.ctx, cfgs, steps=a.steps, half=a.half, collect=collect)
     for r in rows:
