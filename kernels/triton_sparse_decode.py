@@ -104,6 +104,28 @@ if _HAS_TRITON:
         return tl.max(add, axis=1)
 
     @triton.jit
+    def _apply_mask(qk, mask_ptr, b, heads, pos, g_ok, tok_ok, stride_mb, stride_mh, stride_ml,
+                    MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr):
+        """Apply the attention mask to logits ``qk`` ``[G_PAD, T]``: 0 none, 1 boolean, 2 additive."""
+        if MASK_KIND != 0:
+            if MASK_PER_HEAD:
+                m_off = b * stride_mb + heads[:, None] * stride_mh + pos[None, :] * stride_ml
+                m_ld = g_ok[:, None] & tok_ok[None, :]
+                if MASK_KIND == 1:
+                    mv = tl.load(mask_ptr + m_off, mask=m_ld, other=1)
+                    qk = tl.where(mv != 0, qk, float("-inf"))
+                else:
+                    qk = qk + tl.load(mask_ptr + m_off, mask=m_ld, other=0.0).to(tl.float32)
+            else:
+                m_off = b * stride_mb + pos * stride_ml
+                if MASK_KIND == 1:
+                    mv = tl.load(mask_ptr + m_off, mask=tok_ok, other=1)
+                    qk = tl.where((mv != 0)[None, :], qk, float("-inf"))
+                else:
+                    qk = qk + tl.load(mask_ptr + m_off, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
+        return qk
+
+    @triton.jit
     def _page_scores_kernel(
         q_ptr, kmax_ptr, kmin_ptr, kabs_ptr, vl_ptr, mask_ptr, score_ptr,
         stride_qb, stride_qh, stride_qd,
@@ -236,22 +258,8 @@ if _HAS_TRITON:
             else:
                 qk = tl.dot(q, tl.trans(k))
             qk = qk * scale
-            if MASK_KIND != 0:
-                if MASK_PER_HEAD:
-                    m_off = b * stride_mb + heads[:, None] * stride_mh + pos[None, :] * stride_ml
-                    m_ld = g_ok[:, None] & tok_ok[None, :]
-                    if MASK_KIND == 1:
-                        mv = tl.load(mask_ptr + m_off, mask=m_ld, other=1)
-                        qk = tl.where(mv != 0, qk, float("-inf"))
-                    else:
-                        qk = qk + tl.load(mask_ptr + m_off, mask=m_ld, other=0.0).to(tl.float32)
-                else:
-                    m_off = b * stride_mb + pos * stride_ml
-                    if MASK_KIND == 1:
-                        mv = tl.load(mask_ptr + m_off, mask=tok_ok, other=1)
-                        qk = tl.where((mv != 0)[None, :], qk, float("-inf"))
-                    else:
-                        qk = qk + tl.load(mask_ptr + m_off, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
+            qk = _apply_mask(qk, mask_ptr, b, heads, pos, g_ok, tok_ok, stride_mb, stride_mh, stride_ml,
+                             MASK_KIND, MASK_PER_HEAD)
             qk = tl.where(tok_ok[None, :], qk, float("-inf"))
 
             # -- stage 3: online softmax (rows with no finite logit stay at zero)
@@ -346,22 +354,8 @@ if _HAS_TRITON:
         else:
             qk = tl.dot(q, tl.trans(k))
         qk = qk * scale
-        if MASK_KIND != 0:
-            if MASK_PER_HEAD:
-                m_off = b * stride_mb + heads[:, None] * stride_mh + pos[None, :] * stride_ml
-                m_ld = g_ok[:, None] & tok_ok[None, :]
-                if MASK_KIND == 1:
-                    mv = tl.load(mask_ptr + m_off, mask=m_ld, other=1)
-                    qk = tl.where(mv != 0, qk, float("-inf"))
-                else:
-                    qk = qk + tl.load(mask_ptr + m_off, mask=m_ld, other=0.0).to(tl.float32)
-            else:
-                m_off = b * stride_mb + pos * stride_ml
-                if MASK_KIND == 1:
-                    mv = tl.load(mask_ptr + m_off, mask=tok_ok, other=1)
-                    qk = tl.where((mv != 0)[None, :], qk, float("-inf"))
-                else:
-                    qk = qk + tl.load(mask_ptr + m_off, mask=tok_ok, other=0.0).to(tl.float32)[None, :]
+        qk = _apply_mask(qk, mask_ptr, b, heads, pos, g_ok, tok_ok, stride_mb, stride_mh, stride_ml,
+                         MASK_KIND, MASK_PER_HEAD)
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
 
         # -- stage 3: per-head log-sum-exp over the page (-inf when nothing is attended)
