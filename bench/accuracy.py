@@ -10,7 +10,7 @@ import math
 import os
 import random
 import time
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +169,16 @@ def _prose(tok, n: int, half: str = "heldout") -> List[int]:
     return tok(topic_text(half), add_special_tokens=False).input_ids[:n]
 
 
+def _facts_in_prose(tok, ctx: int, fact_ids: List[List[int]], q: List[int]) -> List[int]:
+    """Token ids of ``ctx`` tokens: prose with each fact at evenly spaced depths, then the question ``q``."""
+    room = ctx - len(q) - sum(len(f) for f in fact_ids)
+    filler = _prose(tok, room)
+    out, step = [], room // len(fact_ids)
+    for i, f in enumerate(fact_ids):
+        out += filler[i * step:(i + 1) * step] + f
+    return out + filler[len(fact_ids) * step:] + q
+
+
 def diag_repetition(tok, ctx: int, rng: random.Random, seg: int = 64):
     """**Repetition/copy.** A segment of ``seg`` tokens of random words (from a 27-word list) is placed at
     the start of the context, followed by prose filling the context to ``ctx - seg`` tokens, then the same
@@ -195,13 +205,7 @@ def diag_rare(tok, ctx: int, rng: random.Random, n_facts: int = 6):
     q = tok(f"\nThe secret code of {asked[0]} is", add_special_tokens=False).input_ids
     fact_ids = [tok(f" The secret code of n is {c}. ".replace(" n ", f" {n} "), add_special_tokens=False).input_ids
                 for n, c in facts]
-    room = ctx - len(q) - sum(len(f) for f in fact_ids)
-    filler = _prose(tok, room)
-    out, step = [], room // n_facts
-    for i, f in enumerate(fact_ids):
-        out += filler[i * step:(i + 1) * step] + f
-    out += filler[n_facts * step:]
-    return out + q, asked[1]
+    return _facts_in_prose(tok, ctx, fact_ids, q), asked[1]
 
 
 def diag_aliasing(tok, ctx: int, rng: random.Random, n_dup: int = 8):
@@ -214,13 +218,7 @@ def diag_aliasing(tok, ctx: int, rng: random.Random, n_dup: int = 8):
     asked = rng.choice(facts)
     q = tok(f"\nThe locker number for room {asked[0]} is", add_special_tokens=False).input_ids
     fact_ids = [tok(f" The locker number for room {r} is {c}. ", add_special_tokens=False).input_ids for r, c in facts]
-    room = ctx - len(q) - sum(len(f) for f in fact_ids)
-    filler = _prose(tok, room)
-    out, step = [], room // n_dup
-    for i, f in enumerate(fact_ids):
-        out += filler[i * step:(i + 1) * step] + f
-    out += filler[n_dup * step:]
-    return out + q, asked[1]
+    return _facts_in_prose(tok, ctx, fact_ids, q), asked[1]
 
 
 def diagnostics(ctx: int = 4096, cfgs: Sequence[Sparse] = (), trials: int = 4, quiet: bool = False) -> List[dict]:
