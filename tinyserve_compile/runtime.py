@@ -193,16 +193,13 @@ def paged_attention(
         attn_mask = None  # the mask adds nothing to valid_len (HF's causal decode mask): take the no-mask path
         runtime_stats["masks_elided"] += 1
     ctx = DecodeContext(q, k_cache, v_cache, st.bounds, vl, attn_mask, scale, page_size, token_budget, sink_pages,
-                        candidate_factor, st.policy_state)
-    pol = get_policy(policy)
+                        candidate_factor, st.policy_state, kernel)
     runtime_stats["decode_calls"] += 1
     n_valid_tokens = int(vl.max())
     budget_tokens = min(n_valid_tokens, token_budget) if policy != "full" else n_valid_tokens
     runtime_stats["tokens_valid"] += n_valid_tokens
     runtime_stats["tokens_attended"] += budget_tokens
-    if policy == "query_aware":
-        return pol(ctx, kernel=kernel)
-    return pol(ctx)
+    return get_policy(policy)(ctx)
 
 
 @paged_attention.register_fake

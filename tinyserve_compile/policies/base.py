@@ -38,6 +38,8 @@ class DecodeContext:
     state : dict
         Per cache buffer, kept across steps and cleared whenever the bounds are
         rebuilt (a new sequence); for stateful policies.
+    kernel : {"auto", "torch", "triton"}
+        Implementation of the fused op, for policies that call it.
     """
 
     q: torch.Tensor
@@ -52,6 +54,7 @@ class DecodeContext:
     sink_pages: int = 0
     candidate_factor: int = 1
     state: Dict[str, torch.Tensor] = field(default_factory=dict)
+    kernel: str = "auto"
 
     @property
     def n_pages(self) -> int:

@@ -21,9 +21,9 @@ class QueryAwarePolicy(PagePolicy):
     def score(self, ctx: DecodeContext) -> torch.Tensor:
         return page_scores(ctx.q, ctx.bounds, ctx.scale, ctx.mask_pages())
 
-    def __call__(self, ctx: DecodeContext, kernel: str = "auto") -> torch.Tensor:
+    def __call__(self, ctx: DecodeContext) -> torch.Tensor:
         # the op's implementation, called directly: this runs inside tinyserve::paged_attention already
         return sparse_decode_impl(
             ctx.q, ctx.k_cache, ctx.v_cache, *ctx.bounds, ctx.valid_len, ctx.attn_mask, float(ctx.scale),
-            ctx.page_size, ctx.token_budget, ctx.sink_pages, ctx.candidate_factor, kernel,
+            ctx.page_size, ctx.token_budget, ctx.sink_pages, ctx.candidate_factor, ctx.kernel,
         )
