@@ -16,6 +16,8 @@ import torch.fx as fx
 
 from tinyserve_compile import runtime  # noqa: F401  (registers the ops)
 
+from ._graph import cache_view
+
 __all__ = ["keep_bounds_on_cache_writes", "PROBE_PREFIX"]
 
 PROBE_PREFIX = "tinyserve_probe_"
@@ -56,8 +58,11 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
         device = w.src.meta.get("example_value").device if "example_value" in w.src.meta else None
         with graph.inserting_before(w.node):
             pos = _positions(graph, site, device)
-            graph.call_function(torch.ops.tinyserve.cache_write.default,
-                                (site.k_base, probe, pos, w.src, config.page_size))
+            # other layouts ([B, L, H, D] ...): write through the [B, Hkv, L, D] view, the source permuted alike
+            cache = cache_view(graph, site.k_base, w.perm, w.batch, site.k_layout.batch_dim)
+            src = w.src if w.perm is None else graph.call_function(torch.ops.aten.permute.default,
+                                                                   (w.src, list(w.perm)))
+            graph.call_function(torch.ops.tinyserve.cache_write.default, (cache, probe, pos, src, config.page_size))
         w.node.replace_all_uses_with(site.k_base)
         graph.erase_node(w.node)
         for extra in w.extra_nodes:

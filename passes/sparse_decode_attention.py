@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from tinyserve_compile import runtime  # noqa: F401  (registers the ops)
 
-from ._graph import fake
+from ._graph import cache_view, decode_valid_len, fake
 
 __all__ = ["sparse_decode_attention"]
 
@@ -40,11 +40,13 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
         q = fake(a["query"])
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(int(q.shape[-1]))
         with graph.inserting_before(site.node):
-            top = graph.call_function(torch.ops.aten.amax.default, (site.positions, [0], True))
-            valid_len = graph.call_function(torch.ops.aten.add.Scalar, (top, 1))  # [1] int64
+            # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
+            k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)
+            v = cache_view(graph, site.v_base, site.v_perm, site.v_layout.batch, site.v_layout.batch_dim)
+            valid_len = decode_valid_len(graph, k, a["attn_mask"], site.kv_len, q.device)  # [1] int64
             new = graph.call_function(
                 torch.ops.tinyserve.paged_attention.default,
-                (a["query"], site.k_base, site.v_base, valid_len, a["attn_mask"], float(scale), config.page_size,
+                (a["query"], k, v, valid_len, a["attn_mask"], float(scale), config.page_size,
                  config.token_budget, config.sink_pages, config.candidate_factor, config.policy, config.kernel),
             )
         new.meta["example_value"] = site.node.meta.get("example_value")

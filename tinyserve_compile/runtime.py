@@ -61,13 +61,27 @@ def reset_runtime() -> None:
     runtime_stats.clear()
 
 
+def _state_key(cache: torch.Tensor):
+    """``(owner, key)`` of the bounds of ``cache``.
+
+    A plain buffer is keyed by itself. A view (a ``[B, L, H, D]`` cache permuted to
+    ``[B, Hkv, L, D]`` in the graph) is a new tensor each call, and under inductor
+    not even a tracked view (``_reinterpret_tensor``): it is keyed by its storage
+    and where in it it looks, and lives as long as that storage.
+    """
+    if cache._base is None and cache.is_contiguous() and cache.storage_offset() == 0:
+        return cache, id(cache)
+    storage = cache.untyped_storage()
+    return storage, (storage.data_ptr(), cache.storage_offset(), tuple(cache.shape), tuple(cache.stride()))
+
+
 def state_for(cache: torch.Tensor, page_size: int) -> PagedKVState:
-    """The state of ``cache`` ``[B, Hkv, L, D]``, created (stale) for a new buffer."""
-    key = id(cache)
+    """The state of ``cache`` ``[B, Hkv, L, D]`` (a buffer or a view of one), created (stale) for a new buffer."""
+    owner, key = _state_key(cache)
     st = _STATES.get(key)
-    if st is not None and st.cache_ref() is cache and st.page_size == page_size:
+    if st is not None and st.cache_ref() is owner and st.page_size == page_size:
         return st
-    st = PagedKVState(weakref.ref(cache, lambda _r, k=key: _STATES.pop(k, None)), page_size,
+    st = PagedKVState(weakref.ref(owner, lambda _r, k=key: _STATES.pop(k, None)), page_size,
                       allocate_bounds(cache, page_size))
     _STATES[key] = st
     runtime_stats["states_created"] += 1
