@@ -432,6 +432,42 @@ def cache_writes(base: fx.Node, layout: Optional[CacheLayout] = None) -> Tuple[L
     return writes, unknown
 
 
+def ancestors(node: fx.Node, limit: int = 400) -> List[fx.Node]:
+    """Nodes ``node`` depends on, nearest first (at most ``limit``)."""
+    seen, todo, out = {node}, [node], []
+    while todo and len(out) < limit:
+        n = todo.pop(0)
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                out.append(i)
+                todo.append(i)
+    return out
+
+
+def first_non_view(node: fx.Node) -> fx.Node:
+    """The first node above ``node`` that is not a single-tensor view step."""
+    cur = node
+    while is_view_step(cur) and len(_tensor_inputs(cur)) == 1 and cur.args and cur.args[0] is _tensor_inputs(cur)[0]:
+        cur = cur.args[0]
+    return cur
+
+
+def is_written_in_place(node: fx.Node) -> bool:
+    """True when a graph input is mutated in place by the graph (a cache buffer)."""
+    return any(_is_inplace(u) and u.args and u.args[0] is v for v in views_of(node) for u in v.users)
+
+
+def is_sliding_window_write(base: fx.Node, node: fx.Node) -> bool:
+    """``base.copy_(src)`` (the whole buffer) with ``src`` derived from ``base.roll(...)``: a rolling window cache."""
+    if not (node.op == "call_method" and node.target == "copy_" and node.args[0] is base and len(node.args) > 1):
+        return False
+    src = node.args[1]
+    return isinstance(src, fx.Node) and any(
+        getattr(a.target, "__name__", a.target) == "roll" and a.args and a.args[0] is base
+        for a in [src] + ancestors(src))
+
+
 def describe_write(node: fx.Node) -> str:
     """A short readable form of an in-place node, for reasons."""
     if node.op == "call_function" and node.target is operator.setitem:

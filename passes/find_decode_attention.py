@@ -21,8 +21,9 @@ from typing import Any, List, Optional, Tuple
 
 import torch.fx as fx
 
-from ._graph import SDPA_TARGETS, CacheLayout, CacheWrite, cache_layout, cache_writes, describe_write, fake, \
-    layout_name, node_order, same_int, sdpa_args, size_node, trace_view_chain
+from ._graph import SDPA_TARGETS, CacheLayout, CacheWrite, ancestors, cache_layout, cache_writes, describe_write, \
+    fake, first_non_view, is_sliding_window_write, is_written_in_place, layout_name, node_order, same_int, sdpa_args, \
+    size_node, trace_view_chain
 
 __all__ = ["AttentionSite", "find_decode_attention"]
 
@@ -57,6 +58,8 @@ class AttentionSite:
     def describe(self) -> dict:
         out = {"index": self.index, "node": self.node.name, "query_len": self.query_len, "status": self.status,
                "reason": self.reason}
+        if self.k_base is not None:
+            out["cache"] = self.k_base.name
         if self.k_layout is not None and self.k_layout.perm is not None:
             out["layout"] = layout_name(self.k_layout.perm)
         return out
@@ -66,24 +69,39 @@ def _cache_of(node, n_q_heads: int, enable_gqa: bool):
     """``(buffer, CacheLayout)`` of a K/V operand, or ``(None, reason)``."""
     base, chain = trace_view_chain(node) if isinstance(node, fx.Node) else (None, [])
     if base is None:
-        stop = chain[-1].all_input_nodes[0] if chain else node
-        what = _producer(stop) if isinstance(stop, fx.Node) else type(stop).__name__
-        return None, (f"K/V are not views of a graph input: they come from {what} "
-                      f"(no persistent cache buffer, e.g. DynamicCache torch.cat)")
+        return None, _not_a_view_reason(node)
     lay = cache_layout(base, chain, n_q_heads, enable_gqa, fake(node))
     return (None, lay) if isinstance(lay, str) else (base, lay)
 
 
 def _producer(node: fx.Node) -> str:
     t = node.target
-    name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
-    return f"{node.op} {name}"
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _not_a_view_reason(node) -> str:
+    """Why a K/V operand that is not a view of a graph input is not a cache read, naming its producer."""
+    if not isinstance(node, fx.Node):
+        return f"K/V are not views of a graph input: {type(node).__name__}"
+    stop = first_non_view(node)
+    what = _producer(stop)
+    if what == "cat":
+        return ("K/V are not views of a graph input: built by torch.cat each step "
+                "(a DynamicCache-style cache, no persistent buffer)")
+    caches = [a for a in ancestors(stop) if a.op == "placeholder" and is_written_in_place(a)]
+    if caches:
+        return (f"K/V are not views of a graph input: computed each step by {what} from a cache buffer "
+                f"(e.g. a compressed MLA latent cache), not read from it")
+    return f"K/V are not views of a graph input: they come from {what} (no persistent cache buffer)"
 
 
 def _writes_reason(base: fx.Node, lay: CacheLayout, order: dict, site_node: fx.Node):
     """``(the one write before the site, "")`` or ``(None, reason)``."""
     writes, unknown = cache_writes(base, lay)
     before = [w for w in writes if order[w.node] < order[site_node]]
+    if unknown and is_sliding_window_write(base, unknown[0]):
+        return None, ("sliding-window cache: the buffer is rolled and copied back whole each step "
+                      "(cache.copy_(cache.roll(...))), so positions move; left to SDPA")
     if unknown:
         name = layout_name(lay.perm)
         rows = f", rows [:{lay.batch}]" if lay.batch is not None else ""
