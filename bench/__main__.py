@@ -120,7 +120,7 @@ def cmd_coverage(a):
     from .coverage import QUICK, architectures, sweep, table
 
     archs = a.archs.split(",") if a.archs else (list(QUICK) if a.quick else architectures())
-    rows = sweep(archs)
+    rows = sweep(archs, isolate=not a.in_process)
     print(table(rows))
     if a.json:
         _write([{k: v for k, v in r.items() if k != "trace"} for r in rows], a.json)
@@ -152,6 +152,7 @@ def main(argv=None):
     p.add_argument("--json", default="", help="write the rows here (JSON, and CSV next to it)")
     p.add_argument("--archs", default="", help="comma-separated model types (default: all)")
     p.add_argument("--quick", action="store_true", help="a few architectures (what CI runs)")
+    p.add_argument("--in-process", action="store_true", help="no fresh interpreter per architecture")
     a = ap.parse_args(argv)
     rc = {"accuracy": cmd_accuracy, "speed": cmd_speed, "report": cmd_report, "coverage": cmd_coverage}[a.cmd](a)
     sys.exit(rc or 0)

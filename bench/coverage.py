@@ -37,6 +37,7 @@ import torch
 QUICK = ("llama", "gpt2", "gemma2", "deepseek_v3")
 
 PROMPT, STEPS, MAX_CACHE = 40, 4, 96
+MAX_PARAMS = 20_000_000
 #: the sweep's sparse configuration: 3 pages of 8 out of 40+ tokens, so the selection matters
 OPTIONS = {"token_budget": 24, "page_size": 8, "dense_layers": 0, "lower": "eager"}
 ATOL = RTOL = 1e-4
@@ -53,12 +54,16 @@ SIZES = dict(
     kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=16,
     # windows, linear attention and state-space layers of hybrids
     sliding_window=32, attention_window_size=32, linear_num_key_heads=2, linear_num_value_heads=2,
-    linear_key_head_dim=16, linear_value_head_dim=16, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16,
+    linear_key_head_dim=16, linear_value_head_dim=16, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=32,
     mamba_expand=2, mamba_n_groups=1, state_size=8, ssm_state_size=8, conv_kernel=4, mamba_d_conv=4,
     time_step_rank=8, num_kv_shared_layers=0, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
     laurel_rank=8, altup_num_inputs=2, global_head_dim=16, attn_layer_period=2, attn_layer_offset=1,
     expert_layer_period=2, expert_layer_offset=1,
 )
+
+
+class _NoTinyConfig(Exception):
+    """The architecture's config could not be shrunk generically."""
 
 
 def _attr_default(cfg, name):
@@ -68,16 +73,13 @@ def _attr_default(cfg, name):
         return None
 
 
-def tiny_config(model_type: str):
-    """A random-init-sized config of ``model_type``: the default config with :data:`SIZES` applied."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[model_type]
-    default = cls()
+def _tiny_kwargs(cls, default) -> dict:
+    """Constructor arguments of config class ``cls`` that shrink ``default`` (one of its instances), sub-configs too."""
     kw = {}
     for name, value in SIZES.items():
         cur = _attr_default(default, name)
-        if cur is None or isinstance(cur, bool) or (isinstance(cur, (list, tuple)) and name != "layer_types"):
+        derived = name in ("head_dim", "num_key_value_heads") and hasattr(default, name)  # None: derived later
+        if (cur is None and not derived) or isinstance(cur, bool) or isinstance(cur, (list, tuple)):
             continue
         kw[name] = value
     n = SIZES["num_hidden_layers"]
@@ -92,13 +94,39 @@ def tiny_config(model_type: str):
             kw[tok] = {"bos_token_id": 1, "eos_token_id": 2}.get(tok, 0)
         elif isinstance(cur, list):
             kw[tok] = [2]
-    try:
-        cfg = cls(**kw)
-    except Exception:  # noqa: BLE001 - a config that rejects a derived list: drop the lists
-        kw.pop("layers_block_type", None)
-        cfg = cls(**{k: v for k, v in kw.items() if k != "layer_types"})
-    if getattr(cfg, "is_encoder_decoder", False):
+    for name in getattr(cls, "sub_configs", None) or {}:
+        sub = _attr_default(default, name)
+        if sub is not None and hasattr(sub, "to_dict"):
+            d = sub.to_dict()
+            d.update(_tiny_kwargs(type(sub), sub))
+            kw[name] = d
+    return kw
+
+
+def tiny_config(model_type: str):
+    """A random-init-sized config of ``model_type``: the default config with :data:`SIZES` applied (sub-configs too)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    if getattr(default, "is_encoder_decoder", False):
         raise ValueError("encoder-decoder")
+    kw = _tiny_kwargs(cls, default)
+    for _ in range(4):  # drop what a config rejects (a read-only property, a derived list) and retry
+        try:
+            cfg = cls(**kw)
+            break
+        except Exception as e:  # noqa: BLE001
+            bad = [k for k in kw if f"'{k}'" in str(e)] or [k for k in ("layer_types", "layers_block_type") if k in kw]
+            if not bad:
+                raise
+            for k in bad:
+                kw.pop(k)
+    else:
+        cfg = cls(**kw)
+    model_cfg = getattr(_model_class(model_type), "config_class", None)
+    if model_cfg is not None and not isinstance(cfg, model_cfg) and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()  # a composite config: the causal-LM class takes its text part
     return cfg
 
 
@@ -210,14 +238,25 @@ def check(model_type: str, options: Optional[dict] = None, steps: int = STEPS) -
         if not getattr(cls, "_supports_sdpa", False):
             row["reasons"] = "no SDPA attention in this architecture"
             return row
-        cfg = tiny_config(model_type)
+        try:
+            cfg = tiny_config(model_type)
+        except Exception as e:  # noqa: BLE001
+            raise _NoTinyConfig(f"{type(e).__name__}: {str(e).splitlines()[0][:100]}") from e
         if getattr(cfg, "kv_lora_rank", None):  # MLA: rotary on the qk_rope_head_dim part, one KV head per head
             cfg.head_dim = cfg.qk_rope_head_dim
             cfg.num_key_value_heads = cfg.num_attention_heads
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in cls._from_config(cfg).parameters())
+        if n_params > MAX_PARAMS:
+            raise _NoTinyConfig(f"it still has {n_params / 1e6:.0f}M parameters")
         torch.manual_seed(0)
         model = cls._from_config(cfg, attn_implementation="sdpa").eval()
         ids = torch.randint(3, SIZES["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
         dense, _ = _decode(model, model, ids, steps)
+    except _NoTinyConfig as e:
+        row["reasons"] = f"no tiny config: {e}"
+        row["seconds"] = round(time.time() - t0, 1)
+        return row
     except Exception as e:  # noqa: BLE001 - the model cannot decode from a static cache eagerly: not ours
         row["reasons"] = f"eager static-cache decode fails: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
         row["trace"] = traceback.format_exc()[-2000:]
@@ -263,15 +302,40 @@ def check(model_type: str, options: Optional[dict] = None, steps: int = STEPS) -
     return row
 
 
-def sweep(archs=None, options=None, log=sys.stderr) -> List[Dict]:
+def _check_quietly(arch, options=None) -> Dict:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return check(arch, options)
+
+
+def _check_isolated(arch, timeout: float) -> Dict:
+    """:func:`check` in a fresh interpreter (memory, dynamo state and crashes stay there)."""
+    import json
+    import subprocess
+
+    try:
+        p = subprocess.run([sys.executable, "-m", "bench.coverage", arch], capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"arch": arch, "status": "wrong", "decode_sites": 0, "rewritten": 0, "graphs": 0,
+                "recompiles_after_step_2": 0, "max_diff": None, "sparse_vs_dense": None, "seconds": timeout,
+                "reasons": f"timed out after {timeout:.0f} s"}
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    if p.returncode or not lines:
+        return {"arch": arch, "status": "wrong", "decode_sites": 0, "rewritten": 0, "graphs": 0,
+                "recompiles_after_step_2": 0, "max_diff": None, "sparse_vs_dense": None, "seconds": 0.0,
+                "reasons": f"the check process died (exit {p.returncode})", "trace": p.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
+def sweep(archs=None, options=None, log=sys.stderr, isolate: bool = False, timeout: float = 900) -> List[Dict]:
+    """Check every architecture in ``archs`` (default: all); one row each."""
     rows = []
     for a in archs or architectures():
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            r = check(a, options)
+        r = _check_isolated(a, timeout) if isolate else _check_quietly(a, options)
         rows.append(r)
         print(f"{a:28s} {r['status']:9s} {r['rewritten']}/{r['decode_sites']} {r['seconds']:6.1f}s  "
               f"{r['reasons'][:110]}", file=log, flush=True)
@@ -290,3 +354,9 @@ def table(rows: List[Dict]) -> str:
         lines.append(f"| {r['arch']} | {r['status']} | {r['rewritten']}/{r['decode_sites']} | {r['graphs']} ({r['recompiles_after_step_2']}) | {d} | "
                      f"{r['reasons']} |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # one architecture, its row as one JSON line (see ``_check_isolated``)
+    import json
+
+    print(json.dumps(_check_quietly(sys.argv[1]), default=float))

@@ -37,6 +37,15 @@ def _example(node: fx.Node) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def is_dtensor(t: Any) -> bool:
+    """True for a DTensor (a tensor-parallel plan that keeps DTensor activations)."""
+    if not isinstance(t, torch.Tensor) or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def hint(x: Any) -> Any:
     """A concrete int for an int or SymInt (its size hint); anything else unchanged."""
     if isinstance(x, torch.SymInt):

@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Tuple
 import torch.fx as fx
 
 from ._graph import SDPA_TARGETS, CacheLayout, CacheWrite, ancestors, cache_layout, cache_writes, describe_write, \
-    fake, first_non_view, is_sliding_window_write, is_written_in_place, layout_name, node_order, same_int, sdpa_args, \
+    fake, first_non_view, is_dtensor, is_sliding_window_write, is_written_in_place, layout_name, node_order, same_int, sdpa_args, \
     size_node, trace_view_chain
 
 __all__ = ["AttentionSite", "find_decode_attention"]
@@ -123,6 +123,12 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
         site.query_len = int(q.shape[2])
     except Exception:
         site.reason = "query length is symbolic"
+        return
+    if any(is_dtensor(fake(a[name])) for name in ("query", "key", "value")):
+        site.reason = ("DTensor activations (a tensor-parallel plan that keeps DTensor outputs): the sparse ops have "
+                       "no sharding rule; use local outputs (use_local_output=True) to rewrite")
+        if site.query_len != 1:
+            site.status = "prefill"
         return
     gqa = bool(a["enable_gqa"])
     k_base, k_lay = _cache_of(a["key"], int(q.shape[1]), gqa)
