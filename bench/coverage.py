@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 import torch
 
 #: a small, quick, varied subset (CI): plain GQA, learned positions + fused QKV, sliding-window layers, MLA
-QUICK = ("llama", "gpt2", "gemma2", "deepseek_v3")
+QUICK = ("llama", "gpt2", "cohere2", "deepseek_v3")
 
 PROMPT, STEPS, MAX_CACHE = 40, 4, 96
 MAX_PARAMS = 20_000_000
