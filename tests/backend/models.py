@@ -76,8 +76,9 @@ class GptFastAttention(nn.Module):
 class GptFastModel(nn.Module):
     """A tiny decoder with gpt-fast's cache idiom; ``forward(idx, input_pos) -> logits``."""
 
-    def __init__(self, n_layer=4, dim=64, n_head=4, n_kv=2, max_len=256, vocab=VOCAB):
+    def __init__(self, n_layer=4, dim=64, n_head=4, n_kv=2, max_len=256, vocab=VOCAB, graph_breaks=False):
         super().__init__()
+        self.graph_breaks = graph_breaks  #: Dynamo splits the model into one graph per layer
         self.max_len = max_len
         self.n_kv = n_kv
         self.emb = nn.Embedding(vocab, dim)
@@ -91,9 +92,11 @@ class GptFastModel(nn.Module):
         mask = self.causal[None, None, input_pos]  # [1, 1, T, max_len]
         for layer in self.layers:
             x = x + layer(x, input_pos, mask)
+            if self.graph_breaks:
+                torch._dynamo.graph_break()
         return self.out(x)
 
 
-def gpt_fast_model(seed: int = 0) -> GptFastModel:
+def gpt_fast_model(seed: int = 0, graph_breaks: bool = False) -> GptFastModel:
     torch.manual_seed(seed)
-    return GptFastModel().eval()
+    return GptFastModel(graph_breaks=graph_breaks).eval()
