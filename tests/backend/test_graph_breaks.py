@@ -21,14 +21,14 @@ def test_graph_break_per_layer_rewrites_the_same_sites_with_the_same_logits(lowe
     got_whole = _gpt_fast_run(whole, torch.compile(whole, backend="tinyserve", options=opts), n_new=N_NEW)
     whole_counts = (tc.counters["rewritten"], tc.explain().runtime["decode_calls"],
                     tc.explain().runtime["dense_layer_calls"])
-    assert tc.counters["graphs"] == 2, tc.explain()  # prefill and decode
+    assert tc.counters["graphs"] == 1, tc.explain()  # the decode step (the prefill runs eagerly)
     tc.reset()
     torch._dynamo.reset()
 
     broken = gpt_fast_model(graph_breaks=True)
     got = _gpt_fast_run(broken, torch.compile(broken, backend="tinyserve", options=opts), n_new=N_NEW)
     rt = tc.explain().runtime
-    assert tc.counters["graphs"] > 2, "the model did not graph-break"
+    assert tc.counters["graphs"] > 1, "the model did not graph-break"
     # the same layers attend sparsely and densely as without the breaks: 2 dense, 2 sparse per step
     assert (rt["decode_calls"], rt["dense_layer_calls"]) == whole_counts[1:] == (2 * N_NEW, 2 * N_NEW), rt
     assert torch.allclose(got, got_whole, atol=1e-5, rtol=1e-5), worst(got, got_whole)
