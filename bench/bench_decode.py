@@ -482,8 +482,10 @@ def plot(rows: List[dict], path: str) -> None:
                     pts[r["context"]] = r["floor_ms"]
             if pts:
                 xs = sorted(pts)
-                ax.plot(xs, [pts[x] for x in xs], style, color="gray", label=f"bandwidth floor ({kind})")
+                ax.plot(xs, [pts[x] for x in xs], style, marker="_", markersize=12, color="gray",
+                        label=f"bandwidth floor ({kind})")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("ms per decode step")
         ax.set_title(f"batch {b}, {rs[0]['dtype']}, {rs[0]['device']}")
