@@ -241,6 +241,18 @@ def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequ
     return out
 
 
+def _native_status() -> str:
+    """Load (build on first use) tinyserve's native CPU kernel before anything is timed; what happened."""
+    t0 = time.perf_counter()
+    try:
+        from tinyserve_compile.runtime import native_unavailable_reason
+    except ImportError:
+        return "not part of this version (PyTorch path)"
+    why = native_unavailable_reason()
+    dt = time.perf_counter() - t0
+    return f"in use (loaded in {dt:.1f} s, untimed)" if why is None else f"unavailable, PyTorch path: {why}"
+
+
 def _rebuilds() -> int:
     """tinyserve's count of page-bounds rebuilds so far (a rebuild inside the timed steps is reported)."""
     import tinyserve_compile as tc
@@ -320,7 +332,7 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
                 step(fns[name], i)
             if name.startswith("tinyserve"):
                 c = tc.counters
-                sites[name] = (c.get("rewritten", 0), c.get("dense", 0))
+                sites[name] = (c.get("rewritten", 0), c.get("dense", 0), getattr(tc.explain(), "native_kernel", ""))
                 if not c.get("rewritten", 0):
                     log(f"# WARNING: {name} rewrote no attention site at context {ctx}, batch {batch}: "
                         f"{tc.explain()}")
@@ -357,7 +369,8 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
             model=model_name, fill=fill, dtype=str(dtype).replace("torch.", ""), device=str(device),
             row_lengths=",".join(map(str, lens)), steps=len(ts), rounds=rounds, warmup=warmup,
             options=json.dumps(opts_of[name], sort_keys=True) if opts_of[name] is not None else "",
-            sparse_sites=sites.get(name, (0, 0))[0], dense_sites=sites.get(name, (0, 0))[1],
+            sparse_sites=sites.get(name, (0, 0, ""))[0], dense_sites=sites.get(name, (0, 0, ""))[1],
+            native_kernel=sites.get(name, (0, 0, ""))[2],
             timed_bounds_rebuilds=rebuilds[name],
             kv_bytes_per_step=kv, weight_bytes=wbytes, stream_gbps=stream_gbps, floor_ms=floor_ms,
             pct_of_floor=floor_ms / ms * 100, cold_compile=cold, threads=torch.get_num_threads(), date=date))
@@ -385,6 +398,8 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} not in {sorted(DTYPES)}")
     names = provider_names(providers, paper, budgets)
+    if dev.type == "cpu" and "tinyserve" in providers:
+        log(f"# native CPU kernel: {_native_status()}")
     bw = read_bandwidth_gbs(dev)
     log(f"# read bandwidth ({dev.type}, one sum over 256 MB): {bw:.1f} GB/s")
     rows = []

@@ -22,9 +22,9 @@ One call on a lent GPU (H200 by default) does:
 
    at contexts 4K/16K/32K/128K, budget 2048, batch 1 and 8, fp16 and bf16,
    Hq=32 / Hkv=8 / D=128 (Llama-3-8B attention), for each selection setting
-   (``--settings``): ``paper`` (pages of 16, the bound alone, no sink page) and
-   ``defaults`` (the backend's: pages of 8, one sink page, two-stage with 4x
-   candidates).
+   (``--settings``): ``paper`` (pages of 16, the bound alone, no sink page, fp32
+   bounds) and ``defaults`` (the backend's: pages of 8, one sink page, two-stage
+   with 4x candidates, bf16 bounds rounded outward).
 3. **Report**: ms, speedup of ``sparse`` over the fastest SDPA backend and over
    ``dense``, and the GB/s of the bytes the sparse path actually touches (fp32
    bounds of the valid pages, the selected K/V pages, scores) against the device
@@ -71,9 +71,10 @@ FULL = dict(contexts=[4096, 16384, 32768, 131072], batches=[1, 8], dtypes=["fp16
             budget=2048)
 QUICK = dict(FULL, contexts=[4096, 32768], batches=[1], dtypes=["fp16"])
 DRY = dict(contexts=[128, 384], batches=[1, 2], dtypes=["fp16", "bf16"], hq=6, hkv=2, d=32, budget=64)
-#: selection settings: the paper's (pages of 16, the bound alone, no sink) and the backend's defaults
-SETTINGS = {"paper": dict(page=16, sink=0, cf=1),
-            "defaults": dict(page=C.DEFAULT_PAGE_SIZE, sink=C.DEFAULT_SINK_PAGES, cf=C.DEFAULT_CANDIDATE_FACTOR)}
+#: selection settings: the paper's (pages of 16, the bound alone, no sink, fp32 bounds) and the backend's defaults
+SETTINGS = {"paper": dict(page=16, sink=0, cf=1, bounds="float32"),
+            "defaults": dict(page=C.DEFAULT_PAGE_SIZE, sink=C.DEFAULT_SINK_PAGES, cf=C.DEFAULT_CANDIDATE_FACTOR,
+                             bounds=C.DEFAULT_BOUNDS_DTYPE)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ def time_ms(fn, device, iters: int) -> float:
     return statistics.median(ts)
 
 
-def bytes_touched(method: str, B, hkv, hq, L, D, S, budget, itemsize, cf: int = 1) -> int:
+def bytes_touched(method: str, B, hkv, hq, L, D, S, budget, itemsize, cf: int = 1, bounds_itemsize: int = 4) -> int:
     """Bytes a method must read/write at least: the K/V it attends, the bounds it scans (the cost model of
     :func:`tinyserve_compile.cost.sparse_site_bytes`, per batch row), the page scores it writes and reads, q/out."""
     P = math.ceil(L / S)
@@ -106,10 +107,10 @@ def bytes_touched(method: str, B, hkv, hq, L, D, S, budget, itemsize, cf: int = 
         return kv_dense + qo
     scores = 2 * B * hkv * P * 4
     if method == "select":
-        bounds = B * hkv * P * (2 * D + 1) * 4
+        bounds = B * hkv * P * (2 * D * bounds_itemsize + 4)
         cand = B * hkv * min(L, cf * budget) * D * itemsize if cf > 1 else 0
         return bounds + cand + scores + B * hq * D * itemsize
-    return B * sparse_site_bytes(L, hkv, D, itemsize, S, budget, cf) + scores + qo
+    return B * sparse_site_bytes(L, hkv, D, itemsize, S, budget, cf, bounds_itemsize) + scores + qo
 
 
 def peak_gbs_for(device, override):
@@ -193,13 +194,13 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
                 check_only=False):
     dtype = DTYPES[dname]
     hq, hkv, D, budget = cfg["hq"], cfg["hkv"], cfg["d"], cfg["budget"]
-    S, sink, cf = (SETTINGS[setting][k_] for k_ in ("page", "sink", "cf"))
+    S, sink, cf, bdt = (SETTINGS[setting][k_] for k_ in ("page", "sink", "cf", "bounds"))
     q, k, v = make_inputs(B, hq, hkv, L, D, dtype, device)
-    bounds = ref.page_bounds(k, S)
+    bounds = ref.page_bounds(k, S, dtype=getattr(torch, bdt))  # stored as the backend stores them
     vl = torch.full((B,), L, dtype=torch.int64, device=device)
     scale = D ** -0.5
     row = dict(context=L, batch=B, dtype=dname, setting=setting, hq=hq, hkv=hkv, head_dim=D, page=S, budget=budget,
-               sink_pages=sink, candidate_factor=cf)
+               sink_pages=sink, candidate_factor=cf, bounds_dtype=bdt)
     row.update(check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes, sink, cf))
     if check_only:
         log(fmt_check(row))
@@ -225,7 +226,8 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
             continue
         ms = time_ms(fns[name], device, iters)
         row[f"{name}_ms"] = ms
-        row[f"{name}_gbs"] = bytes_touched(name, B, hkv, hq, L, D, S, budget, itemsize, cf) / (ms * 1e-3) / 1e9
+        nbytes = bytes_touched(name, B, hkv, hq, L, D, S, budget, itemsize, cf, bounds[0].element_size())
+        row[f"{name}_gbs"] = nbytes / (ms * 1e-3) / 1e9
     sdpa = [row[f"{n}_ms"] for n in ("sdpa_flash", "sdpa_efficient") if row[f"{n}_ms"] is not None]
     row["speedup_vs_sdpa"] = (min(sdpa) / row["sparse_ms"]) if sdpa else None
     row["speedup_vs_dense"] = row["dense_ms"] / row["sparse_ms"]
