@@ -17,6 +17,8 @@ Environment
     Never build or load; the PyTorch path runs.
 ``TINYSERVE_NATIVE_ISA``
     ``avx512``, ``avx2`` or ``default``: override the detected vector ISA (testing).
+``TINYSERVE_NATIVE_CFLAGS``
+    Extra compiler flags (development, e.g. ``-DTS_PROFILE`` for phase timings on stderr).
 ``TINYSERVE_CACHE_DIR``
     Cache root (default ``~/.cache/tinyserve_compile``).
 """
@@ -78,6 +80,7 @@ def _flags(isa: str):
         cflags += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     else:
         cflags += ["-DCPU_CAPABILITY=DEFAULT"]
+    cflags += os.environ.get("TINYSERVE_NATIVE_CFLAGS", "").split()  # development only (e.g. -DTS_PROFILE)
     return cflags, ["-fopenmp"]
 
 

@@ -20,9 +20,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -140,6 +143,50 @@ inline float exp_sub_sum(float* x, int64_t n, float m) {
   return s;
 }
 
+// dst <- exp(src - m), returns the sum (m finite)
+inline float exp_sub_to(const float* src, float* dst, int64_t n, float m) {
+  int64_t i = 0;
+  Vec mv(m), acc(0.f);
+  for (; i + VS <= n; i += VS) {
+    Vec e = (Vec::loadu(src + i) - mv).exp_u20();
+    e.store(dst + i);
+    acc = acc + e;
+  }
+  alignas(64) float t[VS];
+  float s = 0.f;
+  if (i < n) {
+    const int r = static_cast<int>(n - i);
+    Vec e = (Vec::loadu(src + i, r) - mv).exp_u20();
+    e.store(dst + i, r);
+    e.store(t);
+    for (int j = 0; j < r; ++j) s += t[j];
+  }
+  acc.store(t);
+  for (int j = 0; j < VS; ++j) s += t[j];
+  return s;
+}
+
+inline float hsum(const float* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+  if (n >= VS) {
+    Vec a(0.f);
+    for (; i + VS <= n; i += VS) a = a + Vec::loadu(x + i);
+    alignas(64) float t[VS];
+    a.store(t);
+    for (int j = 0; j < VS; ++j) s += t[j];
+  }
+  for (; i < n; ++i) s += x[i];
+  return s;
+}
+
+// grow-only buffer (no page faults per call once warm)
+template <typename V>
+inline typename V::value_type* grow(V& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
 inline void prefetch_row(const void* p, int64_t bytes, int locality) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) {
@@ -149,6 +196,47 @@ inline void prefetch_row(const void* p, int64_t bytes, int locality) {
       __builtin_prefetch(c + off, 0, 1);
   }
 }
+
+// phase timing for development builds (-DTS_PROFILE): averages printed to stderr every 500 calls
+#ifdef TS_PROFILE
+// thread CPU time (meaningful with one thread; robust to preemption on a busy machine)
+struct Prof {
+  double acc[16] = {0}, lo[16] = {0};
+  const char* names[16] = {nullptr};
+  int64_t calls = 0;
+  double t = 0;
+  static double now() {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+  }
+  void start() { t = now(); }
+  void mark(int i, const char* name) {
+    const double n = now(), d = n - t;
+    acc[i] += d;
+    lo[i] = (names[i] == nullptr || d < lo[i]) ? d : lo[i];
+    names[i] = name;
+    t = n;
+  }
+  void done() {
+    if (++calls % 500) return;
+    for (int i = 0; i < 16; ++i)
+      if (names[i]) std::fprintf(stderr, "%s %.1f/%.1fus  ", names[i], acc[i] / calls, lo[i]);
+    std::fprintf(stderr, "\n");
+  }
+};
+inline Prof& prof() {
+  static Prof p;
+  return p;
+}
+#define TS_START() prof().start()
+#define TS_MARK(i, name) prof().mark(i, name)
+#define TS_DONE() prof().done()
+#else
+#define TS_START()
+#define TS_MARK(i, name)
+#define TS_DONE()
+#endif
 
 // grow-only scratch, one per thread and purpose (no page faults per call)
 template <int Tag>
@@ -264,12 +352,9 @@ struct Ctx {
   const float* qabs;  // [B*Hkv, G] |q|_1
   std::vector<Row> rows;
 
-  inline const T* krow(int64_t bh, int64_t t) const {
-    return k + (bh / Hkv) * ksb + (bh % Hkv) * ksh + t * ksl;
-  }
-  inline const T* vrow(int64_t bh, int64_t t) const {
-    return v + (bh / Hkv) * vsb + (bh % Hkv) * vsh + t * vsl;
-  }
+  // first row of (batch, KV head) bh; token t is at + t * ksl (resp. vsl)
+  inline const T* kbase(int64_t bh) const { return k + (bh / Hkv) * ksb + (bh % Hkv) * ksh; }
+  inline const T* vbase(int64_t bh) const { return v + (bh / Hkv) * vsb + (bh % Hkv) * vsh; }
   inline bool direct() const { return std::is_same_v<T, float> && Dp == D; }
 };
 
@@ -291,33 +376,106 @@ inline void rows_to_f32(const T* const* src, int n, int64_t D, int64_t Dp, float
   }
 }
 
-// out[g * ld + j] = q_g . row_j for j < n (rows: VS fp32 pointers, Dp floats each)
-inline void dot_block(const float* const* rows, int n, const float* q, int64_t G, int64_t nv, float* out,
-                      int64_t ld) {
+// Micro-kernels on a block of VS fp32 rows stored contiguously (row stride nv * VS floats). NV > 0 fixes nv at
+// compile time, so that every row is addressed with an immediate offset from one base register; NV == 0 is the
+// generic version. One is picked per call (Kern::pick).
+
+// out[g * ld + j] = q_g . row_j for j < n (the block has VS readable rows)
+template <int NV>
+void dot_block(const float* rows, int n, const float* q, int64_t G, int64_t nv_rt, float* out, int64_t ld) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
   for (int64_t g = 0; g < G; ++g) {
     Vec acc[VS];
     for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
-    const float* qg = q + g * nv * VS;
+    const float* qg = q + g * st;
     for (int64_t i = 0; i < nv; ++i) {
       const Vec qv = Vec::loadu(qg + i * VS);
-      for (int j = 0; j < VS; ++j) acc[j] = at::vec::fmadd(qv, Vec::loadu(rows[j] + i * VS), acc[j]);
+      for (int j = 0; j < VS; ++j) acc[j] = at::vec::fmadd(qv, Vec::loadu(rows + j * st + i * VS), acc[j]);
     }
     reduce_rows(acc).store(out + g * ld, n);
   }
 }
 
-// acc[g, :] += sum_t p[g * ldp + t] * row_t, for the n rows of a block
-inline void v_accum(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv, const float* const* rows,
-                    int n) {
-  for (int64_t g = 0; g < G; ++g) {
-    const float* pg = p + g * ldp;
-    float* ag = acc + g * nv * VS;
-    for (int64_t i = 0; i < nv; ++i) {
-      Vec a = Vec::loadu(ag + i * VS);
-      for (int j = 0; j < n; ++j) a = at::vec::fmadd(Vec(pg[j]), Vec::loadu(rows[j] + i * VS), a);
-      a.store(ag + i * VS);
+// r_j = relu(qp).M_j + min(q,0).m_j for the VS pages of a block (sum_d max(q_d M_jd, q_d m_jd))
+template <int NV>
+Vec bound_block(const float* M, const float* m, const float* qp, const float* qn, int64_t nv_rt) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  Vec acc[VS];
+  for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+  for (int64_t i = 0; i < nv; ++i) {
+    const Vec a = Vec::loadu(qp + i * VS);
+    const Vec z = Vec::loadu(qn + i * VS);
+    for (int j = 0; j < VS; ++j) {
+      acc[j] = at::vec::fmadd(a, Vec::loadu(M + j * st + i * VS), acc[j]);
+      acc[j] = at::vec::fmadd(z, Vec::loadu(m + j * st + i * VS), acc[j]);
     }
   }
+  return reduce_rows(acc);
+}
+
+// acc[g, :] += sum_{j < n} p[g * ldp + j] * row_j
+template <int NV>
+void v_accum(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv_rt, const float* rows, int n) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  if constexpr (NV > 0 && NV <= 8) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      Vec a[NV];
+      for (int i = 0; i < NV; ++i) a[i] = Vec::loadu(ag + i * VS);
+      for (int j = 0; j < n; ++j) {
+        const Vec pj(pg[j]);
+        for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(pj, Vec::loadu(rows + j * st + i * VS), a[i]);
+      }
+      for (int i = 0; i < NV; ++i) a[i].store(ag + i * VS);
+    }
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      for (int64_t i = 0; i < nv; ++i) {
+        Vec a = Vec::loadu(ag + i * VS);
+        for (int j = 0; j < n; ++j) a = at::vec::fmadd(Vec(pg[j]), Vec::loadu(rows + j * st + i * VS), a);
+        a.store(ag + i * VS);
+      }
+    }
+  }
+}
+
+struct Kern {
+  decltype(&dot_block<0>) dot;
+  decltype(&bound_block<0>) bound;
+  decltype(&v_accum<0>) vacc;
+  static Kern pick(int64_t nv) {
+    switch (nv) {
+      case 1: return {&dot_block<1>, &bound_block<1>, &v_accum<1>};
+      case 2: return {&dot_block<2>, &bound_block<2>, &v_accum<2>};
+      case 4: return {&dot_block<4>, &bound_block<4>, &v_accum<4>};
+      case 8: return {&dot_block<8>, &bound_block<8>, &v_accum<8>};
+      case 16: return {&dot_block<16>, &bound_block<16>, &v_accum<16>};
+      default: return {&dot_block<0>, &bound_block<0>, &v_accum<0>};
+    }
+  }
+};
+
+// A block of n <= VS token rows (tokens tok[0..n), row t at base + t * stride) as VS contiguous fp32 rows of Dp:
+// the cache itself when that is already the layout (fp32, Dp == D == stride, consecutive tokens, full block),
+// else a copy in scr (zero rows after n when pad).
+template <typename T>
+inline const float* token_block(const T* base, int64_t stride, const int64_t* tok, int n, int64_t D, int64_t Dp,
+                                float* scr, bool pad) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == VS && Dp == D && stride == D && tok[VS - 1] == tok[0] + VS - 1) {
+      bool run = true;
+      for (int j = 1; j < VS - 1; ++j) run &= tok[j] == tok[0] + j;
+      if (run) return base + tok[0] * stride;
+    }
+  }
+  const T* src[VS];
+  for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
+  rows_to_f32<T>(src, n, D, Dp, scr);
+  if (pad) std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
+  return scr;
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -325,7 +483,7 @@ inline void v_accum(float* acc, const float* p, int64_t ldp, int64_t G, int64_t 
 // ------------------------------------------------------------------------------------------------------------
 
 template <typename T, typename BT>
-void score_pages(const Ctx<T, BT>& c, int64_t bh, int64_t p0, int64_t p1, float* out) {
+void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, int64_t p1, float* out) {
   const int64_t b = bh / c.Hkv, h = bh % c.Hkv, D = c.D, Dp = c.Dp, G = c.G, S = c.S;
   const BT* M = c.kmax + bh * c.P * D;
   const BT* m = c.kmin + bh * c.P * D;
@@ -333,63 +491,48 @@ void score_pages(const Ctx<T, BT>& c, int64_t bh, int64_t p0, int64_t p1, float*
   const float* qp = c.qp + bh * G * Dp;
   const float* qn = c.qn + bh * G * Dp;
   const float* qa = c.qabs + bh * G;
-  const bool direct = std::is_same_v<BT, float> && Dp == D;
   float* scr = scratch_f<0>(2 * VS * Dp);
   alignas(64) float mm[VS];
   alignas(64) float kb[VS];
   for (int64_t p = p0; p < p1; p += VS) {
     const int n = static_cast<int>(std::min<int64_t>(VS, p1 - p));
-    // ---- the block's bounds as fp32 rows
-    const float* Mr[VS];
-    const float* mr[VS];
-    if (direct) {
-      for (int j = 0; j < VS; ++j) {
-        const int64_t pj = p + std::min(j, n - 1);
-        Mr[j] = reinterpret_cast<const float*>(M) + pj * D;
-        mr[j] = reinterpret_cast<const float*>(m) + pj * D;
-      }
+    // ---- the block's bounds as contiguous fp32 rows (in place for fp32 bounds and full blocks)
+    const float* Mb;
+    const float* mb;
+    if (std::is_same_v<BT, float> && Dp == D && n == VS) {
+      Mb = reinterpret_cast<const float*>(M + p * D);
+      mb = reinterpret_cast<const float*>(m + p * D);
     } else {
       const BT* src[VS];
       for (int j = 0; j < n; ++j) src[j] = M + (p + j) * D;
       rows_to_f32<BT>(src, n, D, Dp, scr);
       for (int j = 0; j < n; ++j) src[j] = m + (p + j) * D;
       rows_to_f32<BT>(src, n, D, Dp, scr + VS * Dp);
-      for (int j = 0; j < VS; ++j) {
-        const int jj = std::min(j, n - 1);
-        Mr[j] = scr + jj * Dp;
-        mr[j] = scr + (VS + jj) * Dp;
-      }
+      std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
+      std::fill(scr + (VS + n) * Dp, scr + 2 * VS * Dp, 0.f);
+      Mb = scr;
+      mb = scr + VS * Dp;
     }
     for (int j = 0; j < VS; ++j) kb[j] = j < n ? kab[p + j] : 0.f;
     const Vec kbv = Vec::loadu(kb);
     Vec best(NEG_INF);
     for (int64_t g = 0; g < G; ++g) {
-      // ---- r = sum_d max(q_d M_d, q_d m_d) as relu(q).M + min(q,0).m, VS pages at once
-      Vec acc[VS];
-      for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
-      const float* qpg = qp + g * Dp;
-      const float* qng = qn + g * Dp;
-      for (int64_t i = 0; i < c.nv; ++i) {
-        const Vec a = Vec::loadu(qpg + i * VS);
-        const Vec z = Vec::loadu(qng + i * VS);
-        for (int j = 0; j < VS; ++j) {
-          acc[j] = at::vec::fmadd(a, Vec::loadu(Mr[j] + i * VS), acc[j]);
-          acc[j] = at::vec::fmadd(z, Vec::loadu(mr[j] + i * VS), acc[j]);
-        }
-      }
-      const Vec r = reduce_rows(acc);
+      // ---- r = sum_d max(q_d M_d, q_d m_d), VS pages at once
+      const Vec r = kern.bound(Mb, mb, qp + g * Dp, qn + g * Dp, c.nv);
       // ---- rounding slack, scale (as reference.page_scores), then the page max of the mask
       const Vec slack = at::vec::fmadd(Vec(qa[g]), kbv, Vec(c.base));
-      Vec s = at::vec::fmadd(Vec(c.factor), slack, r) * Vec(c.scale);
-      if (c.mask.kind != 0 && (g == 0 || c.mask.per_head)) {
-        const int64_t hq = h * G + g;
-        for (int j = 0; j < VS; ++j) {
-          const int64_t pj = p + std::min(j, n - 1);
-          mm[j] = c.mask.range_max(b, hq, pj * S, std::min((pj + 1) * S, c.L));
+      Vec sc = at::vec::fmadd(Vec(c.factor), slack, r) * Vec(c.scale);
+      if (c.mask.kind != 0) {
+        if (g == 0 || c.mask.per_head) {
+          const int64_t hq = h * G + g;
+          for (int j = 0; j < VS; ++j) {
+            const int64_t pj = p + std::min(j, n - 1);
+            mm[j] = c.mask.range_max(b, hq, pj * S, std::min((pj + 1) * S, c.L));
+          }
         }
+        sc = sc + Vec::loadu(mm);
       }
-      if (c.mask.kind != 0) s = s + Vec::loadu(mm);
-      best = at::vec::maximum(best, s);
+      best = at::vec::maximum(best, sc);
     }
     best.store(out + p, n);
   }
@@ -399,25 +542,82 @@ void score_pages(const Ctx<T, BT>& c, int64_t bh, int64_t p0, int64_t p1, float*
 // partial selection: the n_keep largest of w[0, n), forced pages at +inf, -inf never kept; ascending
 // ------------------------------------------------------------------------------------------------------------
 
-// returns the count written to out (ascending indices)
-inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, float* tmp, int32_t* out) {
+// order-preserving map of a float to uint32 (NaN above +inf, as topk treats it as largest)
+inline uint32_t fkey(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return x != x ? 0xFFFFFFFFu : k;
+}
+
+// Histogram of digit (k >> sh) & (nb - 1) over the keys with (k & pmask) == prefix; four interleaved
+// sub-histograms so that runs of equal digits (scores are concentrated) do not serialise on one counter.
+inline void digit_hist(const uint32_t* keys, int64_t n, int sh, uint32_t nb, uint32_t pmask, uint32_t prefix,
+                       uint32_t (*hist)[2048]) {
+  for (int u = 0; u < 4; ++u) std::memset(hist[u], 0, nb * sizeof(uint32_t));
+  int64_t i = 0;
+  if (pmask == 0) {
+    for (; i + 4 <= n; i += 4)
+      for (int u = 0; u < 4; ++u) ++hist[u][(keys[i + u] >> sh) & (nb - 1)];
+    for (; i < n; ++i) ++hist[0][(keys[i] >> sh) & (nb - 1)];
+  } else {
+    for (; i + 4 <= n; i += 4)
+      for (int u = 0; u < 4; ++u) hist[u][(keys[i + u] >> sh) & (nb - 1)] += (keys[i + u] & pmask) == prefix;
+    for (; i < n; ++i) hist[0][(keys[i] >> sh) & (nb - 1)] += (keys[i] & pmask) == prefix;
+  }
+  for (uint32_t d = 0; d < nb; ++d) hist[0][d] += hist[1][d] + hist[2][d] + hist[3][d];
+}
+
+// Writes the indices of the n_keep largest of w[0, n) to out, ascending, leaving out -inf; ties at the threshold
+// go to the lowest indices. Radix select on the float keys (digits of 11/11/10 bits; after the first digit only
+// the keys sharing it are scanned), no sort. keys: scratch of 2n. Returns the count.
+inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* keys, int32_t* out) {
+  constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // fkey(-inf)
   if (n_keep >= n) {
     int64_t cnt = 0;
     for (int64_t p = 0; p < n; ++p)
-      if (w[p] > NEG_INF || std::isnan(w[p])) out[cnt++] = static_cast<int32_t>(p);
+      if (fkey(w[p]) > NEG_INF_KEY) out[cnt++] = static_cast<int32_t>(p);
     return cnt;
   }
-  for (int64_t p = 0; p < n; ++p) tmp[p] = std::isnan(w[p]) ? POS_INF : w[p];
-  std::nth_element(tmp, tmp + (n_keep - 1), tmp + n, std::greater<float>());
-  const float thr = tmp[n_keep - 1];
-  int64_t gt = 0;
-  for (int64_t p = 0; p < n; ++p) gt += (std::isnan(w[p]) ? POS_INF : w[p]) > thr;
-  int64_t ties = n_keep - gt;
+  uint32_t hist[4][2048];
+  for (int64_t p = 0; p < n; ++p) keys[p] = fkey(w[p]);
+  // ---- first digit over every key
+  digit_hist(keys, n, 21, 2048, 0, 0, hist);
+  int64_t need = n_keep;
+  uint32_t d = 2047;
+  for (;; --d) {
+    if (hist[0][d] >= need) break;
+    need -= hist[0][d];
+  }
+  uint32_t prefix = d << 21, pmask = 0xFFE00000u;
+  // ---- the keys in that bucket, then the lower digits among them
+  uint32_t* sub = keys + n;
+  int64_t m = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    sub[m] = keys[p];
+    m += (keys[p] >> 21) == d;
+  }
+  const int shifts[2] = {10, 0};
+  const uint32_t widths[2] = {2048, 1024};
+  for (int lvl = 0; lvl < 2; ++lvl) {
+    const int sh = shifts[lvl];
+    const uint32_t nb = widths[lvl];
+    digit_hist(sub, m, sh, nb, pmask, prefix, hist);
+    uint32_t e = nb - 1;
+    for (;; --e) {
+      if (hist[0][e] >= need) break;
+      need -= hist[0][e];
+    }
+    prefix |= e << sh;
+    pmask |= (nb - 1) << sh;
+  }
+  const uint32_t thr = prefix;
+  // ---- ascending output: every key above the threshold, the first `need` equal to it
   int64_t cnt = 0;
   for (int64_t p = 0; p < n; ++p) {
-    const float x = std::isnan(w[p]) ? POS_INF : w[p];
-    if (x > thr || (x == thr && ties-- > 0)) {
-      if (x > NEG_INF) out[cnt++] = static_cast<int32_t>(p);
+    const uint32_t k = keys[p];
+    if (k > thr || (k == thr && need-- > 0)) {
+      if (k > NEG_INF_KEY) out[cnt++] = static_cast<int32_t>(p);
     }
   }
   return cnt;
@@ -456,39 +656,30 @@ inline void run_items(int64_t n, const F& f) {
 // tok[T]: token indices (all valid). If lg_given, lg[g * ldl + t] hold the logits (mask included); else they
 // are computed here from the keys, q*scale and the mask. Writes part[g * (Dp + 2) + {0: max, 1: sum, 2..}].
 template <typename T, typename BT>
-void attend_tokens(const Ctx<T, BT>& c, int64_t bh, const int64_t* tok, int64_t T_, bool lg_given, float* lg,
-                   int64_t ldl, float* part) {
+void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int64_t* tok, int64_t T_, bool lg_given,
+                   float* lg, int64_t ldl, float* part) {
   const int64_t G = c.G, Dp = c.Dp, nv = c.nv, D = c.D;
   const int64_t b = bh / c.Hkv, h = bh % c.Hkv;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   float* scr = scratch_f<1>(VS * Dp);
-  const float* rows[VS];
-  const T* src[VS];
+  const T* kb = c.kbase(bh);
+  const T* vb = c.vbase(bh);
+  const int64_t ksl = c.ksl, vsl = c.vsl;
   // ---- logits from the keys, VS tokens at a time; prefetch keys ahead and this block's values into L2
   if (!lg_given) {
     const float* qs = c.qs + bh * G * Dp;
     for (int64_t t0 = 0; t0 < T_; t0 += VS) {
       const int n = static_cast<int>(std::min<int64_t>(VS, T_ - t0));
       const int64_t tp = t0 + PF_BLOCKS * VS;
-      for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(c.krow(bh, tok[t]), row_bytes, 3);
-      for (int j = 0; j < n; ++j) prefetch_row(c.vrow(bh, tok[t0 + j]), row_bytes, 1);
-      for (int j = 0; j < n; ++j) src[j] = c.krow(bh, tok[t0 + j]);
-      if (c.direct()) {
-        for (int j = 0; j < VS; ++j) rows[j] = reinterpret_cast<const float*>(src[std::min(j, n - 1)]);
-      } else {
-        rows_to_f32<T>(src, n, D, Dp, scr);
-        for (int j = 0; j < VS; ++j) rows[j] = scr + std::min(j, n - 1) * Dp;
-      }
-      dot_block(rows, n, qs, G, nv, lg + t0, ldl);
+      for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(kb + tok[t] * ksl, row_bytes, 3);
+      for (int j = 0; j < n; ++j) prefetch_row(vb + tok[t0 + j] * vsl, row_bytes, 1);
+      const float* rows = token_block<T>(kb, ksl, tok + t0, n, D, Dp, scr, true);
+      kern.dot(rows, n, qs, G, nv, lg + t0, ldl);
     }
     if (c.mask.kind != 0) {
       for (int64_t g = 0; g < G; ++g) {
-        if (g > 0 && !c.mask.per_head) {
-          // shared mask: copy the additive values from head 0's correction
-          for (int64_t t = 0; t < T_; ++t) lg[g * ldl + t] += c.mask.at(b, h * G, tok[t]);
-          continue;
-        }
-        for (int64_t t = 0; t < T_; ++t) lg[g * ldl + t] += c.mask.at(b, h * G + g, tok[t]);
+        const int64_t hq = h * G + (c.mask.per_head ? g : 0);
+        for (int64_t t = 0; t < T_; ++t) lg[g * ldl + t] += c.mask.at(b, hq, tok[t]);
       }
     }
   }
@@ -499,13 +690,12 @@ void attend_tokens(const Ctx<T, BT>& c, int64_t bh, const int64_t* tok, int64_t 
     const float mx = hmax(x, T_);
     pg[0] = mx;
     pg[1] = 0.f;
-    std::fill(pg + 2, pg + 2 + Dp, 0.f);
     if (mx == NEG_INF || std::isnan(mx)) {
       std::fill(x, x + T_, 0.f);
       pg[0] = NEG_INF;
       continue;
     }
-    pg[1] = exp_sub_sum(x, T_, mx);
+    pg[1] = exp_sub_to(x, x, T_, mx);
   }
   // ---- weighted values, VS tokens at a time
   float* acc = scratch_f<2>(G * Dp);
@@ -513,15 +703,9 @@ void attend_tokens(const Ctx<T, BT>& c, int64_t bh, const int64_t* tok, int64_t 
   for (int64_t t0 = 0; t0 < T_; t0 += VS) {
     const int n = static_cast<int>(std::min<int64_t>(VS, T_ - t0));
     const int64_t tp = t0 + PF_BLOCKS * VS;
-    for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(c.vrow(bh, tok[t]), row_bytes, 3);
-    for (int j = 0; j < n; ++j) src[j] = c.vrow(bh, tok[t0 + j]);
-    if (c.direct()) {
-      for (int j = 0; j < n; ++j) rows[j] = reinterpret_cast<const float*>(src[j]);
-    } else {
-      rows_to_f32<T>(src, n, D, Dp, scr);
-      for (int j = 0; j < n; ++j) rows[j] = scr + j * Dp;
-    }
-    v_accum(acc, lg + t0, ldl, G, nv, rows, n);
+    for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(vb + tok[t] * vsl, row_bytes, 3);
+    const float* rows = token_block<T>(vb, vsl, tok + t0, n, D, Dp, scr, false);
+    kern.vacc(acc, lg + t0, ldl, G, nv, rows, n);
   }
   for (int64_t g = 0; g < G; ++g) std::memcpy(part + g * (Dp + 2) + 2, acc + g * Dp, Dp * sizeof(float));
 }
@@ -536,7 +720,14 @@ struct Plan {
   std::vector<int64_t> selcnt;   // [BH]
   std::vector<int32_t> kept;     // [BH, K] kept pages (one stage) or candidate slots (two stage), ascending
   std::vector<int64_t> keptcnt;  // [BH]
+  // work buffers, grow-only (one Plan per calling thread)
+  std::vector<float> qbuf, scores, lgc, plse, parts;
 };
+
+inline Plan& thread_plan() {
+  thread_local Plan plan;
+  return plan;
+}
 
 template <typename T, typename BT>
 void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
@@ -627,7 +818,8 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
 // Selection stages (bound scan, top-K or top-cK, two-stage logits and ranking). Fills plan.kept/keptcnt and,
 // for two-stage rows, the candidates' logits lgc [BH, G, N1*S] (mask included, -inf at invalid slots).
 template <typename T, typename BT>
-void select_stages(const Ctx<T, BT>& c, Plan& pl, std::vector<float>& lgc, int64_t& ld_lgc) {
+void select_stages(const Ctx<T, BT>& c, Plan& pl, int64_t& ld_lgc) {
+  const Kern kern = Kern::pick(c.nv);
   const int64_t BH = c.B * c.Hkv, G = c.G, S = c.S, K = c.K;
   const int64_t N1 = c.cf > 1 ? std::min(c.K * c.cf, c.P) : c.K;
   pl.sel.assign(BH * std::max<int64_t>(N1, 1), 0);
@@ -640,9 +832,8 @@ void select_stages(const Ctx<T, BT>& c, Plan& pl, std::vector<float>& lgc, int64
     any_two |= r.mode == TWO_ALL || r.mode == TWO_TOPK;
   }
   // ---- stage 1: bound scan over the valid pages of the rows that need it
-  std::vector<float> scores;
   if (any_scores) {
-    scores.resize(BH * c.P);
+    float* scores = grow(pl.scores, BH * c.P);
     std::vector<Item> items;
     int64_t total = 0;
     for (int64_t bh = 0; bh < BH; ++bh) {
@@ -656,21 +847,23 @@ void select_stages(const Ctx<T, BT>& c, Plan& pl, std::vector<float>& lgc, int64
     }
     run_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
       const Item& it = items[i];
-      score_pages(c, it.bh, it.begin, it.end, scores.data() + it.bh * c.P);
+      score_pages(c, kern, it.bh, it.begin, it.end, scores + it.bh * c.P);
     });
+    TS_MARK(1, "scores");
     // ---- stage 2: forced pages at +inf, partial top-N (ascending, -inf dropped)
     run_items(BH, [&](int64_t bh) {
       const Row& r = c.rows[bh / c.Hkv];
       if (!(r.mode == ONE_STAGE || r.mode == TWO_TOPK)) return;
-      float* w = scores.data() + bh * c.P;
+      float* w = scores + bh * c.P;
       for (int64_t p = 0; p < std::min(c.sinks, r.nvalid); ++p) w[p] = POS_INF;
       if (r.newest >= 0) w[r.newest] = POS_INF;
       const int64_t n_keep = r.mode == ONE_STAGE ? K : N1;
-      float* tmp = scratch_f<3>(r.nvalid);
+      uint32_t* tmp = reinterpret_cast<uint32_t*>(scratch_f<3>(2 * r.nvalid));
       int32_t* out = (r.mode == ONE_STAGE ? pl.kept.data() + bh * K : pl.sel.data() + bh * N1);
       const int64_t cnt = select_top(w, r.nvalid, n_keep, tmp, out);
       (r.mode == ONE_STAGE ? pl.keptcnt : pl.selcnt)[bh] = cnt;
     });
+    TS_MARK(2, "select");
   }
   if (!any_two) return;
   // ---- two-stage candidates: every valid page when they number at most c*K
@@ -683,15 +876,15 @@ void select_stages(const Ctx<T, BT>& c, Plan& pl, std::vector<float>& lgc, int64
   }
   // ---- stage 3a: exact logits of the candidates' tokens, page log-sum-exp per query head
   ld_lgc = N1 * S;
-  lgc.assign(BH * G * ld_lgc, NEG_INF);
-  std::vector<float> plse(BH * G * N1, NEG_INF);
+  float* lg_all = grow(pl.lgc, BH * G * ld_lgc);
+  float* plse = grow(pl.plse, BH * G * N1);
   std::vector<Item> items;
   int64_t total = 0;
   for (int64_t bh = 0; bh < BH; ++bh) {
     const int m = c.rows[bh / c.Hkv].mode;
     if (m == TWO_ALL || m == TWO_TOPK) total += pl.selcnt[bh];
   }
-  const int64_t ch = chunk_size(total, 16, 1);
+  const int64_t ch = chunk_size(total, 16, VS);
   for (int64_t bh = 0; bh < BH; ++bh) {
     const int m = c.rows[bh / c.Hkv].mode;
     if (m == TWO_ALL || m == TWO_TOPK) add_chunks(items, bh, pl.selcnt[bh], ch);
@@ -702,92 +895,102 @@ void select_stages(const Ctx<T, BT>& c, Plan& pl, std::vector<float>& lgc, int64
     const int64_t bh = it.bh, b = bh / c.Hkv, h = bh % c.Hkv;
     const Row& r = c.rows[b];
     const int32_t* cand = pl.sel.data() + bh * N1;
-    // valid tokens of the chunk and their slots
-    const int64_t cap = (it.end - it.begin) * S;
-    int64_t* tok = reinterpret_cast<int64_t*>(scratch_f<4>(2 * cap + 2));
-    int64_t nt = 0;
-    for (int64_t j = it.begin; j < it.end; ++j) {
-      const int64_t t0 = static_cast<int64_t>(cand[j]) * S;
-      for (int64_t t = t0; t < std::min(t0 + S, r.ntok); ++t) tok[nt++] = t;
-    }
-    float* tmp = scratch_f<5>(G * (cap + VS));
-    const int64_t ldt = cap + VS;
+    const int64_t s0 = it.begin * S, ns = (it.end - it.begin) * S;  // the chunk's candidate slots
     float* scr = scratch_f<1>(VS * Dp);
     const float* qs = c.qs + bh * G * Dp;
-    const float* rows[VS];
-    const T* src[VS];
     const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-    for (int64_t t0 = 0; t0 < nt; t0 += VS) {
-      const int n = static_cast<int>(std::min<int64_t>(VS, nt - t0));
-      const int64_t tp = t0 + PF_BLOCKS * VS;
-      for (int64_t t = tp; t < std::min(nt, tp + VS); ++t) prefetch_row(c.krow(bh, tok[t]), row_bytes, 3);
-      for (int j = 0; j < n; ++j) src[j] = c.krow(bh, tok[t0 + j]);
-      if (c.direct()) {
-        for (int j = 0; j < VS; ++j) rows[j] = reinterpret_cast<const float*>(src[std::min(j, n - 1)]);
-      } else {
-        rows_to_f32<T>(src, n, D, Dp, scr);
-        for (int j = 0; j < VS; ++j) rows[j] = scr + std::min(j, n - 1) * Dp;
-      }
-      dot_block(rows, n, qs, G, nv, tmp + t0, ldt);
+    const T* kb = c.kbase(bh);
+    // token of every slot of the chunk (-1 past the valid tokens)
+    int64_t* tok = reinterpret_cast<int64_t*>(scratch_f<4>(2 * ns + 2));
+    for (int64_t j = it.begin; j < it.end; ++j) {
+      const int64_t t0 = static_cast<int64_t>(cand[j]) * S;
+      int64_t* tj = tok + (j - it.begin) * S;
+      for (int64_t u = 0; u < S; ++u) tj[u] = t0 + u < r.ntok ? t0 + u : -1;
     }
-    // scatter into the candidate slots (mask added), then the page log-sum-exp per head
-    for (int64_t g = 0; g < G; ++g) {
-      float* dst = lgc.data() + (bh * G + g) * ld_lgc;
-      const float* sg = tmp + g * ldt;
-      const int64_t hq = h * G + (c.mask.per_head ? g : 0);
-      int64_t ti = 0;
-      for (int64_t j = it.begin; j < it.end; ++j) {
-        const int64_t t0 = static_cast<int64_t>(cand[j]) * S;
-        for (int64_t t = t0; t < std::min(t0 + S, r.ntok); ++t, ++ti) {
-          float x = sg[ti];
-          if (c.mask.kind != 0) x += c.mask.at(b, hq, t);
-          dst[j * S + (t - t0)] = x;
-        }
+    // logits straight into the slots, VS slots at a time (a slot past the valid tokens reads a zero row)
+    float* xb = lg_all + bh * G * ld_lgc + s0;
+    int64_t tk[VS];
+    for (int64_t s1 = 0; s1 < ns; s1 += VS) {
+      const int n = static_cast<int>(std::min<int64_t>(VS, ns - s1));
+      const int64_t sp = s1 + PF_BLOCKS * VS;
+      for (int64_t sl = sp; sl < std::min(ns, sp + VS); ++sl)
+        if (tok[sl] >= 0) prefetch_row(kb + tok[sl] * c.ksl, row_bytes, 3);
+      int nvld = 0;
+      while (nvld < n && tok[s1 + nvld] >= 0) ++nvld;  // invalid slots only at the end (newest page)
+      const float* rows;
+      if (nvld == n) {
+        rows = token_block<T>(kb, c.ksl, tok + s1, n, D, Dp, scr, true);
+      } else {
+        for (int j = 0; j < nvld; ++j) tk[j] = tok[s1 + j];
+        rows = token_block<T>(kb, c.ksl, tk, nvld, D, Dp, scr, true);
       }
-      float* lse = plse.data() + (bh * G + g) * N1;
-      const int64_t s0 = it.begin * S, ns = (it.end - it.begin) * S;
-      const float mc = hmax(dst + s0, ns);
-      if (mc == NEG_INF || std::isnan(mc)) continue;  // every page of the chunk -inf for this head
-      float* e = scratch_f<6>(ns);
-      std::memcpy(e, dst + s0, ns * sizeof(float));
-      exp_sub_sum(e, ns, mc);
-      for (int64_t j = it.begin; j < it.end; ++j) {
-        const float* ej = e + (j - it.begin) * S;
-        const float* xj = dst + j * S;
-        float sum = 0.f, pm = NEG_INF;
-        for (int64_t s = 0; s < S; ++s) {
-          sum += ej[s];
-          pm = std::max(pm, xj[s]);
+      kern.dot(rows, n, qs, G, nv, xb + s1, ld_lgc);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* x = lg_all + (bh * G + g) * ld_lgc;
+      const int64_t hq = h * G + (c.mask.per_head ? g : 0);
+      if (c.mask.kind != 0) {
+        for (int64_t sl = 0; sl < ns; ++sl)
+          x[s0 + sl] = tok[sl] < 0 ? NEG_INF : x[s0 + sl] + c.mask.at(b, hq, tok[sl]);
+      } else if (r.ntok < (static_cast<int64_t>(cand[it.end - 1]) + 1) * S) {  // only the newest page is partial
+        for (int64_t sl = ns - S; sl < ns; ++sl)
+          if (tok[sl] < 0) x[s0 + sl] = NEG_INF;
+      }
+      // page log-sum-exp: exp against the chunk max, page sums, vectorised log
+      float* lse = plse + (bh * G + g) * N1;
+      const float mc = hmax(x + s0, ns);
+      if (mc == NEG_INF || std::isnan(mc)) {
+        std::fill(lse + it.begin, lse + it.end, NEG_INF);
+        continue;
+      }
+      float* e = scratch_f<6>(ns + VS);
+      exp_sub_to(x + s0, e, ns, mc);
+      float* sums = lse + it.begin;
+      const int64_t np = it.end - it.begin;
+      if (S == VS) {
+        int64_t j = 0;
+        for (; j + VS <= np; j += VS) {
+          Vec pv[VS];
+          for (int u = 0; u < VS; ++u) pv[u] = Vec::loadu(e + (j + u) * S);
+          reduce_rows(pv).store(sums + j);
         }
-        if (pm == NEG_INF) {
-          lse[j] = NEG_INF;
-        } else if (sum > 0.f) {
-          lse[j] = mc + std::log(sum);
-        } else {  // underflow against the chunk max: exact per-page value
-          float s2 = 0.f;
-          for (int64_t s = 0; s < S; ++s) s2 += std::exp(xj[s] - pm);
-          lse[j] = pm + std::log(s2);
-        }
+        for (; j < np; ++j) sums[j] = hsum(e + j * S, S);
+      } else {
+        for (int64_t j = 0; j < np; ++j) sums[j] = hsum(e + j * S, S);
+      }
+      int64_t j = 0;
+      for (; j + VS <= np; j += VS) (Vec::loadu(sums + j).log() + Vec(mc)).store(sums + j);
+      if (j < np) (Vec::loadu(sums + j, static_cast<int>(np - j)).log() + Vec(mc)).store(sums + j, static_cast<int>(np - j));
+      for (j = 0; j < np; ++j) {
+        if (sums[j] > NEG_INF) continue;
+        // zero sum: the page is -inf throughout, or it underflowed against the chunk max (exact value then)
+        const float* xj = x + (it.begin + j) * S;
+        float pm = NEG_INF;
+        for (int64_t u = 0; u < S; ++u) pm = std::max(pm, xj[u]);
+        if (pm == NEG_INF) continue;
+        float s2 = 0.f;
+        for (int64_t u = 0; u < S; ++u) s2 += std::exp(xj[u] - pm);
+        sums[j] = pm + std::log(s2);
       }
     }
   });
+  TS_MARK(3, "cand_logits");
   // ---- stage 3b: share of softmax mass per candidate page (max over the group), forced pages, top K
   run_items(BH, [&](int64_t bh) {
     const Row& r = c.rows[bh / c.Hkv];
     if (!(r.mode == TWO_ALL || r.mode == TWO_TOPK)) return;
     const int64_t kc = pl.selcnt[bh];
     const int32_t* cand = pl.sel.data() + bh * N1;
-    float* share = scratch_f<7>(2 * kc + 1);
-    float* tmp = share + kc;
+    float* share = scratch_f<7>(3 * kc + 1);
+    uint32_t* tmp = reinterpret_cast<uint32_t*>(share + kc);
     std::fill(share, share + kc, NEG_INF);
     for (int64_t g = 0; g < G; ++g) {
-      const float* lse = plse.data() + (bh * G + g) * N1;
+      const float* lse = plse + (bh * G + g) * N1;
       const float mx = hmax(lse, kc);
       float total = NEG_INF;
       if (mx > NEG_INF) {
-        double s = 0.0;
-        for (int64_t j = 0; j < kc; ++j) s += std::exp(lse[j] - mx);
-        total = mx + static_cast<float>(std::log(s));
+        float* e = scratch_f<6>(kc + VS);
+        total = mx + std::log(exp_sub_to(lse, e, kc, mx));
       }
       for (int64_t j = 0; j < kc; ++j) {
         const float x = lse[j] - total;
@@ -800,6 +1003,7 @@ void select_stages(const Ctx<T, BT>& c, Plan& pl, std::vector<float>& lgc, int64
     }
     pl.keptcnt[bh] = select_top(share, kc, K, tmp, pl.kept.data() + bh * K);
   });
+  TS_MARK(4, "rank");
 }
 
 template <typename T, typename BT>
@@ -807,15 +1011,17 @@ at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const a
                                const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
                                const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
                                int64_t sinks, int64_t cf, bool force_dense) {
+  TS_START();
   Ctx<T, BT> c;
-  std::vector<float> qbuf;
-  build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, qbuf);
+  Plan& pl = thread_plan();
+  build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, pl.qbuf);
+  TS_MARK(0, "setup");
   const int64_t BH = c.B * c.Hkv, G = c.G, Dp = c.Dp, K = c.K;
   const int64_t N1 = cf > 1 ? std::min(c.K * cf, c.P) : c.K;
-  Plan pl;
-  std::vector<float> lgc;
   int64_t ld_lgc = 0;
-  select_stages(c, pl, lgc, ld_lgc);
+  select_stages(c, pl, ld_lgc);
+  const float* lgc = pl.lgc.data();
+  const Kern kern = Kern::pick(c.nv);
   // ---- attention work items: chunks of kept pages (or of all valid pages for dense rows)
   std::vector<Item> items;
   int64_t total = 0;
@@ -831,7 +1037,7 @@ at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const a
     else if (r.mode != EMPTY) add_chunks(items, bh, pl.keptcnt[bh], ch);
   }
   const int64_t n_items = static_cast<int64_t>(items.size());
-  std::vector<float> parts(n_items * G * (Dp + 2));
+  float* parts = grow(pl.parts, n_items * G * (Dp + 2));
   run_items(n_items, [&](int64_t i) {
     const Item& it = items[i];
     const int64_t bh = it.bh;
@@ -855,14 +1061,15 @@ at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const a
       if (two) {  // reuse the candidates' logits
         const int64_t slot = pl.kept[bh * K + j];
         for (int64_t g = 0; g < G; ++g) {
-          const float* src = lgc.data() + (bh * G + g) * ld_lgc + slot * S;
+          const float* src = lgc + (bh * G + g) * ld_lgc + slot * S;
           std::memcpy(lg + g * ldl + nt, src, std::max<int64_t>(0, t1 - t0) * sizeof(float));
         }
       }
       for (int64_t t = t0; t < t1; ++t) tok[nt++] = t;
     }
-    attend_tokens(c, bh, tok, nt, two, lg, ldl, parts.data() + i * G * (Dp + 2));
+    attend_tokens(c, kern, bh, tok, nt, two, lg, ldl, parts + i * G * (Dp + 2));
   });
+  TS_MARK(5, "attend");
   // ---- combine the chunks of each (batch, KV head): log-sum-exp merge, normalise, cast
   at::Tensor out = at::empty({c.B, c.Hq, 1, c.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   T* o = out.data_ptr<T>();
@@ -879,7 +1086,7 @@ at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const a
       float l = 0.f;
       if (M > NEG_INF) {
         for (int64_t i = i0; i < i1; ++i) {
-          const float* pg = parts.data() + (i * G + g) * (Dp + 2);
+          const float* pg = parts + (i * G + g) * (Dp + 2);
           if (pg[0] == NEG_INF) continue;
           const float w = std::exp(pg[0] - M);
           l += w * pg[1];
@@ -891,6 +1098,8 @@ at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const a
       for (int64_t d = 0; d < c.D; ++d) od[d] = static_cast<T>(acc[d] * inv);
     }
   });
+  TS_MARK(6, "combine");
+  TS_DONE();
   return out;
 }
 
@@ -900,12 +1109,10 @@ at::Tensor kept_pages_typed(const at::Tensor& q, const at::Tensor& k, const at::
                             const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
                             int64_t sinks, int64_t cf, bool force_dense) {
   Ctx<T, BT> c;
-  std::vector<float> qbuf;
-  build_ctx(c, q, k, k, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, qbuf);
-  Plan pl;
-  std::vector<float> lgc;
+  Plan& pl = thread_plan();
+  build_ctx(c, q, k, k, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, pl.qbuf);
   int64_t ld_lgc = 0;
-  select_stages(c, pl, lgc, ld_lgc);
+  select_stages(c, pl, ld_lgc);
   const int64_t BH = c.B * c.Hkv, K = c.K;
   const int64_t N1 = cf > 1 ? std::min(c.K * cf, c.P) : c.K;
   at::Tensor out = at::zeros({c.B, c.Hkv, c.P}, q.options().dtype(at::kBool));
