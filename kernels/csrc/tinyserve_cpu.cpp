@@ -792,7 +792,7 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
   // ---- per-row plan
   TORCH_CHECK(valid_len.numel() == 1 || valid_len.numel() == c.B, "tinyserve_native: valid_len must have 1 or B ",
               "elements");
-  at::Tensor vl = valid_len.to(at::kLong).contiguous();
+  at::Tensor vl = valid_len.scalar_type() == at::kLong ? valid_len.contiguous() : valid_len.to(at::kLong).contiguous();
   const int64_t* vlp = vl.data_ptr<int64_t>();
   c.rows.resize(c.B);
   for (int64_t b = 0; b < c.B; ++b) {
