@@ -12,6 +12,9 @@ A site is rewritten (status ``"sparse"``) only when all of these hold:
   recognised idiom, before the attention, and does nothing else in place to it;
 * no ``is_causal``, no dropout, and a mask (if any) over the keys read.
 
+The first ``dense_layers`` layers are rewritten too, and attend densely at run
+time (:mod:`tinyserve_compile.runtime` ranks layers across graphs).
+
 Everything else stays dense, with the reason in ``gm.meta["tinyserve_sites"]``.
 """
 from __future__ import annotations
@@ -44,6 +47,7 @@ class AttentionSite:
     k_write: Optional[CacheWrite] = None
     kv_len: Any = None  #: keys read when SDPA reads a ``[:n]`` prefix (an int or a SymInt node), else None
     positions: Any = None  #: node holding the written positions (set by the write pass)
+    bounds: Any = None  #: the kmax, kmin, kabs, ctrl placeholders of the key cache (set by the write pass)
     args: dict = field(default_factory=dict)
 
     @property
@@ -198,16 +202,11 @@ def find_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
     """Record an :class:`AttentionSite` per SDPA call in ``gm.meta["tinyserve_sites"]``."""
     order = node_order(gm.graph)
     sites: List[AttentionSite] = []
-    n_decode = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
         site = AttentionSite(len(sites), node, None, args=sdpa_args(node))
         _classify(site, order, gm.graph)
-        if site.query_len == 1:
-            if n_decode < config.dense_layers:
-                site.status, site.reason = "dense", f"within the first dense_layers={config.dense_layers} sites"
-            n_decode += 1
         sites.append(site)
     gm.meta["tinyserve_sites"] = sites
     return gm
