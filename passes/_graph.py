@@ -19,10 +19,11 @@ SDPA_TARGETS = {
 #: view-like steps allowed between a cache buffer and the K/V argument of SDPA;
 #: the chain is then checked semantically (see :func:`cache_layout`)
 VIEW_METHODS = {"expand", "reshape", "view", "contiguous", "repeat_interleave", "unsqueeze", "flatten", "unflatten",
-                "transpose", "permute", "clone", "expand_as", "repeat", "narrow", "squeeze", "movedim", "swapaxes"}
+                "transpose", "permute", "clone", "expand_as", "repeat", "narrow", "squeeze", "movedim", "swapaxes",
+                "chunk", "split", "unbind", "tensor_split", "split_with_sizes"}
 VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.flatten, torch.repeat_interleave,
                   torch.transpose, torch.permute, torch.clone, torch.narrow, torch.squeeze, torch.movedim,
-                  torch.swapaxes}
+                  torch.swapaxes, torch.chunk, torch.split, torch.unbind, torch.tensor_split}
 
 
 def fake(node: Any) -> Optional[torch.Tensor]:
@@ -81,10 +82,16 @@ def is_view_step(node: fx.Node) -> bool:
 
 
 def _is_tensor_node(n: fx.Node) -> bool:
-    """True unless ``n``'s example value is known to be a non-tensor (a SymInt size, a python scalar)."""
+    """True unless ``n``'s example value is known to be a non-tensor (a SymInt size, a python scalar).
+
+    A tuple of tensors (the result of ``chunk``/``split``, indexed by ``getitem``) counts as a tensor.
+    """
     if "example_value" not in n.meta and "val" not in n.meta:
         return True
-    return isinstance(_example(n), torch.Tensor)
+    ex = _example(n)
+    if isinstance(ex, (tuple, list)):
+        return bool(ex) and all(isinstance(t, torch.Tensor) for t in ex)
+    return isinstance(ex, torch.Tensor)
 
 
 def _tensor_inputs(node: fx.Node) -> List[fx.Node]:

@@ -214,3 +214,34 @@ def test_op_reads_strided_caches(candidate_factor, masked):
     got = torch.ops.tinyserve.paged_attention(q, k, v, *bounds, ctrl, *args)
     want = torch.ops.tinyserve.paged_attention(q, k.contiguous(), v.contiguous(), *bounds, ctrl, *args)
     assert torch.allclose(got, want, atol=1e-6), worst(got, want)
+
+
+def _attend_all(q, kc, vc, k, v, pos, mask):
+    kc.index_copy_(2, pos, k)
+    vc.index_copy_(2, pos, v)
+    return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "all", "causal"])
+def test_valid_length_is_what_dense_attends(mask_kind):
+    """The keys a rewritten site attends are the ones dense SDPA would: every key without a mask, up to the
+    newest one the mask allows with one, not just up to the newest write (here position 40 of 64)."""
+    g = torch.Generator().manual_seed(6)
+    L = 64
+    kc, vc = torch.randn(1, HKV, L, HD, generator=g), torch.randn(1, HKV, L, HD, generator=g)
+    q, k, v = (torch.randn(1, h, 1, HD, generator=g) for h in (HQ, HKV, HKV))
+    pos = torch.tensor([40])
+    mask = {"none": None, "all": torch.ones(1, 1, 1, L, dtype=torch.bool),
+            "causal": (torch.arange(L) <= 40)[None, None, None]}[mask_kind]
+    args = lambda: (q, kc.clone(), vc.clone(), k, v, pos, mask)  # noqa: E731
+    dense = _attend_all(*args())
+    for budget in (256, 16):  # every page kept (exactly dense), then a real selection
+        opts = {"dense_layers": 0, "token_budget": budget, "page_size": 8, "lower": "eager"}
+        with reference_sparse_attention(HQ, HKV, opts):
+            ref = _attend_all(*args())
+        torch._dynamo.reset()
+        got = torch.compile(_attend_all, backend="tinyserve", options=opts)(*args())
+        assert tc.counters["rewritten"] >= 1, tc.explain()
+        assert torch.allclose(got, ref, atol=1e-5), f"budget {budget}: {worst(got, ref)}"
+        if budget == 256:
+            assert torch.allclose(got, dense, atol=1e-5), worst(got, dense)

@@ -138,7 +138,7 @@ def test_positive_control_is_rewritten(fn, layout):
 @pytest.mark.parametrize("fn, layout, reason", [
     (causal, "bhld", "is_causal=True"),
     (not_a_cache, "bhld", "K/V are not views of a graph input: built by torch.cat"),
-    (computed_from_cache, "bhld", "K/V are not views of a graph input: computed each step by mul from the cache"),
+    (computed_from_cache, "bhld", "K/V are not views of a graph input: computed each step by mul from a cache buffer"),
     (unknown_write, "bhld", "unrecognised in-place write to the key cache: mul_(1.0)"),
     (scatter_write, "bhld", "unrecognised in-place write to the key cache: scatter_("),
     (write_along_heads, "blhd", "unrecognised in-place write to the key cache: index_copy_(2, "),
