@@ -234,11 +234,13 @@ def cache_layout(base: fx.Node, chain: List[fx.Node], n_q_heads: int, enable_gqa
             candidates.append(perm)
     for perm in candidates:
         B, Hkv, L, D = (shape[p] for p in perm)
-        want = Hkv if enable_gqa else n_q_heads
-        if h_out != want or n_q_heads % Hkv:
+        # the operand holds the cache heads themselves (enable_gqa, or one head that SDPA broadcasts: MQA), or
+        # repeat_kv of them (one per query head)
+        direct = h_out == Hkv and (enable_gqa or Hkv in (1, n_q_heads))
+        if not (direct or (not enable_gqa and h_out == n_q_heads)) or n_q_heads % Hkv:
             continue
         expect = code.permute(perm)[:b, :, :l_out]
-        if not enable_gqa and n_q_heads > Hkv:
+        if not direct:
             expect = expect.repeat_interleave(n_q_heads // Hkv, dim=1)
         if not torch.equal(out, expect):
             continue

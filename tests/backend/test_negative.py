@@ -24,6 +24,8 @@ def _inputs(seed=0, layout="bhld"):
         kc, vc = kc.transpose(2, 3).contiguous(), vc.transpose(2, 3).contiguous()
     q = torch.randn(B, HQ, 1, D, generator=g)
     k, v = torch.randn(B, HKV, 1, D, generator=g), torch.randn(B, HKV, 1, D, generator=g)
+    if layout == "mqa":  # one KV head
+        kc, vc, k, v = kc[:, :1].contiguous(), vc[:, :1].contiguous(), k[:, :1], v[:, :1]
     pos = torch.tensor([40])
     mask = (torch.arange(L) <= 40)[None, None, None]
     return q, kc, vc, k, v, pos, mask
@@ -39,6 +41,12 @@ def good_blhd(q, kc, vc, k, v, pos, mask):  # [B, L, H, D] written along dim 1, 
     kc[:, pos] = k.transpose(1, 2)
     vc[:, pos] = v.transpose(1, 2)
     return F.scaled_dot_product_attention(q, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, enable_gqa=True)
+
+
+def good_mqa_broadcast(q, kc, vc, k, v, pos, mask):  # one KV head that SDPA broadcasts over the query heads
+    kc.index_copy_(2, pos, k)
+    vc.index_copy_(2, pos, v)
+    return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
 
 
 def causal(q, kc, vc, k, v, pos, mask):
@@ -124,11 +132,11 @@ def window_read(q, kc, vc, k, v, pos, mask):  # attends the last 48 positions of
     return F.scaled_dot_product_attention(q, kc[:, :, 16:], vc[:, :, 16:], enable_gqa=True)
 
 
-@pytest.mark.parametrize("fn, layout", [(good, "bhld"), (good_blhd, "blhd")])
+@pytest.mark.parametrize("fn, layout", [(good, "bhld"), (good_blhd, "blhd"), (good_mqa_broadcast, "mqa")])
 def test_positive_control_is_rewritten(fn, layout):
     from tinyserve_compile.testing import reference_sparse_attention
 
-    with reference_sparse_attention(HQ, HKV, OPTS):
+    with reference_sparse_attention(HQ, 1 if layout == "mqa" else HKV, OPTS):
         ref = fn(*_inputs(layout=layout))
     got = torch.compile(fn, backend="tinyserve", options=OPTS)(*_inputs(layout=layout))
     assert tc.counters["rewritten"] == 1, tc.explain()
