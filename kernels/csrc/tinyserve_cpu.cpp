@@ -43,7 +43,7 @@ constexpr int VS = Vec::size();
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float POS_INF = std::numeric_limits<float>::infinity();
 // prefetch distance, in blocks of VS tokens
-constexpr int PF_BLOCKS = 2;
+constexpr int PF_BLOCKS = 6;
 
 // ------------------------------------------------------------------------------------------------------------
 // small vector helpers
@@ -413,6 +413,62 @@ Vec bound_block(const float* M, const float* m, const float* qp, const float* qn
   return reduce_rows(acc);
 }
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define TS_BF16_PAIRS 1
+// bfloat16 pairs: one 32-bit lane holds channels 2i (low half) and 2i+1 (high half), so a shift and a mask give
+// both as fp32 without shuffles; the query is stored in the same even/odd order (see permute_pairs)
+#if defined(CPU_CAPABILITY_AVX512)
+inline void bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
+  const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#else
+inline void bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+
+// bound_block for bfloat16 bounds read in place: rows of D = NC * 2 * VS channels, q in even/odd order
+template <int NC>
+Vec bound_block_bf16(const c10::BFloat16* M, const c10::BFloat16* m, const float* qp, const float* qn,
+                     int64_t nc_rt) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  Vec acc[VS];
+  for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+  for (int64_t c = 0; c < nc; ++c) {
+    const Vec ae = Vec::loadu(qp + 2 * c * VS), ao = Vec::loadu(qp + (2 * c + 1) * VS);
+    const Vec ze = Vec::loadu(qn + 2 * c * VS), zo = Vec::loadu(qn + (2 * c + 1) * VS);
+    for (int j = 0; j < VS; ++j) {
+      Vec e, o;
+      bf16_pairs(M + j * D + c * 2 * VS, e, o);
+      acc[j] = at::vec::fmadd(ae, e, acc[j]);
+      acc[j] = at::vec::fmadd(ao, o, acc[j]);
+      bf16_pairs(m + j * D + c * 2 * VS, e, o);
+      acc[j] = at::vec::fmadd(ze, e, acc[j]);
+      acc[j] = at::vec::fmadd(zo, o, acc[j]);
+    }
+  }
+  return reduce_rows(acc);
+}
+#else
+#define TS_BF16_PAIRS 0
+#endif
+
+// even/odd order of D = nc * 2 * VS channels: chunk c holds channels 2*VS*c + {0, 2, ..} then {1, 3, ..}
+inline void permute_pairs(float* x, int64_t D) {
+  float tmp[2 * VS];
+  for (int64_t c = 0; c + 2 * VS <= D; c += 2 * VS) {
+    for (int l = 0; l < VS; ++l) {
+      tmp[l] = x[c + 2 * l];
+      tmp[VS + l] = x[c + 2 * l + 1];
+    }
+    std::memcpy(x + c, tmp, 2 * VS * sizeof(float));
+  }
+}
+
 // acc[g, :] += sum_{j < n} p[g * ldp + j] * row_j
 template <int NV>
 void v_accum(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv_rt, const float* rows, int n) {
@@ -446,17 +502,37 @@ struct Kern {
   decltype(&dot_block<0>) dot;
   decltype(&bound_block<0>) bound;
   decltype(&v_accum<0>) vacc;
+#if TS_BF16_PAIRS
+  decltype(&bound_block_bf16<0>) bound16 = nullptr;  // set when D is a multiple of 2 * VS
+#endif
   static Kern pick(int64_t nv) {
+    Kern k;
     switch (nv) {
-      case 1: return {&dot_block<1>, &bound_block<1>, &v_accum<1>};
-      case 2: return {&dot_block<2>, &bound_block<2>, &v_accum<2>};
-      case 4: return {&dot_block<4>, &bound_block<4>, &v_accum<4>};
-      case 8: return {&dot_block<8>, &bound_block<8>, &v_accum<8>};
-      case 16: return {&dot_block<16>, &bound_block<16>, &v_accum<16>};
-      default: return {&dot_block<0>, &bound_block<0>, &v_accum<0>};
+      case 1: k = {&dot_block<1>, &bound_block<1>, &v_accum<1>}; break;
+      case 2: k = {&dot_block<2>, &bound_block<2>, &v_accum<2>}; break;
+      case 4: k = {&dot_block<4>, &bound_block<4>, &v_accum<4>}; break;
+      case 8: k = {&dot_block<8>, &bound_block<8>, &v_accum<8>}; break;
+      case 16: k = {&dot_block<16>, &bound_block<16>, &v_accum<16>}; break;
+      default: k = {&dot_block<0>, &bound_block<0>, &v_accum<0>}; break;
     }
+#if TS_BF16_PAIRS
+    switch (nv) {
+      case 2: k.bound16 = &bound_block_bf16<1>; break;
+      case 4: k.bound16 = &bound_block_bf16<2>; break;
+      case 8: k.bound16 = &bound_block_bf16<4>; break;
+      case 16: k.bound16 = &bound_block_bf16<8>; break;
+      default: k.bound16 = nv % 2 == 0 ? &bound_block_bf16<0> : nullptr; break;
+    }
+#endif
+    return k;
   }
 };
+
+// whether bf16 bounds are read in place as even/odd pairs (then qp/qn are stored in that order)
+template <typename BT>
+inline bool bf16_pairs_used(int64_t D) {
+  return TS_BF16_PAIRS && std::is_same_v<BT, c10::BFloat16> && D % (2 * VS) == 0;
+}
 
 // A block of n <= VS token rows (tokens tok[0..n), row t at base + t * stride) as VS contiguous fp32 rows of Dp:
 // the cache itself when that is already the layout (fp32, Dp == D == stride, consecutive tokens, full block),
@@ -499,6 +575,43 @@ void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, 
     // ---- the block's bounds as contiguous fp32 rows (in place for fp32 bounds and full blocks)
     const float* Mb;
     const float* mb;
+    const bool pairs = bf16_pairs_used<BT>(D);
+    if (pairs) {
+#if TS_BF16_PAIRS
+      // ---- bf16 bounds in place (a partial block is copied, zero padded)
+      const c10::BFloat16* Mh = reinterpret_cast<const c10::BFloat16*>(M + p * D);
+      const c10::BFloat16* mh = reinterpret_cast<const c10::BFloat16*>(m + p * D);
+      if (n < VS) {
+        c10::BFloat16* h16 = reinterpret_cast<c10::BFloat16*>(scr);
+        std::memset(h16, 0, 2 * VS * D * sizeof(c10::BFloat16));
+        std::memcpy(h16, Mh, n * D * sizeof(c10::BFloat16));
+        std::memcpy(h16 + VS * D, mh, n * D * sizeof(c10::BFloat16));
+        Mh = h16;
+        mh = h16 + VS * D;
+      }
+      for (int j = 0; j < VS; ++j) kb[j] = j < n ? kab[p + j] : 0.f;
+      const Vec kbv = Vec::loadu(kb);
+      Vec best(NEG_INF);
+      for (int64_t g = 0; g < G; ++g) {
+        const Vec r = kern.bound16(Mh, mh, qp + g * Dp, qn + g * Dp, c.nv / 2);
+        const Vec slack = at::vec::fmadd(Vec(qa[g]), kbv, Vec(c.base));
+        Vec sc = at::vec::fmadd(Vec(c.factor), slack, r) * Vec(c.scale);
+        if (c.mask.kind != 0) {
+          if (g == 0 || c.mask.per_head) {
+            const int64_t hq = h * G + g;
+            for (int j = 0; j < VS; ++j) {
+              const int64_t pj = p + std::min(j, n - 1);
+              mm[j] = c.mask.range_max(b, hq, pj * S, std::min((pj + 1) * S, c.L));
+            }
+          }
+          sc = sc + Vec::loadu(mm);
+        }
+        best = at::vec::maximum(best, sc);
+      }
+      best.store(out + p, n);
+#endif
+      continue;
+    }
     if (std::is_same_v<BT, float> && Dp == D && n == VS) {
       Mb = reinterpret_cast<const float*>(M + p * D);
       mb = reinterpret_cast<const float*>(m + p * D);
@@ -785,6 +898,12 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
       }
       qa[b * c.Hq + hq] = s;
     }
+  if (bf16_pairs_used<BT>(D)) {
+    for (int64_t r = 0; r < BH * G; ++r) {
+      permute_pairs(qp + r * Dp, D);
+      permute_pairs(qn + r * Dp, D);
+    }
+  }
   c.qs = qs;
   c.qp = qp;
   c.qn = qn;
