@@ -831,6 +831,13 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
 // the op
 // ------------------------------------------------------------------------------------------------------------
 
+enum TaskKind : int { T_SCORE = 0, T_SELECT, T_CAND, T_RANK, T_ATTEND, T_COMBINE, T_KINDS };
+
+struct Task {
+  int kind;
+  int64_t bh, begin, end, aux;  // aux: ATTEND: its partial-result slot; COMBINE: first slot of the row
+};
+
 struct Plan {
   // selection outputs, per (batch, KV head)
   std::vector<int32_t> sel;      // [BH, N1] first-stage pages (ascending)
@@ -839,6 +846,9 @@ struct Plan {
   std::vector<int64_t> keptcnt;  // [BH]
   // work buffers, grow-only (one Plan per calling thread)
   std::vector<float> qbuf, scores, lgc, plse, parts;
+  std::vector<struct Task> tasks;
+  std::unique_ptr<std::atomic<int64_t>[]> sync;  // 5 counters per (batch, KV head)
+  int64_t sync_size = 0;
 };
 
 inline Plan& thread_plan() {
@@ -945,13 +955,6 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
 // taken in list order, so what it waits for is already running (no deadlock, also with one thread).
 // ------------------------------------------------------------------------------------------------------------
 
-enum TaskKind : int { T_SCORE = 0, T_SELECT, T_CAND, T_RANK, T_ATTEND, T_COMBINE, T_KINDS };
-
-struct Task {
-  int kind;
-  int64_t bh, begin, end, aux;  // aux: ATTEND: its partial-result slot; COMBINE: first slot of the row
-};
-
 #ifdef TS_PROFILE
 const char* const kTaskNames[T_KINDS] = {"scores", "select", "cand_logits", "rank", "attend", "combine"};
 #endif
@@ -980,11 +983,15 @@ struct Pipeline {
   float* plse = nullptr;
   float* parts = nullptr;
   T* out = nullptr;
-  std::vector<Task> tasks;
+  std::vector<Task>& tasks;
   // per (batch, KV head): chunks still running, and stage flags (0/1)
-  std::unique_ptr<std::atomic<int64_t>[]> score_left, cand_left, attend_left, selected, ranked;
+  std::atomic<int64_t>* score_left = nullptr;
+  std::atomic<int64_t>* cand_left = nullptr;
+  std::atomic<int64_t>* attend_left = nullptr;
+  std::atomic<int64_t>* selected = nullptr;
+  std::atomic<int64_t>* ranked = nullptr;
 
-  Pipeline(const Ctx<T, BT>& c_, Plan& pl_) : c(c_), pl(pl_), kern(Kern::pick(c_.nv)) {
+  Pipeline(const Ctx<T, BT>& c_, Plan& pl_) : c(c_), pl(pl_), kern(Kern::pick(c_.nv)), tasks(pl_.tasks) {
     BH = c.B * c.Hkv;
     G = c.G;
     S = c.S;
@@ -1003,18 +1010,16 @@ struct Pipeline {
     pl.selcnt.assign(BH, 0);
     pl.kept.assign(BH * std::max<int64_t>(K, 1), 0);
     pl.keptcnt.assign(BH, 0);
-    score_left.reset(new std::atomic<int64_t>[BH]);
-    cand_left.reset(new std::atomic<int64_t>[BH]);
-    attend_left.reset(new std::atomic<int64_t>[BH]);
-    selected.reset(new std::atomic<int64_t>[BH]);
-    ranked.reset(new std::atomic<int64_t>[BH]);
-    for (int64_t bh = 0; bh < BH; ++bh) {
-      score_left[bh] = 0;
-      cand_left[bh] = 0;
-      attend_left[bh] = 0;
-      selected[bh] = 0;
-      ranked[bh] = 0;
+    if (pl.sync_size < 5 * BH) {
+      pl.sync.reset(new std::atomic<int64_t>[5 * BH]);
+      pl.sync_size = 5 * BH;
     }
+    score_left = pl.sync.get();
+    cand_left = score_left + BH;
+    attend_left = cand_left + BH;
+    selected = attend_left + BH;
+    ranked = selected + BH;
+    for (int64_t i = 0; i < 5 * BH; ++i) score_left[i].store(0, std::memory_order_relaxed);
     tasks.clear();
     auto chunks = [&](int kind, int64_t bh, int64_t n, int64_t ch, std::atomic<int64_t>* left) {
       for (int64_t s0 = 0; s0 < n; s0 += ch) {
@@ -1035,7 +1040,7 @@ struct Pipeline {
       scores = grow(pl.scores, BH * c.P);
       const int64_t ch = chunk_size(total, 64, VS);
       for (int64_t bh = 0; bh < BH; ++bh)
-        if (scored(mode(bh))) chunks(T_SCORE, bh, c.rows[bh / c.Hkv].nvalid, ch, score_left.get());
+        if (scored(mode(bh))) chunks(T_SCORE, bh, c.rows[bh / c.Hkv].nvalid, ch, score_left);
       for (int64_t bh = 0; bh < BH; ++bh)
         if (scored(mode(bh))) tasks.push_back({T_SELECT, bh, 0, 0, 0});
     }
@@ -1058,7 +1063,7 @@ struct Pipeline {
       const int64_t ch = chunk_size(total, 16, VS);
       for (int64_t bh = 0; bh < BH; ++bh) {
         const Row& r = c.rows[bh / c.Hkv];
-        if (two(r.mode)) chunks(T_CAND, bh, r.mode == TWO_ALL ? r.nvalid : N1, ch, cand_left.get());
+        if (two(r.mode)) chunks(T_CAND, bh, r.mode == TWO_ALL ? r.nvalid : N1, ch, cand_left);
       }
       for (int64_t bh = 0; bh < BH; ++bh)
         if (two(mode(bh))) tasks.push_back({T_RANK, bh, 0, 0, 0});
