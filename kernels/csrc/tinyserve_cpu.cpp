@@ -465,6 +465,64 @@ Vec bound_block_bf16(const c10::BFloat16* M, const c10::BFloat16* m, const float
   }
   return reduce_rows(acc);
 }
+// dot_block for bfloat16 rows read in place (VS rows of D = NC * 2 * VS channels, contiguous), q in pair order
+template <int NC>
+void dot_block_bf16(const c10::BFloat16* rows, int n, const float* q, int64_t G, int64_t nc_rt, float* out,
+                    int64_t ld) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec acc[VS];
+    for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+    const float* qg = q + g * D;
+    for (int64_t c = 0; c < nc; ++c) {
+      const Vec qe = Vec::loadu(qg + 2 * c * VS), qo = Vec::loadu(qg + (2 * c + 1) * VS);
+      for (int j = 0; j < VS; ++j) {
+        Vec e, o;
+        bf16_pairs(rows + j * D + c * 2 * VS, e, o);
+        acc[j] = at::vec::fmadd(qe, e, acc[j]);
+        acc[j] = at::vec::fmadd(qo, o, acc[j]);
+      }
+    }
+    reduce_rows(acc).store(out + g * ld, n);
+  }
+}
+
+// v_accum for n bfloat16 rows read in place; acc[g] in pair order
+template <int NC>
+void v_accum_bf16(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nc_rt, const c10::BFloat16* rows,
+                  int n) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = p + g * ldp;
+    float* ag = acc + g * D;
+    if constexpr (NC > 0 && NC <= 4) {
+      Vec a[2 * NC];
+      for (int i = 0; i < 2 * NC; ++i) a[i] = Vec::loadu(ag + i * VS);
+      for (int j = 0; j < n; ++j) {
+        const Vec pj(pg[j]);
+        for (int cc = 0; cc < NC; ++cc) {
+          Vec e, o;
+          bf16_pairs(rows + j * D + cc * 2 * VS, e, o);
+          a[2 * cc] = at::vec::fmadd(pj, e, a[2 * cc]);
+          a[2 * cc + 1] = at::vec::fmadd(pj, o, a[2 * cc + 1]);
+        }
+      }
+      for (int i = 0; i < 2 * NC; ++i) a[i].store(ag + i * VS);
+    } else {
+      for (int64_t cc = 0; cc < nc; ++cc) {
+        Vec ae = Vec::loadu(ag + 2 * cc * VS), ao = Vec::loadu(ag + (2 * cc + 1) * VS);
+        for (int j = 0; j < n; ++j) {
+          Vec e, o;
+          bf16_pairs(rows + j * D + cc * 2 * VS, e, o);
+          ae = at::vec::fmadd(Vec(pg[j]), e, ae);
+          ao = at::vec::fmadd(Vec(pg[j]), o, ao);
+        }
+        ae.store(ag + 2 * cc * VS);
+        ao.store(ag + (2 * cc + 1) * VS);
+      }
+    }
+  }
+}
 #else
 #define TS_BF16_PAIRS 0
 #endif
@@ -515,7 +573,10 @@ struct Kern {
   decltype(&bound_block<0>) bound;
   decltype(&v_accum<0>) vacc;
 #if TS_BF16_PAIRS
-  decltype(&bound_block_bf16<0>) bound16 = nullptr;  // set when D is a multiple of 2 * VS
+  // bfloat16 pair kernels, set when D is a multiple of 2 * VS
+  decltype(&bound_block_bf16<0>) bound16 = nullptr;
+  decltype(&dot_block_bf16<0>) dot16 = nullptr;
+  decltype(&v_accum_bf16<0>) vacc16 = nullptr;
 #endif
   static Kern pick(int64_t nv) {
     Kern k;
@@ -529,21 +590,49 @@ struct Kern {
     }
 #if TS_BF16_PAIRS
     switch (nv) {
-      case 2: k.bound16 = &bound_block_bf16<1>; break;
-      case 4: k.bound16 = &bound_block_bf16<2>; break;
-      case 8: k.bound16 = &bound_block_bf16<4>; break;
-      case 16: k.bound16 = &bound_block_bf16<8>; break;
-      default: k.bound16 = nv % 2 == 0 ? &bound_block_bf16<0> : nullptr; break;
+      case 2: k.bound16 = &bound_block_bf16<1>; k.dot16 = &dot_block_bf16<1>; k.vacc16 = &v_accum_bf16<1>; break;
+      case 4: k.bound16 = &bound_block_bf16<2>; k.dot16 = &dot_block_bf16<2>; k.vacc16 = &v_accum_bf16<2>; break;
+      case 8: k.bound16 = &bound_block_bf16<4>; k.dot16 = &dot_block_bf16<4>; k.vacc16 = &v_accum_bf16<4>; break;
+      case 16: k.bound16 = &bound_block_bf16<8>; k.dot16 = &dot_block_bf16<8>; k.vacc16 = &v_accum_bf16<8>; break;
+      default:
+        if (nv % 2 == 0) {
+          k.bound16 = &bound_block_bf16<0>;
+          k.dot16 = &dot_block_bf16<0>;
+          k.vacc16 = &v_accum_bf16<0>;
+        }
+        break;
     }
 #endif
     return k;
   }
 };
 
+// whether bf16 keys and values are read in place as even/odd pairs (then q*scale and the value accumulators are
+// in that order)
+template <typename T>
+inline bool kv_pairs_used(int64_t D) {
+  return TS_BF16_PAIRS && std::is_same_v<T, c10::BFloat16> && D % (2 * VS) == 0;
+}
+
+
 // whether bf16 bounds are read in place as even/odd pairs (then qp/qn are stored in that order)
 template <typename BT>
 inline bool bf16_pairs_used(int64_t D) {
   return TS_BF16_PAIRS && std::is_same_v<BT, c10::BFloat16> && D % (2 * VS) == 0;
+}
+
+// A block of n <= VS bfloat16 token rows as VS contiguous rows of D: in place when the tokens are consecutive and
+// the rows contiguous, else copied raw into scr (zero rows after n when pad)
+inline const c10::BFloat16* token_block_raw(const c10::BFloat16* base, int64_t stride, const int64_t* tok, int n,
+                                            int64_t D, c10::BFloat16* scr, bool pad) {
+  if (n == VS && stride == D && tok[VS - 1] == tok[0] + VS - 1) {
+    bool run = true;
+    for (int j = 1; j < VS - 1; ++j) run &= tok[j] == tok[0] + j;
+    if (run) return base + tok[0] * stride;
+  }
+  for (int j = 0; j < n; ++j) std::memcpy(scr + j * D, base + tok[j] * stride, D * sizeof(c10::BFloat16));
+  if (pad) std::memset(static_cast<void*>(scr + n * D), 0, (VS - n) * D * sizeof(c10::BFloat16));
+  return scr;
 }
 
 // A block of n <= VS token rows (tokens tok[0..n), row t at base + t * stride) as VS contiguous fp32 rows of Dp:
@@ -564,6 +653,41 @@ inline const float* token_block(const T* base, int64_t stride, const int64_t* to
   rows_to_f32<T>(src, n, D, Dp, scr);
   if (pad) std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
   return scr;
+}
+
+// Logits of a block of n <= VS tokens (rows at base + tok[j] * stride) for G heads: out[g * ld + j].
+// bf16 rows are read in place as even/odd pairs when `pairs` (q in pair order), else through fp32 rows.
+template <typename T>
+inline void key_dots(const Kern& kern, const T* base, int64_t stride, const int64_t* tok, int n, int64_t D,
+                     int64_t Dp, float* scr, const float* q, int64_t G, float* out, int64_t ld, bool pairs) {
+#if TS_BF16_PAIRS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pairs) {
+      const c10::BFloat16* rows = token_block_raw(base, stride, tok, n, D, reinterpret_cast<c10::BFloat16*>(scr), true);
+      kern.dot16(rows, n, q, G, Dp / (2 * VS), out, ld);
+      return;
+    }
+  }
+#endif
+  const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, true);
+  kern.dot(rows, n, q, G, Dp / VS, out, ld);
+}
+
+// acc[g] += sum_j p[g * ldp + j] * v_j over a block of n <= VS tokens (acc in pair order when `pairs`)
+template <typename T>
+inline void value_accum(const Kern& kern, const T* base, int64_t stride, const int64_t* tok, int n, int64_t D,
+                        int64_t Dp, float* scr, float* acc, const float* p, int64_t ldp, int64_t G, bool pairs) {
+#if TS_BF16_PAIRS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pairs) {
+      const c10::BFloat16* rows = token_block_raw(base, stride, tok, n, D, reinterpret_cast<c10::BFloat16*>(scr), false);
+      kern.vacc16(acc, p, ldp, G, Dp / (2 * VS), rows, n);
+      return;
+    }
+  }
+#endif
+  const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, false);
+  kern.vacc(acc, p, ldp, G, Dp / VS, rows, n);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -782,6 +906,7 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
   const T* kb = c.kbase(bh);
   const T* vb = c.vbase(bh);
   const int64_t ksl = c.ksl, vsl = c.vsl;
+  const bool pairs = kv_pairs_used<T>(D);
   // ---- logits from the keys, VS tokens at a time; prefetch keys ahead and this block's values into L2
   if (!lg_given) {
     const float* qs = c.qs + bh * G * Dp;
@@ -790,8 +915,7 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
       const int64_t tp = t0 + PF_BLOCKS * VS;
       for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(kb + tok[t] * ksl, row_bytes, 3);
       for (int j = 0; j < n; ++j) prefetch_row(vb + tok[t0 + j] * vsl, row_bytes, 1);
-      const float* rows = token_block<T>(kb, ksl, tok + t0, n, D, Dp, scr, true);
-      kern.dot(rows, n, qs, G, nv, lg + t0, ldl);
+      key_dots<T>(kern, kb, ksl, tok + t0, n, D, Dp, scr, qs, G, lg + t0, ldl, pairs);
     }
     if (c.mask.kind != 0) {
       for (int64_t g = 0; g < G; ++g) {
@@ -821,8 +945,7 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
     const int n = static_cast<int>(std::min<int64_t>(VS, T_ - t0));
     const int64_t tp = t0 + PF_BLOCKS * VS;
     for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(vb + tok[t] * vsl, row_bytes, 3);
-    const float* rows = token_block<T>(vb, vsl, tok + t0, n, D, Dp, scr, false);
-    kern.vacc(acc, lg + t0, ldl, G, nv, rows, n);
+    value_accum<T>(kern, vb, vsl, tok + t0, n, D, Dp, scr, acc, lg + t0, ldl, G, pairs);
   }
   for (int64_t g = 0; g < G; ++g) std::memcpy(part + g * (Dp + 2) + 2, acc + g * Dp, Dp * sizeof(float));
 }
@@ -912,6 +1035,8 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
       }
       qa[b * c.Hq + hq] = s;
     }
+  if (kv_pairs_used<T>(D))
+    for (int64_t r = 0; r < BH * G; ++r) permute_pairs(qs + r * Dp, D);
   if (bf16_pairs_used<BT>(D)) {
     for (int64_t r = 0; r < BH * G; ++r) {
       permute_pairs(qp + r * Dp, D);
@@ -1176,6 +1301,7 @@ struct Pipeline {
     const float* qs = c.qs + bh * G * Dp;
     const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
     const T* kb = c.kbase(bh);
+    const bool pairs = kv_pairs_used<T>(D);
     // token of every slot of the chunk (-1 past the valid tokens)
     int64_t* tok = reinterpret_cast<int64_t*>(scratch_f<4>(2 * ns + 2));
     for (int64_t j = j0; j < j1; ++j) {
@@ -1193,14 +1319,13 @@ struct Pipeline {
         if (tok[sl] >= 0) prefetch_row(kb + tok[sl] * c.ksl, row_bytes, 3);
       int nvld = 0;
       while (nvld < n && tok[s1 + nvld] >= 0) ++nvld;  // invalid slots only at the end (newest page)
-      const float* rows;
       if (nvld == n) {
-        rows = token_block<T>(kb, c.ksl, tok + s1, n, D, Dp, scr, true);
+        key_dots<T>(kern, kb, c.ksl, tok + s1, n, D, Dp, scr, qs, G, xb + s1, ld_lgc, pairs);
       } else {
         for (int j = 0; j < nvld; ++j) tk[j] = tok[s1 + j];
-        rows = token_block<T>(kb, c.ksl, tk, nvld, D, Dp, scr, true);
+        // rows past nvld are zero (padding): their logits are set to -inf below
+        key_dots<T>(kern, kb, c.ksl, tk, nvld, D, Dp, scr, qs, G, xb + s1, ld_lgc, pairs);
       }
-      kern.dot(rows, n, qs, G, nv, xb + s1, ld_lgc);
     }
     for (int64_t g = 0; g < G; ++g) {
       float* x = lgc + (bh * G + g) * ld_lgc;
@@ -1335,7 +1460,15 @@ struct Pipeline {
       }
       const float inv = l > 0.f ? 1.f / l : 0.f;
       T* od = out + (bh * G + g) * c.D;  // [B, Hq, 1, D] with hq = h*G + g
-      for (int64_t d = 0; d < c.D; ++d) od[d] = static_cast<T>(acc[d] * inv);
+      if (kv_pairs_used<T>(c.D)) {  // accumulators in pair order: channel 2*VS*cc + 2l (+1) at 2*VS*cc + l (+VS)
+        for (int64_t cc = 0; cc < c.D; cc += 2 * VS)
+          for (int l2 = 0; l2 < VS; ++l2) {
+            od[cc + 2 * l2] = static_cast<T>(acc[cc + l2] * inv);
+            od[cc + 2 * l2 + 1] = static_cast<T>(acc[cc + VS + l2] * inv);
+          }
+      } else {
+        for (int64_t d = 0; d < c.D; ++d) od[d] = static_cast<T>(acc[d] * inv);
+      }
     }
   }
 };
