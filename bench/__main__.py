@@ -1,4 +1,4 @@
-"""``python -m bench {accuracy,speed,report} [--quick]`` - see bench/README in the project README section."""
+"""``python -m bench {accuracy,speed,report,coverage} [--quick]`` - see bench/README in the project README section."""
 from __future__ import annotations
 
 import argparse
@@ -129,6 +129,20 @@ def cmd_report(a):
     print(report(a.out, a.img))
 
 
+def cmd_coverage(a):
+    from .coverage import QUICK, architectures, sweep, table
+
+    archs = a.archs.split(",") if a.archs else (list(QUICK) if a.quick else architectures())
+    rows = sweep(archs, isolate=not a.in_process)
+    print(table(rows))
+    if a.json:
+        _write([{k: v for k, v in r.items() if k != "trace"} for r in rows], a.json)
+    wrong = [r for r in rows if r["status"] == "wrong"]
+    for r in wrong:
+        print(f"\n{r['arch']}: {r['reasons']}\n{r.get('trace', '')}", file=sys.stderr)
+    return 1 if wrong else 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -153,8 +167,14 @@ def main(argv=None):
             p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point")
         if name == "report":
             p.add_argument("--img", default="docs/img", help="where the PNGs go")
+    p = sub.add_parser("coverage", help="every decoder-only HF architecture through the backend")
+    p.add_argument("--json", default="", help="write the rows here (JSON, and CSV next to it)")
+    p.add_argument("--archs", default="", help="comma-separated model types (default: all)")
+    p.add_argument("--quick", action="store_true", help="a few architectures (what CI runs)")
+    p.add_argument("--in-process", action="store_true", help="no fresh interpreter per architecture")
     a = ap.parse_args(argv)
-    {"accuracy": cmd_accuracy, "speed": cmd_speed, "report": cmd_report}[a.cmd](a)
+    rc = {"accuracy": cmd_accuracy, "speed": cmd_speed, "report": cmd_report, "coverage": cmd_coverage}[a.cmd](a)
+    sys.exit(rc or 0)
 
 
 if __name__ == "__main__":

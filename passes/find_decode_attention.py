@@ -4,10 +4,13 @@ A site is rewritten (status ``"sparse"``) only when all of these hold:
 
 * the query has length 1 (decode), read from the node's example value;
 * K and V are views of graph inputs (cache buffers) through a chain that is
-  exactly ``repeat_kv`` (or the buffer itself under ``enable_gqa=True``);
-* the graph writes the key cache in place, with a recognised idiom, before the
-  attention, and does nothing else in place to it;
-* no ``is_causal``, no dropout, and a mask (if any) over the whole cache length.
+  ``repeat_kv`` (or nothing, under ``enable_gqa=True``) of a ``[B, Hkv, L, D]``
+  view of the buffer: the buffer itself, or a permutation of it (``[B, L, H, D]``
+  caches transposed for SDPA), possibly a ``[:b]`` batch slice and a ``[:n]``
+  sequence prefix (:class:`~._graph.CacheLayout`, recorded per site);
+* the graph writes the key cache in place along its sequence dim, with a
+  recognised idiom, before the attention, and does nothing else in place to it;
+* no ``is_causal``, no dropout, and a mask (if any) over the keys read.
 
 The first ``dense_layers`` layers are rewritten too, and attend densely at run
 time (:mod:`tinyserve_compile.runtime` ranks layers across graphs).
@@ -17,12 +20,13 @@ Everything else stays dense, with the reason in ``gm.meta["tinyserve_sites"]``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch.fx as fx
 
-from ._graph import SDPA_TARGETS, CacheWrite, cache_writes, chain_is_repeat_kv, fake, node_order, sdpa_args, \
-    trace_view_chain
+from ._graph import SDPA_TARGETS, CacheLayout, CacheWrite, ancestors, cache_layout, cache_writes, describe_write, \
+    fake, first_non_view, is_dtensor, is_sliding_window_write, is_written_in_place, layout_name, node_order, same_int, sdpa_args, \
+    size_node, trace_view_chain
 
 __all__ = ["AttentionSite", "find_decode_attention"]
 
@@ -38,25 +42,82 @@ class AttentionSite:
     reason: str = ""
     k_base: Optional[fx.Node] = None
     v_base: Optional[fx.Node] = None
+    k_layout: Optional[CacheLayout] = None  #: how the key operand reads ``k_base``
+    v_layout: Optional[CacheLayout] = None
     k_write: Optional[CacheWrite] = None
+    kv_len: Any = None  #: keys read when SDPA reads a ``[:n]`` prefix (an int or a SymInt node), else None
     positions: Any = None  #: node holding the written positions (set by the write pass)
     bounds: Any = None  #: the kmax, kmin, kabs, ctrl placeholders of the key cache (set by the write pass)
     args: dict = field(default_factory=dict)
 
+    @property
+    def k_perm(self) -> Optional[Tuple[int, ...]]:
+        """``k_base.permute(k_perm)`` is the ``[B, Hkv, L, D]`` key cache (None: the buffer itself)."""
+        return self.k_layout.perm if self.k_layout is not None else None
+
+    @property
+    def v_perm(self) -> Optional[Tuple[int, ...]]:
+        return self.v_layout.perm if self.v_layout is not None else None
+
     def describe(self) -> dict:
-        return {"index": self.index, "node": self.node.name, "query_len": self.query_len, "status": self.status,
-                "reason": self.reason}
+        out = {"index": self.index, "node": self.node.name, "query_len": self.query_len, "status": self.status,
+               "reason": self.reason}
+        if self.k_base is not None:
+            out["cache"] = self.k_base.name
+        if self.k_layout is not None and self.k_layout.perm is not None:
+            out["layout"] = layout_name(self.k_layout.perm)
+        return out
 
 
 def _cache_of(node, n_q_heads: int, enable_gqa: bool):
+    """``(buffer, CacheLayout)`` of a K/V operand, or ``(None, reason)``."""
     base, chain = trace_view_chain(node) if isinstance(node, fx.Node) else (None, [])
     if base is None:
-        return None, "K/V are not views of a graph input (no persistent cache buffer, e.g. DynamicCache torch.cat)"
-    why = chain_is_repeat_kv(base, chain, n_q_heads, enable_gqa)
-    return (None, why) if why else (base, "")
+        return None, _not_a_view_reason(node)
+    lay = cache_layout(base, chain, n_q_heads, enable_gqa, fake(node))
+    return (None, lay) if isinstance(lay, str) else (base, lay)
 
 
-def _classify(site: AttentionSite, order: dict) -> None:
+def _producer(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _not_a_view_reason(node) -> str:
+    """Why a K/V operand that is not a view of a graph input is not a cache read, naming its producer."""
+    if not isinstance(node, fx.Node):
+        return f"K/V are not views of a graph input: {type(node).__name__}"
+    stop = first_non_view(node)
+    what = _producer(stop)
+    if what == "cat":
+        return ("K/V are not views of a graph input: built by torch.cat each step "
+                "(a DynamicCache-style cache, no persistent buffer)")
+    caches = [a for a in ancestors(stop) if a.op == "placeholder" and is_written_in_place(a)]
+    if caches:
+        return (f"K/V are not views of a graph input: computed each step by {what} from a cache buffer "
+                f"(e.g. a compressed MLA latent cache), not read from it")
+    return f"K/V are not views of a graph input: they come from {what} (no persistent cache buffer)"
+
+
+def _writes_reason(base: fx.Node, lay: CacheLayout, order: dict, site_node: fx.Node):
+    """``(the one write before the site, "")`` or ``(None, reason)``."""
+    writes, unknown = cache_writes(base, lay)
+    before = [w for w in writes if order[w.node] < order[site_node]]
+    if unknown and is_sliding_window_write(base, unknown[0]):
+        return None, ("sliding-window cache: the buffer is rolled and copied back whole each step "
+                      "(cache.copy_(cache.roll(...))), so positions move; left to SDPA")
+    if unknown:
+        name = layout_name(lay.perm)
+        rows = f", rows [:{lay.batch}]" if lay.batch is not None else ""
+        return None, (f"unrecognised in-place write to the key cache: {describe_write(unknown[0])} "
+                      f"(cache layout {name}{rows}: expected a write along the sequence dim {lay.seq_dim})")
+    if len(writes) != 1 or len(before) != 1:
+        return None, (f"key cache must be written exactly once, before the attention, in this graph "
+                      f"(found {len(writes)} write(s), {len(before)} before)")
+    return before[0], ""
+
+
+def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
     a = site.args
     q = fake(a["query"])
     if q is None or q.dim() != 4:
@@ -67,31 +128,32 @@ def _classify(site: AttentionSite, order: dict) -> None:
     except Exception:
         site.reason = "query length is symbolic"
         return
-    decode = site.query_len == 1
-    if decode:
-        k_base, why = _cache_of(a["key"], int(q.shape[1]), bool(a["enable_gqa"]))
-        v_base, why_v = _cache_of(a["value"], int(q.shape[1]), bool(a["enable_gqa"]))
-    else:  # prefill: only the key cache's writes matter (its SDPA stays dense), any view chain will do
-        k_base, why = (trace_view_chain(a["key"])[0] if isinstance(a["key"], fx.Node) else None), ""
-        v_base, why_v = None, ""
-    site.k_base, site.v_base = k_base, v_base
-    if k_base is not None:
-        writes, unknown = cache_writes(k_base)
-        before = [w for w in writes if order[w.node] < order[site.node]]
-        if unknown:
-            site.reason = f"unrecognised in-place write to the key cache: {unknown[0].target}"
-            k_base = site.k_base = None
-        elif len(writes) != 1 or len(before) != 1:
-            site.reason = (f"key cache must be written exactly once, before the attention, in this graph "
-                           f"(found {len(writes)} write(s), {len(before)} before)")
-            k_base = site.k_base = None
-        else:
-            site.k_write = before[0]
-    if site.query_len != 1:
-        site.status, site.reason = "prefill", f"prefill (query length {site.query_len}) stays dense"
+    if any(is_dtensor(fake(a[name])) for name in ("query", "key", "value")):
+        site.reason = ("DTensor activations (a tensor-parallel plan that keeps DTensor outputs): the sparse ops have "
+                       "no sharding rule; use local outputs (use_local_output=True) to rewrite")
+        if site.query_len != 1:
+            site.status = "prefill"
         return
-    if k_base is None or v_base is None:
-        site.reason = site.reason or why or why_v
+    gqa = bool(a["enable_gqa"])
+    k_base, k_lay = _cache_of(a["key"], int(q.shape[1]), gqa)
+    v_base, v_lay = _cache_of(a["value"], int(q.shape[1]), gqa)
+    why = k_lay if k_base is None else (v_lay if v_base is None else "")
+    if site.query_len != 1:
+        # prefill stays dense; its key-cache write is kept bounds-aware when the layout is known
+        site.status, site.reason = "prefill", f"prefill (query length {site.query_len}) stays dense"
+        if k_base is not None:
+            site.k_base, site.k_layout = k_base, k_lay
+            site.k_write, _ = _writes_reason(k_base, k_lay, order, site.node)
+            if site.k_write is None:
+                site.k_base = None
+        return
+    if why:
+        site.reason = why
+        return
+    site.k_base, site.v_base, site.k_layout, site.v_layout = k_base, v_base, k_lay, v_lay
+    site.k_write, why = _writes_reason(k_base, k_lay, order, site.node)
+    if site.k_write is None:
+        site.reason, site.k_base = why, None
         return
     if k_base is v_base:
         site.reason = "K and V read the same buffer"
@@ -103,20 +165,34 @@ def _classify(site: AttentionSite, order: dict) -> None:
         site.reason = "dropout_p != 0"
         return
     kt, vt = fake(k_base), fake(v_base)
-    if kt.shape != vt.shape or kt.dtype != vt.dtype:
-        site.reason = "K and V caches differ in shape or dtype"
+    k_shape, v_shape = k_lay.full(kt), v_lay.full(vt)
+    L_sym = kt.shape[k_lay.seq_dim]
+    if k_shape != v_shape or kt.dtype != vt.dtype:
+        site.reason = f"K and V caches differ in shape or dtype ({k_shape} {kt.dtype} vs {v_shape} {vt.dtype})"
+        return
+    if k_lay.batch != v_lay.batch or not (k_lay.length is v_lay.length is None or same_int(k_lay.length, v_lay.length)):
+        site.reason = "K and V read different parts of their caches"
         return
     if kt.dtype != q.dtype:
         site.reason = f"query dtype {q.dtype} differs from cache dtype {kt.dtype}"
         return
     mask = a["attn_mask"]
+    L = k_shape[2]
+    if k_lay.length is not None:
+        if mask is not None:
+            site.reason = f"attention mask over a [:n] prefix of the cache (keys read {k_lay.length} of {L})"
+            return
+        site.kv_len = size_node(graph, k_lay.length)
+        if site.kv_len is None:
+            site.reason = f"K/V read a [:n] prefix of the cache, n={k_lay.length} is not a value of the graph"
+            return
     if mask is not None:
         mt = fake(mask)
         if mt is None:
             site.reason = "attention mask is not a tensor"
             return
-        L = int(kt.shape[2])
-        if mt.shape[-1] != L or (mt.dim() == 4 and int(mt.shape[1]) not in (1, int(q.shape[1]))) or mt.dim() > 4:
+        if mt.dim() > 4 or not same_int(mt.shape[-1], L_sym) or \
+                (mt.dim() == 4 and int(mt.shape[1]) not in (1, int(q.shape[1]))):
             site.reason = f"attention mask shape {tuple(mt.shape)} does not cover the cache length {L}"
             return
     site.status, site.reason = "sparse", ""
@@ -130,7 +206,7 @@ def find_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
         site = AttentionSite(len(sites), node, None, args=sdpa_args(node))
-        _classify(site, order)
+        _classify(site, order, gm.graph)
         sites.append(site)
     gm.meta["tinyserve_sites"] = sites
     return gm

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from tinyserve_compile import runtime
 
-from ._graph import fake
+from ._graph import cache_view, fake
 
 __all__ = ["keep_bounds_on_cache_writes", "BOUNDS_PREFIX"]
 
@@ -52,8 +52,8 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
         w = site.k_write
         cache = fake(site.k_base)
         device = cache.device
-        slot = runtime.BoundsSlot(placeholders.index(site.k_base), tuple(int(s) for s in cache.shape), cache.dtype,
-                                  config.page_size, config.bounds_torch_dtype)
+        slot = runtime.BoundsSlot(placeholders.index(site.k_base), site.k_layout.full(cache), cache.dtype,
+                                  config.page_size, config.bounds_torch_dtype, perm=w.perm, rows=w.batch)
         nodes = []
         for name, example in zip(("kmax", "kmin", "kabs", "ctrl"), slot.example_inputs(device)):
             with graph.inserting_after(last_placeholder):
@@ -65,7 +65,11 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
         write_op = runtime.write_op(device)
         with graph.inserting_before(w.node):
             pos = _positions(graph, site, device)
-            graph.call_function(write_op, (site.k_base, *nodes, pos, w.src, config.page_size))
+            # other layouts ([B, L, H, D] ...): write through the [B, Hkv, L, D] view, the source permuted alike
+            view = cache_view(graph, site.k_base, w.perm, w.batch, site.k_layout.batch_dim)
+            src = w.src if w.perm is None else graph.call_function(torch.ops.aten.permute.default,
+                                                                   (w.src, list(w.perm)))
+            graph.call_function(write_op, (view, *nodes, pos, src, config.page_size))
         w.node.replace_all_uses_with(site.k_base)
         graph.erase_node(w.node)
         for extra in w.extra_nodes:

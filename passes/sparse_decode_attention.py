@@ -18,7 +18,7 @@ import torch.fx as fx
 from tinyserve_compile import runtime
 from tinyserve_compile.explain import counters
 
-from ._graph import fake
+from ._graph import cache_view, decode_valid_len, fake
 
 __all__ = ["sparse_decode_attention"]
 
@@ -52,18 +52,20 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
         kmax, kmin, kabs, ctrl = site.bounds
         native = runtime.native_decode_op(q.device, config)
         with graph.inserting_before(site.node):
-            top = graph.call_function(torch.ops.aten.amax.default, (site.positions, [0], True))
-            valid_len = graph.call_function(torch.ops.aten.add.Scalar, (top, 1))  # [1] int64
+            # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
+            k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)
+            v = cache_view(graph, site.v_base, site.v_perm, site.v_layout.batch, site.v_layout.batch_dim)
+            valid_len = decode_valid_len(graph, k, a["attn_mask"], site.kv_len, q.device)  # [1] int64
             if native is not None:  # query_aware on CPU: one native call
                 new = graph.call_function(
                     native,
-                    (a["query"], site.k_base, site.v_base, kmax, kmin, kabs, valid_len, a["attn_mask"], float(scale),
+                    (a["query"], k, v, kmax, kmin, kabs, valid_len, a["attn_mask"], float(scale),
                      config.page_size, config.token_budget, config.sink_pages, config.candidate_factor, ctrl),
                 )
             else:
                 new = graph.call_function(
                     torch.ops.tinyserve.paged_attention.default,
-                    (a["query"], site.k_base, site.v_base, kmax, kmin, kabs, ctrl, valid_len, a["attn_mask"],
+                    (a["query"], k, v, kmax, kmin, kabs, ctrl, valid_len, a["attn_mask"],
                      float(scale), config.page_size, config.token_budget, config.sink_pages, config.candidate_factor,
                      config.policy, config.kernel),
                 )

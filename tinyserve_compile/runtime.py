@@ -70,6 +70,8 @@ class BoundsSlot:
         Decode attention sites of the graph that read this buffer.
     perm : tuple or None
         Permutation from the buffer to ``[B, Hkv, L, D]`` (None: the buffer is in that layout).
+    rows : int or None
+        The ops read rows ``[:rows]`` of the buffer's batch dim (None: all of them).
     """
 
     input_index: int
@@ -79,6 +81,7 @@ class BoundsSlot:
     bounds_dtype: torch.dtype
     decode_sites: int = 0
     perm: Optional[Tuple[int, ...]] = None
+    rows: Optional[int] = None
 
     def example_inputs(self, device) -> List[torch.Tensor]:
         """Zero ``kmax, kmin, kabs, ctrl`` of the right shapes, for lowering the graph."""
@@ -128,12 +131,14 @@ def _forget(key: int, st_ref) -> None:
     _BY_BOUNDS.pop(id(st.bounds.kmax), None)
 
 
-def _view(cache: torch.Tensor, perm) -> torch.Tensor:
+def _view(cache: torch.Tensor, perm, rows: Optional[int] = None) -> torch.Tensor:
+    if rows is not None:  # a [:rows] slice of the batch dim (perm[0] of the buffer)
+        cache = cache.narrow(perm[0] if perm is not None else 0, 0, rows)
     return cache if perm is None else cache.permute(perm)
 
 
 def state_for(cache: torch.Tensor, page_size: int, bounds_dtype: Optional[torch.dtype] = None,
-              perm: Optional[Sequence[int]] = None) -> PagedKVState:
+              perm: Optional[Sequence[int]] = None, rows: Optional[int] = None) -> PagedKVState:
     """The state of the key-cache buffer ``cache``, created (stale) for a new buffer.
 
     Parameters
@@ -145,9 +150,11 @@ def state_for(cache: torch.Tensor, page_size: int, bounds_dtype: Optional[torch.
         Storage of ``kmax``/``kmin``; None looks up an existing state of any dtype
         (and creates a float32 one).
     perm : sequence of int, optional
+    rows : int, optional
+        Rows ``[:rows]`` of the buffer's batch dim read by the ops.
     """
     perm = tuple(perm) if perm is not None else None
-    view = _view(cache, perm)
+    view = _view(cache, perm, rows)
     st = _STATES.get(id(cache))
     if st is not None and st.cache_ref() is cache and st.key[0] == page_size and st.key[2] == tuple(view.shape) \
             and bounds_dtype in (None, st.key[1]):
@@ -191,7 +198,7 @@ def enter(slots: Sequence[BoundsSlot], args: Sequence, dense_layers: int) -> Lis
         st = _STATES.get(id(cache))
         if st is not None and st.cache_ref() is cache:
             _NEXT_RANK[0] = 0  # a ranked buffer: the next new one starts a new cache's layers
-        st = state_for(cache, slot.page_size, slot.bounds_dtype, slot.perm)
+        st = state_for(cache, slot.page_size, slot.bounds_dtype, slot.perm, slot.rows)
         flags = st._flags
         if cache._version != st.version or flags[0]:
             if st.version != -1 and cache._version != st.version:

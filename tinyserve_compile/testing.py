@@ -54,11 +54,13 @@ class _SparseReferenceMode(TorchFunctionMode):
         self.decode_calls += 1
         if layer < self.config.dense_layers:
             return func(*args, **kwargs)
+        mask = a["attn_mask"]
         if folded:
             q = q.reshape(q.shape[0], Hq, 1, q.shape[-1])
+            if mask is not None and mask.dim() == 4 and mask.shape[1] == Hkv and mask.shape[2] == G:
+                mask = mask.reshape(mask.shape[0], Hq, 1, mask.shape[-1])  # a per-head mask, folded like q
         elif not a["enable_gqa"] and k.shape[1] == q.shape[1] and G > 1:
             k, v = k[:, ::G], v[:, ::G]  # undo repeat_kv: query head h reads KV head h // G
-        mask = a["attn_mask"]
         L = k.shape[2]
         if mask is None:
             valid = torch.tensor([L])
