@@ -8,21 +8,28 @@ from __future__ import annotations
 
 import torch
 
-from .reference import PageBounds, num_pages, page_bounds
+from .reference import BOUNDS_DTYPES, PageBounds, num_pages, page_bounds, store_bounds
 
 __all__ = ["allocate_bounds", "rebuild_bounds_", "update_bounds_"]
 
 
-def allocate_bounds(k_cache: torch.Tensor, page_size: int) -> PageBounds:
-    """Empty (zero) fp32 bounds for ``k_cache`` ``[B, Hkv, L, D]``; fill with :func:`rebuild_bounds_`."""
+def allocate_bounds(k_cache: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float32) -> PageBounds:
+    """Empty (zero) bounds for ``k_cache`` ``[B, Hkv, L, D]``; fill with :func:`rebuild_bounds_`.
+
+    ``kmax``/``kmin`` are stored as ``dtype`` (float32, or bfloat16 rounded
+    outward); ``kabs`` is always float32.
+    """
+    if dtype not in BOUNDS_DTYPES:
+        raise ValueError(f"allocate_bounds: argument 'dtype' must be one of {BOUNDS_DTYPES}, got {dtype}")
     if not isinstance(page_size, int) or page_size <= 0:
         raise ValueError(f"allocate_bounds: argument 'page_size' must be a positive int, got {page_size!r}")
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         raise ValueError("allocate_bounds: argument 'k_cache' must be a 4-D tensor [B, Hkv, L, D]")
     B, H, L, D = k_cache.shape
     P = num_pages(L, page_size)
-    z = dict(dtype=torch.float32, device=k_cache.device)
-    return PageBounds(torch.zeros(B, H, P, D, **z), torch.zeros(B, H, P, D, **z), torch.zeros(B, H, P, **z))
+    z = dict(dtype=dtype, device=k_cache.device)
+    return PageBounds(torch.zeros(B, H, P, D, **z), torch.zeros(B, H, P, D, **z),
+                      torch.zeros(B, H, P, dtype=torch.float32, device=k_cache.device))
 
 
 def _check(fn, k_cache, kmax, kmin, kabs, page_size):
@@ -37,19 +44,21 @@ def _check(fn, k_cache, kmax, kmin, kabs, page_size):
         raise ValueError(f"{fn}: argument 'k_cache' is on the 'meta' device (no data to bound)")
     B, H, L, D = k_cache.shape
     P = num_pages(L, page_size)
-    for name, t, shape in (("kmax", kmax, (B, H, P, D)), ("kmin", kmin, (B, H, P, D)), ("kabs", kabs, (B, H, P))):
+    bdt = kmax.dtype if isinstance(kmax, torch.Tensor) and kmax.dtype in BOUNDS_DTYPES else torch.float32
+    for name, t, shape, dt in (("kmax", kmax, (B, H, P, D), bdt), ("kmin", kmin, (B, H, P, D), bdt),
+                               ("kabs", kabs, (B, H, P), torch.float32)):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{fn}: argument '{name}' must be a float32 tensor {shape}, got {type(t).__name__}")
-        if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != k_cache.device:
+            raise ValueError(f"{fn}: argument '{name}' must be a {dt} tensor {shape}, got {type(t).__name__}")
+        if tuple(t.shape) != shape or t.dtype != dt or t.device != k_cache.device:
             raise ValueError(
-                f"{fn}: argument '{name}' must be float32 {shape} on {k_cache.device}, "
-                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+                f"{fn}: argument '{name}' must be {dt} {shape} on {k_cache.device} (kmax/kmin float32 or bfloat16, "
+                f"kabs float32), got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
 
 
 def rebuild_bounds_impl(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
                         page_size: int) -> None:
-    b = page_bounds(k_cache, page_size)
+    b = page_bounds(k_cache, page_size, dtype=kmax.dtype)
     kmax.copy_(b.kmax)
     kmin.copy_(b.kmin)
     kabs.copy_(b.kabs)
@@ -72,10 +81,10 @@ def update_bounds_impl(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Te
         p = int(positions.reshape(())) // page_size
         if 0 <= p < kmax.shape[2]:
             keys = k_cache[:, :, p * page_size:(p + 1) * page_size]  # [B,H,<=S,D]
-            hi, lo = keys.amax(2).float(), keys.amin(2).float()  # [B,H,D]
-            kmax[:, :, p] = hi
-            kmin[:, :, p] = lo
-            kabs[:, :, p] = torch.maximum(hi.abs(), lo.abs()).amax(-1)
+            b = store_bounds(keys.amax(2).float(), keys.amin(2).float(), kmax.dtype)  # [B,H,D]
+            kmax[:, :, p] = b.kmax
+            kmin[:, :, p] = b.kmin
+            kabs[:, :, p] = b.kabs
         return
     pages = torch.unique(positions.reshape(-1).to(torch.int64) // page_size)  # pages touched, ascending
     pages = pages[(pages >= 0) & (pages < kmax.shape[2])]
@@ -88,9 +97,10 @@ def update_bounds_impl(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Te
     inside = inside.reshape(1, 1, pages.numel(), page_size, 1)
     hi = keys.masked_fill(~inside, float("-inf")).amax(3)  # [B,H,n,D]
     lo = keys.masked_fill(~inside, float("inf")).amin(3)
-    kmax.index_copy_(2, pages, hi)
-    kmin.index_copy_(2, pages, lo)
-    kabs.index_copy_(2, pages, torch.maximum(hi.abs(), lo.abs()).amax(-1))
+    b = store_bounds(hi, lo, kmax.dtype)
+    kmax.index_copy_(2, pages, b.kmax)
+    kmin.index_copy_(2, pages, b.kmin)
+    kabs.index_copy_(2, pages, b.kabs)
 
 
 _update_bounds_op = torch.library.custom_op("tinyserve::update_bounds", update_bounds_impl,

@@ -21,7 +21,11 @@ Conventions used throughout
   ``>= valid_len[b]`` do not exist for batch row ``b``.
 * ``attn_mask``: optional, broadcastable to ``[B, Hq, 1, L]``; boolean
   (True = attend) or additive float, as in ``F.scaled_dot_product_attention``.
-* Page bounds are fp32, so they are exact for fp16/bf16/fp32 keys.
+* Page bounds are computed in fp32 (exact for fp16/bf16/fp32 keys) and stored
+  either as fp32 or, compactly, as bf16 rounded *outward* (max rounded up, min
+  rounded down): the stored box contains the true one, so a score computed from
+  it is still an upper bound on every logit of the page. ``kabs`` stays fp32 and
+  is taken from the stored values.
 """
 from __future__ import annotations
 
@@ -34,6 +38,10 @@ import torch.nn.functional as F
 __all__ = [
     "PageBounds",
     "Selection",
+    "BOUNDS_DTYPES",
+    "round_up_bf16",
+    "round_down_bf16",
+    "store_bounds",
     "num_pages",
     "page_bounds",
     "score_slack_factor",
@@ -56,12 +64,13 @@ class PageBounds(NamedTuple):
     Attributes
     ----------
     kmax : torch.Tensor
-        ``[B, Hkv, P, D]`` float32, channel-wise max of each page's keys.
+        ``[B, Hkv, P, D]`` float32 or bfloat16 (rounded up), channel-wise max of
+        each page's keys.
     kmin : torch.Tensor
-        ``[B, Hkv, P, D]`` float32, channel-wise min.
+        ``[B, Hkv, P, D]``, dtype of ``kmax`` (bfloat16: rounded down), channel-wise min.
     kabs : torch.Tensor
-        ``[B, Hkv, P]`` float32, ``max(|kmax|, |kmin|)`` over channels; it sizes the
-        rounding slack that keeps computed scores true upper bounds.
+        ``[B, Hkv, P]`` float32, ``max(|kmax|, |kmin|)`` over channels of the stored
+        values; it sizes the rounding slack that keeps computed scores true upper bounds.
     """
 
     kmax: torch.Tensor
@@ -109,7 +118,48 @@ def _paged(x: torch.Tensor, page_size: int, fill: float) -> torch.Tensor:
     return x.unflatten(-2, (-1, page_size))
 
 
-def page_bounds(k_cache: torch.Tensor, page_size: int, valid_len=None) -> PageBounds:
+#: storage dtypes of ``kmax``/``kmin``
+BOUNDS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def round_up_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 value ``>= x`` (fp32 ``x``, finite), as bfloat16.
+
+    bfloat16 is the upper half of an fp32 word: truncating the low 16 bits rounds
+    toward zero, so a positive ``x`` with a nonzero low half goes one bf16 step up
+    and a negative one is simply truncated.
+    """
+    x = x.float().contiguous()
+    bits = x.view(torch.int32)
+    low = (bits & 0xFFFF) != 0
+    up = torch.where(low & (x > 0), bits + 0x10000, bits) & -0x10000  # & 0xFFFF0000
+    return up.view(torch.float32).to(torch.bfloat16)  # exact: the low half is zero
+
+
+def round_down_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The largest bfloat16 value ``<= x`` (fp32 ``x``, finite), as bfloat16."""
+    return -round_up_bf16(-x.float())
+
+
+def store_bounds(kmax: torch.Tensor, kmin: torch.Tensor, dtype: torch.dtype = torch.float32) -> PageBounds:
+    """Exact fp32 page max/min -> stored :class:`PageBounds` of ``dtype`` (outward-rounded) and their ``kabs``.
+
+    Parameters
+    ----------
+    kmax, kmin : torch.Tensor
+        ``[..., P, D]`` float32.
+    dtype : torch.dtype
+        ``torch.float32`` or ``torch.bfloat16``.
+    """
+    if dtype not in BOUNDS_DTYPES:
+        raise ValueError(f"argument 'dtype' must be one of {BOUNDS_DTYPES} (page bounds storage), got {dtype}")
+    if dtype == torch.bfloat16:
+        kmax, kmin = round_up_bf16(kmax), round_down_bf16(kmin)
+    kabs = torch.maximum(kmax.float().abs(), kmin.float().abs()).amax(-1)
+    return PageBounds(kmax, kmin, kabs)
+
+
+def page_bounds(k_cache: torch.Tensor, page_size: int, valid_len=None, dtype: torch.dtype = torch.float32) -> PageBounds:
     """Channel-wise min/max of the keys of every page.
 
     Parameters
@@ -143,8 +193,7 @@ def page_bounds(k_cache: torch.Tensor, page_size: int, valid_len=None) -> PageBo
     empty = torch.isinf(kmax)  # only a page with no valid token has -inf max
     kmax = kmax.masked_fill(empty, 0.0)
     kmin = kmin.masked_fill(empty, 0.0)
-    kabs = torch.maximum(kmax.abs(), kmin.abs()).amax(-1)
-    return PageBounds(kmax, kmin, kabs)
+    return store_bounds(kmax, kmin, dtype)
 
 
 def score_slack_factor(head_dim: int) -> float:
@@ -190,7 +239,7 @@ def page_scores(
     q : torch.Tensor
         ``[B, Hq, 1, D]`` query, any floating dtype (computed in fp32).
     bounds : PageBounds
-        fp32 bounds ``[B, Hkv, P, D]``.
+        Bounds ``[B, Hkv, P, D]``, float32 or bfloat16 (computed in fp32).
     scale : float
         Softmax scale (> 0).
     mask_pages : torch.Tensor, optional
@@ -210,8 +259,8 @@ def page_scores(
     # ---- stage 1: split the query by sign, one row per (batch, KV head)
     q32 = q.float().reshape(B * Hkv, G, D)
     qp, qn = q32.clamp(min=0), q32.clamp(max=0)  # [B*Hkv,G,D]
-    kmax = bounds.kmax.reshape(B * Hkv, P, D)
-    kmin = bounds.kmin.reshape(B * Hkv, P, D)
+    kmax = bounds.kmax.float().reshape(B * Hkv, P, D)
+    kmin = bounds.kmin.float().reshape(B * Hkv, P, D)
     # ---- stage 2: slack, then the two bound matmuls accumulated onto it
     factor = score_slack_factor(D)
     base = score_underflow_slack(D) / (scale * factor)

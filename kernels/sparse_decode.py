@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .reference import (
+    BOUNDS_DTYPES,
     PageBounds,
     Selection,
     _as_valid_len,
@@ -86,9 +87,13 @@ def check_decode_inputs(
     for name, t, shape in (("kmax", kmax, (B, Hkv, P, D)), ("kmin", kmin, (B, Hkv, P, D)), ("kabs", kabs, (B, Hkv, P))):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            bad(name, f"must be a float32 tensor of shape {shape} (page_size={page_size}), got {got}")
-        if t.dtype != torch.float32:
-            bad(name, f"must be float32 (bounds stay exact only in fp32), got {t.dtype}")
+            bad(name, f"must be a tensor of shape {shape} (page_size={page_size}), got {got}")
+        want = (torch.float32,) if name == "kabs" else BOUNDS_DTYPES
+        if t.dtype not in want:
+            bad(name, f"must be one of {want} (bf16 bounds are stored rounded outward), got {t.dtype}")
+    if kmin.dtype != kmax.dtype:
+        bad("kmin", f"must have the dtype of kmax ({kmax.dtype}), got {kmin.dtype}")
+    for name, t in (("kmax", kmax), ("kmin", kmin), ("kabs", kabs)):
         if t.device != q.device:
             bad(name, f"must be on the device of q ({q.device}), got {t.device}")
     if not isinstance(valid_len, torch.Tensor) or valid_len.dtype not in (torch.int64, torch.int32):

@@ -156,8 +156,8 @@ if _HAS_TRITON:
         # -- stage 1: the pages' bounds, read once for the whole GQA group
         x_off = b * stride_xb + kvh * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :] * stride_xd
         ld = p_ok[:, None] & d_ok[None, :]
-        kmax = tl.load(kmax_ptr + x_off, mask=ld, other=0.0)
-        kmin = tl.load(kmin_ptr + x_off, mask=ld, other=0.0)
+        kmax = tl.load(kmax_ptr + x_off, mask=ld, other=0.0).to(tl.float32)
+        kmin = tl.load(kmin_ptr + x_off, mask=ld, other=0.0).to(tl.float32)
         kabs = tl.load(kabs_ptr + b * stride_ab + kvh * stride_ah + offs_p * stride_ap, mask=p_ok, other=0.0)
         mrow = mask_ptr + b * stride_mb
         if MASK_KIND != 0:

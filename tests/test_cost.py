@@ -21,5 +21,7 @@ def test_kv_bytes_per_token_dense_layers_and_sparse_layers():
     assert dense == 30 * 2 * 8192 * 3 * 64 * 4
     ts = TinyServeConfig(page_size=16, token_budget=2048, candidate_factor=1, sink_pages=0)
     sparse = kv_bytes_per_token(cfg, 8192, ts)
-    assert sparse == 2 * 2 * 8192 * 3 * 64 * 4 + 28 * sparse_site_bytes(8192, 3, 64, 4, 16, 2048)
+    assert sparse == 2 * 2 * 8192 * 3 * 64 * 4 + 28 * sparse_site_bytes(8192, 3, 64, 4, 16, 2048, 1, 2)
+    fp32 = kv_bytes_per_token(cfg, 8192, ts.replace(bounds_dtype="float32"))
+    assert fp32 - sparse == 28 * 3 * 512 * 64 * 2 * 2  # bf16 bounds: two bytes fewer per kmax/kmin entry
     assert sparse < dense / 2

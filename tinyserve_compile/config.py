@@ -19,6 +19,8 @@ __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_LOWER",
     "DEFAULT_KERNEL",
+    "DEFAULT_BOUNDS_DTYPE",
+    "BOUNDS_DTYPES",
     "LOWERINGS",
     "KERNEL_CHOICES",
 ]
@@ -35,9 +37,12 @@ DEFAULT_CANDIDATE_FACTOR = 4
 DEFAULT_POLICY = "query_aware"
 DEFAULT_LOWER = "inductor"
 DEFAULT_KERNEL = "auto"
+#: storage of the page bounds: bf16 rounded outward halves their bytes and keeps every score an upper bound
+DEFAULT_BOUNDS_DTYPE = "bfloat16"
 
 LOWERINGS = ("inductor", "eager", "tensorrt")
 KERNEL_CHOICES = ("auto", "torch", "triton")
+BOUNDS_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,9 @@ class TinyServeConfig:
         What compiles the rewritten graph.
     kernel : {"auto", "torch", "triton"}
         Sparse-attention implementation ("auto": Triton on CUDA, PyTorch elsewhere).
+    bounds_dtype : {"bfloat16", "float32"}
+        Storage of the page max/min: bfloat16 is rounded outward (max up, min down),
+        so scores stay upper bounds at half the bytes of float32.
     strict : bool
         Raise instead of leaving a decode attention site dense.
     """
@@ -74,6 +82,7 @@ class TinyServeConfig:
     policy: str = DEFAULT_POLICY
     lower: str = DEFAULT_LOWER
     kernel: str = DEFAULT_KERNEL
+    bounds_dtype: str = DEFAULT_BOUNDS_DTYPE
     strict: bool = False
 
     def __post_init__(self):
@@ -99,6 +108,8 @@ class TinyServeConfig:
             bad("lower", f"must be one of {LOWERINGS}, got {self.lower!r}")
         if self.kernel not in KERNEL_CHOICES:
             bad("kernel", f"must be one of {KERNEL_CHOICES}, got {self.kernel!r}")
+        if self.bounds_dtype not in BOUNDS_DTYPES:
+            bad("bounds_dtype", f"must be one of {BOUNDS_DTYPES}, got {self.bounds_dtype!r}")
         if not isinstance(self.strict, bool):
             bad("strict", f"must be a bool, got {self.strict!r}")
         from .policies import POLICIES
@@ -120,6 +131,13 @@ class TinyServeConfig:
         if unknown:
             raise ValueError(f"unknown tinyserve option(s) {unknown}; valid options: {valid}")
         return cls(**dict(options))
+
+    @property
+    def bounds_torch_dtype(self):
+        """:attr:`bounds_dtype` as a ``torch.dtype``."""
+        import torch
+
+        return getattr(torch, self.bounds_dtype)
 
     def replace(self, **changes) -> "TinyServeConfig":
         return dataclasses.replace(self, **changes)
