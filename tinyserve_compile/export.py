@@ -299,6 +299,32 @@ def _probe(model, batch_size: int) -> Tuple[int, int, int]:
     return n, H, D
 
 
+def _optimize(model) -> None:
+    """Constant folding and clean-up of the exported ``onnx_ir`` model, in place.
+
+    The exporter's default optimizer also runs onnxscript's pattern rewriter,
+    whose matching grows with graph size (most of a 30-layer export's time);
+    its fusions target newer opsets and ONNX Runtime fuses at load time anyway.
+    Constants end up as initializers (TensorRT wants ``TopK``'s ``K`` there).
+    """
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+    from onnxscript.optimizer import _constant_folding
+
+    ir.passes.Sequential(
+        common.InlinePass(),
+        _constant_folding.FoldConstantsPass(shape_inference=False, input_size_limit=8192, output_size_limit=65536,
+                                            should_fold=lambda node: None),
+        common.RemoveUnusedNodesPass(),
+        common.RemoveUnusedFunctionsPass(),
+        common.RemoveUnusedOpsetsPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.DeduplicateInitializersPass(),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+    )(model)
+
+
 def _check_graph(path: str) -> None:
     import onnx
 
@@ -375,7 +401,8 @@ def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[st
         prog = torch.onnx.export(step, args, dynamo=True, opset_version=OPSET,
                                  custom_translation_table=translation_table(),
                                  input_names=["input_ids", "position", *names],
-                                 output_names=["logits", *[f"{n}.out" for n in names]], optimize=True)
+                                 output_names=["logits", *[f"{n}.out" for n in names]], optimize=False)
+        _optimize(prog.model)
         prog.save(path, external_data=big)
     _check_graph(path)
     return ExportInfo(path=path, options=asdict(config), batch_size=B, max_cache_len=L, n_layers=n_layers,
