@@ -138,8 +138,9 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
                          "bias or padding logic); only plain causal decode attention can be exported sparse")
     if dropout:
         raise ValueError("export_onnx: argument 'model' is in training mode (attention dropout); call model.eval()")
-    if kwargs.get("softcap") is not None or kwargs.get("sinks") is not None or kwargs.get("position_bias") is not None:
-        raise ValueError(f"export_onnx: argument 'model' layer {layer} uses softcap/sinks/position bias, "
+    unsupported = [k for k in ("softcap", "sinks", "position_bias", "sliding_window") if kwargs.get(k) is not None]
+    if unsupported:
+        raise ValueError(f"export_onnx: argument 'model' layer {layer} passes {unsupported} to its attention, "
                          "which the sparse attention does not implement")
     c = step.config
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])

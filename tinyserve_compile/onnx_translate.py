@@ -230,8 +230,13 @@ def sparse_attention(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, pag
         forced_c = op.Expand(forced, _ints(B, Hkv, P))
     else:
         cand, cand_ok = bound_topk(Kc)  # [B,Hkv,Kc]
-        kc = _gather_pages(k_cache, cand, [B, Hkv, L, D], S, Kc)  # [B,Hkv,Kc*S,D]
-        logits = op.Mul(op.MatMul(qg, op.Transpose(kc, perm=[0, 1, 3, 2])), _f(scale))  # [B,Hkv,G,Kc*S]
+        if 2 * Kc >= P:  # most pages are candidates: one pass over every key beats copying most of them
+            full = op.Reshape(all_logits(), _ints(B, Hkv, G, P, S))
+            sel_c = op.Expand(op.Reshape(cand, _ints(B, Hkv, 1, Kc, 1)), _ints(B, Hkv, G, Kc, S))
+            logits = op.Reshape(op.GatherElements(full, sel_c, axis=3), _ints(B, Hkv, G, Kc * S))
+        else:
+            kc = _gather_pages(k_cache, cand, [B, Hkv, L, D], S, Kc)  # [B,Hkv,Kc*S,D]
+            logits = op.Mul(op.MatMul(qg, op.Transpose(kc, perm=[0, 1, 3, 2])), _f(scale))  # [B,Hkv,G,Kc*S]
         logits = op.Where(tokens_ok(cand, cand_ok, Kc), logits, neg_inf)
         forced_c = op.Or(op.Equal(cand, newest), op.Less(cand, _int(sinks)))
     logits5 = op.Reshape(logits, _ints(B, Hkv, G, Kc, S))
