@@ -63,7 +63,11 @@ def _export(model, which: str, L: int, options, export_dir: str, batch: int = 1)
     """Export (or reuse) the decode step of ``model`` at cache length ``L``: (path, seconds or None if cached)."""
     from tinyserve_compile.export import export_onnx
 
-    key = json.dumps([which, L, sorted(options.items()), batch])
+    import tinyserve_compile.export as ex
+    import tinyserve_compile.onnx_translate as tr
+
+    code = "".join(open(m.__file__).read() for m in (ex, tr))  # a changed lowering invalidates the cache
+    key = json.dumps([which, L, sorted(options.items()), batch, hashlib.sha1(code.encode()).hexdigest()])
     path = os.path.join(export_dir, f"step_{hashlib.sha1(key.encode()).hexdigest()[:12]}.onnx")
     if os.path.exists(path) and os.path.exists(path + ".json"):
         return path, None
