@@ -321,6 +321,8 @@ def _optimize(model) -> None:
         common.RemoveUnusedOpsetsPass(),
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
         common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),  # position-derived indices and masks: once, not per layer
+        common.RemoveUnusedNodesPass(),
         common.OutputFixPass(),
         common.NameFixPass(),
     )(model)

@@ -113,9 +113,15 @@ def _round_up_bf16(x):
     return op.Where(op.Equal(x, _f(0.0)), x, up)
 
 
-def _round_down_bf16(x):
-    """The largest bf16 value ``<= x``, as ``reference.round_down_bf16``."""
-    return op.Neg(_round_up_bf16(op.Neg(x)))
+def _round_outward_bf16(hi, lo, n: int):
+    """``(round_up_bf16(hi), round_down_bf16(lo))`` for ``[n]``-element tensors, one pass over both.
+
+    ``round_down(lo) = -round_up(-lo)``, so both halves are rounded up together.
+    """
+    both = _round_up_bf16(op.Concat(op.Reshape(hi, _ints(n)), op.Neg(op.Reshape(lo, _ints(n))), axis=0))
+    up = op.Slice(both, _ints(0), _ints(n), _ints(0))
+    neg_down = op.Slice(both, _ints(n), _ints(2 * n), _ints(0))
+    return up, op.Neg(neg_down)
 
 
 # ---------------------------------------------------------------------------------------------- the ops
@@ -137,8 +143,9 @@ def bounds_write(k_cache, kmax, kmin, kabs, position, page_size):
     hi = op.ReduceMax(keys, _ints(2), keepdims=0)  # [B,H,D]
     lo = op.ReduceMin(keys, _ints(2), keepdims=0)
     bdtype = kmax.dtype
-    if bdtype is not None and int(bdtype) == onnx.TensorProto.BFLOAT16:
-        hi, lo = _round_up_bf16(hi), _round_down_bf16(lo)  # exact on the bf16 grid: the Cast below is exact
+    if bdtype is not None and int(bdtype) == onnx.TensorProto.BFLOAT16:  # exact on the bf16 grid: the Cast is exact
+        hi, lo = _round_outward_bf16(hi, lo, B * H * D)
+        hi, lo = op.Reshape(hi, _ints(B, H, D)), op.Reshape(lo, _ints(B, H, D))
     new_abs = op.ReduceMax(op.Max(op.Abs(hi), op.Abs(lo)), _ints(-1), keepdims=0)  # [B,H]
     idx = op.Concat(_const(_bh_index(B, H)), op.Expand(row, _ints(B, H, 1)), axis=-1)  # [B,H,3]
     if bdtype is not None and int(bdtype) != _FLOAT:
