@@ -88,16 +88,29 @@ def cmd_accuracy(a):
 
 
 def cmd_speed(a):
-    from .speed import decode_speed, op_speed
+    """Decode (``bench/bench_decode.py``: eager, inductor and tinyserve in interleaved rounds, batch 1 and
+    8, results/decode.{json,csv,png}) and the op alone (``bench.speed.op_speed``); both go to speed.json."""
+    from .speed import op_speed
 
-    ctxs = (1024, 2048) if a.quick else (1024, 2048, 4096, 8192, 16384, 32768)
-    budgets = (512,) if a.quick else (512, 1024, 2048)
-    if a.contexts:
-        ctxs = tuple(int(x) for x in a.contexts.split(","))
-    if a.budgets:
-        budgets = tuple(int(x) for x in a.budgets.split(","))
-    providers = tuple(a.providers.split(",")) if a.providers else ("eager", "inductor", "tinyserve")
-    rows = decode_speed(ctxs, budgets, providers=providers) if "decode" in a.parts else []
+    rows = []
+    if "decode" in a.parts:
+        from . import bench_decode as bd
+
+        ctxs = (2048,) if a.quick else (2048, 4096, 8192, 16384, 32768)
+        if a.contexts:
+            ctxs = tuple(int(x) for x in a.contexts.split(","))
+        batches = tuple(int(x) for x in a.batches.split(","))
+        budgets = tuple(int(x) for x in a.budgets.split(",")) if a.budgets else None
+        providers = tuple(a.providers.split(",")) if a.providers else ("eager", "inductor", "tinyserve")
+        steps, rounds, warmup = (4, 2, 2) if a.quick else (a.steps, a.rounds, 3)
+        dec = bd.run(ctxs, batches, providers, json.loads(a.options), a.paper, budgets, steps, rounds, warmup,
+                     log=lambda m: print(m, file=sys.stderr))
+        print(bd.table(dec))
+        for t in bd.targets(dec):
+            print(f"# target {t['target']}: {t['value']:.2f} -> {'met' if t['met'] else 'MISSED'}")
+        bd.write_outputs(dec, os.path.join(a.out, "decode.json"))
+        # speed.json: report.py reads ``ctx``
+        rows += [dict(kind="decode", ctx=r["context"], **r) for r in dec]
     if "op" in a.parts:
         from tinyserve_compile import config as C
 
@@ -128,10 +141,16 @@ def main(argv=None):
                            help="text for perplexity: tune = first half of the sorted topics, heldout = second")
             p.add_argument("--parts", default="ppl,passkey,diagnostics")
         if name == "speed":
+            # decode: the runner of bench/bench_decode.py (python bench/bench_decode.py --help has every knob)
             p.add_argument("--parts", default="decode,op")
-            p.add_argument("--contexts", default="", help="e.g. 1024,8192 (default: 1K..32K, quick: 1K,2K)")
-            p.add_argument("--budgets", default="", help="tinyserve budgets, e.g. 512,2048")
+            p.add_argument("--contexts", default="", help="e.g. 2048,8192 (default: 2K..32K, quick: 2K)")
+            p.add_argument("--batches", default="1,8", help="decode batch sizes (rows of different lengths)")
+            p.add_argument("--budgets", default="", help="one tinyserve provider per budget, e.g. 512,2048")
             p.add_argument("--providers", default="", help="subset of eager,inductor,tinyserve")
+            p.add_argument("--options", default="{}", help="tinyserve options as JSON")
+            p.add_argument("--paper", action="store_true", help="also tinyserve with the paper's selection")
+            p.add_argument("--steps", type=int, default=16, help="timed decode steps per provider and round")
+            p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point")
         if name == "report":
             p.add_argument("--img", default="docs/img", help="where the PNGs go")
     a = ap.parse_args(argv)

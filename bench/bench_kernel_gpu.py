@@ -21,7 +21,10 @@ One call on a lent GPU (H200 by default) does:
      else K/V repeated before timing; "n/a" when the backend refuses the shape).
 
    at contexts 4K/16K/32K/128K, budget 2048, batch 1 and 8, fp16 and bf16,
-   Hq=32 / Hkv=8 / D=128 (Llama-3-8B attention), page 16.
+   Hq=32 / Hkv=8 / D=128 (Llama-3-8B attention), for each selection setting
+   (``--settings``): ``paper`` (pages of 16, the bound alone, no sink page, fp32
+   bounds) and ``defaults`` (the backend's: pages of 8, one sink page, two-stage
+   with 4x candidates, bf16 bounds rounded outward).
 3. **Report**: ms, speedup of ``sparse`` over the fastest SDPA backend and over
    ``dense``, and the GB/s of the bytes the sparse path actually touches (fp32
    bounds of the valid pages, the selected K/V pages, scores) against the device
@@ -30,6 +33,7 @@ One call on a lent GPU (H200 by default) does:
 
 Usage::
 
+    python bench/bench_kernel_gpu.py --check-only --out-dir results/check  # correctness only, every shape
     python bench/bench_kernel_gpu.py --out-dir results/          # full run: table + json/csv/png
     python bench/bench_kernel_gpu.py --quick --json q.json       # 4K and 32K, batch 1, fp16
     TRITON_INTERPRET=1 python bench/bench_kernel_gpu.py --dry-run --out-dir /tmp/dry   # CPU logic check
@@ -54,6 +58,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from tinyserve_compile import config as C  # noqa: E402
+from tinyserve_compile.cost import sparse_site_bytes  # noqa: E402
 from tinyserve_compile.kernels import reference as ref  # noqa: E402
 from tinyserve_compile.kernels import sparse_decode  # noqa: E402
 
@@ -62,9 +68,13 @@ TOL = {torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2), torch.float32:
 METHODS = ("sparse", "select", "dense", "sdpa_flash", "sdpa_efficient")
 
 FULL = dict(contexts=[4096, 16384, 32768, 131072], batches=[1, 8], dtypes=["fp16", "bf16"], hq=32, hkv=8, d=128,
-            page=16, budget=2048)
+            budget=2048)
 QUICK = dict(FULL, contexts=[4096, 32768], batches=[1], dtypes=["fp16"])
-DRY = dict(contexts=[128, 256], batches=[1, 2], dtypes=["fp16", "bf16"], hq=6, hkv=2, d=32, page=16, budget=64)
+DRY = dict(contexts=[128, 384], batches=[1, 2], dtypes=["fp16", "bf16"], hq=6, hkv=2, d=32, budget=64)
+#: selection settings: the paper's (pages of 16, the bound alone, no sink, fp32 bounds) and the backend's defaults
+SETTINGS = {"paper": dict(page=16, sink=0, cf=1, bounds="float32"),
+            "defaults": dict(page=C.DEFAULT_PAGE_SIZE, sink=C.DEFAULT_SINK_PAGES, cf=C.DEFAULT_CANDIDATE_FACTOR,
+                             bounds=C.DEFAULT_BOUNDS_DTYPE)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -87,18 +97,20 @@ def time_ms(fn, device, iters: int) -> float:
     return statistics.median(ts)
 
 
-def bytes_touched(method: str, B, hkv, hq, L, D, S, budget, itemsize) -> int:
-    """Bytes a method must read/write at least (K/V it attends, bounds it scans, q/out)."""
+def bytes_touched(method: str, B, hkv, hq, L, D, S, budget, itemsize, cf: int = 1, bounds_itemsize: int = 4) -> int:
+    """Bytes a method must read/write at least: the K/V it attends, the bounds it scans (the cost model of
+    :func:`tinyserve_compile.cost.sparse_site_bytes`, per batch row), the page scores it writes and reads, q/out."""
     P = math.ceil(L / S)
     qo = 2 * B * hq * D * itemsize
     kv_dense = 2 * B * hkv * L * D * itemsize
     if method in ("dense", "sdpa_flash", "sdpa_efficient"):
         return kv_dense + qo
-    bounds = B * hkv * P * (2 * D + 1) * 4 + 2 * B * hkv * P * 4  # kmax, kmin, kabs + scores write/read
+    scores = 2 * B * hkv * P * 4
     if method == "select":
-        return bounds + B * hq * D * itemsize
-    kv_sparse = 2 * B * hkv * min(budget // S * S, L) * D * itemsize
-    return bounds + kv_sparse + qo
+        bounds = B * hkv * P * (2 * D * bounds_itemsize + 4)
+        cand = B * hkv * min(L, cf * budget) * D * itemsize if cf > 1 else 0
+        return bounds + cand + scores + B * hq * D * itemsize
+    return B * sparse_site_bytes(L, hkv, D, itemsize, S, budget, cf, bounds_itemsize) + scores + qo
 
 
 def peak_gbs_for(device, override):
@@ -130,23 +142,24 @@ def make_inputs(B, hq, hkv, L, D, dtype, device, seed=0):
     return q, k, v
 
 
-def check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes):
+def check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes, sink=0, cf=1):
     """Worst normalised error vs the reference, and the share of KV heads with the reference's pages."""
     B, hq, _, D = q.shape
     hkv, L = k.shape[1], k.shape[2]
     scale = D ** -0.5
-    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, 0, 1)
+    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, sink, cf)
     ref_bytes = 3 * B * hq * L * D * 4
     if ref_bytes <= ref_budget_bytes:
-        want, oracle = ref.sparse_decode_reference(q, k, v, vl, None, scale, S, budget, bounds=bounds), "reference"
+        want = ref.sparse_decode_reference(q, k, v, vl, None, scale, S, budget, sink, cf, bounds=bounds)
+        oracle = "reference"
     else:
-        want = sparse_decode(q, k, v, bounds, vl, None, scale, S, budget, kernel="torch")
+        want = sparse_decode(q, k, v, bounds, vl, None, scale, S, budget, sink, cf, kernel="torch")
         oracle = "kernel=torch"
     atol, rtol = TOL[q.dtype]
     err = (out.float() - want.float()).abs()
     excess = float((err / (atol + rtol * want.float().abs())).max())
-    sel_ref = ref.choose_pages(q, k, bounds, vl, None, scale, S, budget)
-    sel_tri = tsd.select_pages_triton(q, k, *bounds, vl, None, scale, S, budget)
+    sel_ref = ref.choose_pages(q, k, bounds, vl, None, scale, S, budget, sink, cf)
+    sel_tri = tsd.select_pages_triton(q, k, *bounds, vl, None, scale, S, budget, sink, cf)
     if sel_ref is None or sel_tri is None:
         agree = 1.0 if (sel_ref is None) == (sel_tri is None) else float("nan")
     else:
@@ -177,18 +190,27 @@ def sdpa_fn(backend_name, q, k, v, device):
     return None, "n/a"
 
 
-def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, log):
+def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, log, setting="paper",
+                check_only=False):
     dtype = DTYPES[dname]
-    hq, hkv, D, S, budget = cfg["hq"], cfg["hkv"], cfg["d"], cfg["page"], cfg["budget"]
+    hq, hkv, D, budget = cfg["hq"], cfg["hkv"], cfg["d"], cfg["budget"]
+    S, sink, cf, bdt = (SETTINGS[setting][k_] for k_ in ("page", "sink", "cf", "bounds"))
     q, k, v = make_inputs(B, hq, hkv, L, D, dtype, device)
-    bounds = ref.page_bounds(k, S)
+    bounds = ref.page_bounds(k, S, dtype=getattr(torch, bdt))  # stored as the backend stores them
     vl = torch.full((B,), L, dtype=torch.int64, device=device)
     scale = D ** -0.5
-    row = dict(context=L, batch=B, dtype=dname, hq=hq, hkv=hkv, head_dim=D, page=S, budget=budget)
-    row.update(check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes))
+    row = dict(context=L, batch=B, dtype=dname, setting=setting, hq=hq, hkv=hkv, head_dim=D, page=S, budget=budget,
+               sink_pages=sink, candidate_factor=cf, bounds_dtype=bdt)
+    row.update(check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes, sink, cf))
+    if check_only:
+        log(fmt_check(row))
+        del q, k, v, bounds
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return row
     fns = {
-        "sparse": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, 0, 1),
-        "select": lambda: tsd._select(q, k, *bounds, vl, None, scale, S, budget, 0, 1),
+        "sparse": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, sink, cf),
+        "select": lambda: tsd._select(q, k, *bounds, vl, None, scale, S, budget, sink, cf),
         "dense": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, L + S, 0, 1),
     }
     for name in ("sdpa_flash", "sdpa_efficient"):
@@ -204,7 +226,8 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
             continue
         ms = time_ms(fns[name], device, iters)
         row[f"{name}_ms"] = ms
-        row[f"{name}_gbs"] = bytes_touched(name, B, hkv, hq, L, D, S, budget, itemsize) / (ms * 1e-3) / 1e9
+        nbytes = bytes_touched(name, B, hkv, hq, L, D, S, budget, itemsize, cf, bounds[0].element_size())
+        row[f"{name}_gbs"] = nbytes / (ms * 1e-3) / 1e9
     sdpa = [row[f"{n}_ms"] for n in ("sdpa_flash", "sdpa_efficient") if row[f"{n}_ms"] is not None]
     row["speedup_vs_sdpa"] = (min(sdpa) / row["sparse_ms"]) if sdpa else None
     row["speedup_vs_dense"] = row["dense_ms"] / row["sparse_ms"]
@@ -220,31 +243,40 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
 # report
 # ---------------------------------------------------------------------------------------------------------------------
 
-HEADER = (f"{'ctx':>7} {'B':>2} {'dt':>4} | {'ok':>3} {'pages=':>6} | {'sparse':>8} {'select':>8} {'dense':>8} "
-          f"{'flash':>8} {'effic':>8} (ms) | {'x sdpa':>6} {'x dense':>7} | {'GB/s':>7} {'%peak':>6}")
+HEADER = (f"{'setting':>8} {'ctx':>7} {'B':>2} {'dt':>4} | {'ok':>3} {'pages=':>6} | {'sparse':>8} {'select':>8} "
+          f"{'dense':>8} {'flash':>8} {'effic':>8} (ms) | {'x sdpa':>6} {'x dense':>7} | {'GB/s':>7} {'%peak':>6}")
+CHECK_HEADER = f"{'setting':>8} {'ctx':>7} {'B':>2} {'dt':>4} | {'ok':>3} {'pages=':>6} {'max abs err':>11} {'x tol':>6} oracle"
 
 
 def _f(x, w=8, p=3):
     return f"{'n/a':>{w}}" if x is None else f"{x:>{w}.{p}f}"
 
 
+def fmt_check(r):
+    return (f"{r['setting']:>8} {r['context']:>7} {r['batch']:>2} {r['dtype']:>4} | {('yes' if r['ok'] else 'NO'):>3} "
+            f"{r['pages_agree']:>6.2f} {r['max_abs_err']:>11.2e} {r['tol_ratio']:>6.2f} {r['oracle']}")
+
+
 def fmt_row(r):
-    return (f"{r['context']:>7} {r['batch']:>2} {r['dtype']:>4} | {('yes' if r['ok'] else 'NO'):>3} "
+    return (f"{r['setting']:>8} {r['context']:>7} {r['batch']:>2} {r['dtype']:>4} | {('yes' if r['ok'] else 'NO'):>3} "
             f"{r['pages_agree']:>6.2f} | {_f(r['sparse_ms'])} {_f(r['select_ms'])} {_f(r['dense_ms'])} "
             f"{_f(r['sdpa_flash_ms'])} {_f(r['sdpa_efficient_ms'])}      | {_f(r['speedup_vs_sdpa'], 6, 2)} "
             f"{_f(r['speedup_vs_dense'], 7, 2)} | {_f(r['sparse_gbs'], 7, 0)} {_f(r.get('sparse_pct_peak'), 6, 1)}")
 
 
 def check_targets(rows, peak):
-    """The issue's targets: >= 8x over SDPA at 32K (budget 2048), >= 70% of peak on bytes touched."""
+    """The issue's targets, per setting: >= 8x over SDPA at 32K (budget 2048), >= 70% of peak on bytes touched."""
     out = []
-    at32 = [r for r in rows if r["context"] == 32768 and r["speedup_vs_sdpa"] is not None]
-    if at32:
-        worst = min(r["speedup_vs_sdpa"] for r in at32)
-        out.append(dict(target=">= 8x vs SDPA at 32K", worst=worst, met=worst >= 8.0))
-    if not math.isnan(peak):
-        best = max(r["sparse_gbs"] for r in rows) / peak * 100
-        out.append(dict(target=">= 70% of peak bandwidth on bytes touched (best shape)", worst=best, met=best >= 70))
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        rs = [r for r in rows if r["setting"] == setting and r.get("sparse_ms") is not None]
+        at32 = [r for r in rs if r["context"] == 32768 and r["speedup_vs_sdpa"] is not None]
+        if at32:
+            worst = min(r["speedup_vs_sdpa"] for r in at32)
+            out.append(dict(target=f"{setting}: >= 8x vs SDPA at 32K", worst=worst, met=worst >= 8.0))
+        if rs and not math.isnan(peak):
+            best = max(r["sparse_gbs"] for r in rs) / peak * 100
+            out.append(dict(target=f"{setting}: >= 70% of peak bandwidth on bytes touched (best shape)", worst=best,
+                            met=best >= 70))
     return out
 
 
@@ -267,7 +299,10 @@ def write_outputs(rows, meta, targets, args):
             w.writeheader()
             w.writerows(rows)
     if "png" in paths:
-        plot(rows, meta, paths["png"])
+        if rows[0].get("sparse_ms") is None:  # --check-only: nothing to plot
+            del paths["png"]
+        else:
+            plot(rows, meta, paths["png"])
     return paths
 
 
@@ -277,10 +312,11 @@ def plot(rows, meta, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["batch"], r["dtype"]) for r in rows})
+    groups = sorted({(r["setting"], r["batch"], r["dtype"]) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, (B, dt) in zip(axes[0], groups):
-        rs = sorted((r for r in rows if r["batch"] == B and r["dtype"] == dt), key=lambda r: r["context"])
+    for ax, (st, B, dt) in zip(axes[0], groups):
+        rs = sorted((r for r in rows if (r["setting"], r["batch"], r["dtype"]) == (st, B, dt)),
+                    key=lambda r: r["context"])
         ctx = [r["context"] for r in rs]
         for name, style in (("sparse", "o-"), ("dense", "s--"), ("sdpa_flash", "^:"), ("sdpa_efficient", "v:")):
             ys = [r[f"{name}_ms"] for r in rs]
@@ -291,7 +327,7 @@ def plot(rows, meta, path):
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("ms per decode step")
-        ax.set_title(f"B={B} {dt}")
+        ax.set_title(f"{st}, B={B} {dt}")
         ax.legend()
     fig.suptitle(f"tinyserve Triton sparse decode, budget {rows[0]['budget']} on {meta['device']}")
     fig.tight_layout()
@@ -306,6 +342,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="4K and 32K, batch 1, fp16")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--check-only", action="store_true",
+                   help="correctness against the reference at every shape, no timing (exit 1 on a mismatch)")
+    p.add_argument("--settings", nargs="*", choices=sorted(SETTINGS), default=["paper", "defaults"],
+                   help="selection settings: paper (page 16, bound only, no sink) and the backend's defaults")
     p.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
     p.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     p.add_argument("--dtypes", nargs="*", choices=sorted(DTYPES), help="override the dtypes")
@@ -342,17 +382,19 @@ def main(argv=None):
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()}), "
         "Triton interpreter: timings meaningless",
         torch=torch.__version__, triton=__import__("triton").__version__, peak_gbs=peak, dry_run=args.dry_run,
-        config=cfg,
+        check_only=args.check_only, config=cfg, settings={s_: SETTINGS[s_] for s_ in args.settings},
     )
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  peak {peak} GB/s  {meta['date']}")
-    print(f"# Hq={cfg['hq']} Hkv={cfg['hkv']} D={cfg['d']} page={cfg['page']} budget={cfg['budget']}")
-    print(HEADER)
+    print(f"# Hq={cfg['hq']} Hkv={cfg['hkv']} D={cfg['d']} budget={cfg['budget']} settings: "
+          + ", ".join(f"{s_}={SETTINGS[s_]}" for s_ in args.settings))
+    print(CHECK_HEADER if args.check_only else HEADER)
     rows = []
-    for dname in cfg["dtypes"]:
-        for B in cfg["batches"]:
-            for L in cfg["contexts"]:
-                rows.append(bench_shape(tsd, cfg, B, L, dname, device, args.iters, args.ref_budget_gb * 1e9, peak,
-                                        print))
+    for setting in args.settings:
+        for dname in cfg["dtypes"]:
+            for B in cfg["batches"]:
+                for L in cfg["contexts"]:
+                    rows.append(bench_shape(tsd, cfg, B, L, dname, device, args.iters, args.ref_budget_gb * 1e9, peak,
+                                            print, setting, args.check_only))
     targets = check_targets(rows, peak)
     for t in targets:
         print(f"# target {t['target']}: {t['worst']:.2f} -> {'met' if t['met'] else 'NOT met'}")

@@ -238,7 +238,8 @@ def report(results_dir="results", img_dir="docs/img") -> str:
             parts += ["", f"### Selection study `{name}`", study_table(rows), "", stats_table(rows)]
             if any("stat_bytes_fraction" in r for r in rows):
                 plot_frontier(rows, os.path.join(img_dir, name.replace(".json", "_frontier.png")))
-    sp = _load(os.path.join(results_dir, "speed.json"))
+    # decode rows at batch 1 (batch 8 is in decode.json) and the op rows
+    sp = [r for r in _load(os.path.join(results_dir, "speed.json")) or [] if r.get("batch", 1) == 1]
     if sp:
         plot_speed([r for r in sp if "provider" in r], os.path.join(img_dir, "speed_ms_per_token.png"))
         parts += ["", "### Decode speed", "| provider | ctx | ms/token | compile s |", "|---|---|---|---|"]

@@ -31,7 +31,7 @@ from .reference import (
 
 __all__ = ["sparse_decode", "sparse_decode_impl", "attend_selection", "check_decode_inputs", "KERNELS"]
 
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "native", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: up to this many (batch, KV head) pairs the CPU path loops over per-head GEMMs instead of bmm
 _LOOP_MAX = 16
@@ -469,6 +469,18 @@ def sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_ma
          candidate_factor, kernel):
     args = (q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
             candidate_factor)
+    if kernel == "native" or (kernel == "auto" and q.device.type == "cpu"):
+        # ---- the native C++ kernel: the CPU default when it builds (else the PyTorch path below)
+        from .native import load_native, native_unavailable_reason
+
+        if kernel == "native" and q.device.type != "cpu":
+            raise ValueError(f"sparse_decode: argument 'kernel'='native' runs on CPU tensors only, got {q.device}")
+        if load_native():
+            return torch.ops.tinyserve_native.sparse_decode(*args, None)
+        if kernel == "native":
+            raise ValueError(f"sparse_decode: argument 'kernel'='native' but the native kernel is unavailable: "
+                             f"{native_unavailable_reason()}")
+        return _sparse_decode_torch(*args)
     use_triton = kernel == "triton" or (kernel == "auto" and q.is_cuda)
     if use_triton:
         if not _triton_allowed(q):
@@ -545,8 +557,9 @@ def sparse_decode(
         Defaults to ``1/sqrt(D)``.
     page_size, token_budget, sink_pages, candidate_factor : int
         Selection knobs; see :mod:`.reference`.
-    kernel : {"auto", "torch", "triton"}
-        "auto" picks Triton on CUDA and the PyTorch path elsewhere.
+    kernel : {"auto", "native", "torch", "triton"}
+        "auto" picks Triton on CUDA, the native C++ kernel on CPU when it builds
+        (:func:`.native.load_native`), and the PyTorch path otherwise.
 
     Returns
     -------

@@ -3,7 +3,7 @@
 Each pass is ``(gm, config) -> gm``; they share findings through ``gm.meta``.
 """
 from .find_decode_attention import AttentionSite, find_decode_attention
-from .keep_bounds_on_cache_writes import PROBE_PREFIX, keep_bounds_on_cache_writes
+from .keep_bounds_on_cache_writes import BOUNDS_PREFIX, keep_bounds_on_cache_writes
 from .sparse_decode_attention import sparse_decode_attention
 
 PASSES = [
@@ -20,4 +20,4 @@ def run_passes(gm, config):
     return gm
 
 
-__all__ = ["PASSES", "run_passes", "AttentionSite", "PROBE_PREFIX"]
+__all__ = ["PASSES", "run_passes", "AttentionSite", "BOUNDS_PREFIX"]

@@ -7,8 +7,10 @@ A site is rewritten (status ``"sparse"``) only when all of these hold:
   exactly ``repeat_kv`` (or the buffer itself under ``enable_gqa=True``);
 * the graph writes the key cache in place, with a recognised idiom, before the
   attention, and does nothing else in place to it;
-* no ``is_causal``, no dropout, and a mask (if any) over the whole cache length;
-* it is not among the first ``dense_layers`` decode sites.
+* no ``is_causal``, no dropout, and a mask (if any) over the whole cache length.
+
+The first ``dense_layers`` layers are rewritten too, and attend densely at run
+time (:mod:`tinyserve_compile.runtime` ranks layers across graphs).
 
 Everything else stays dense, with the reason in ``gm.meta["tinyserve_sites"]``.
 """
@@ -38,6 +40,7 @@ class AttentionSite:
     v_base: Optional[fx.Node] = None
     k_write: Optional[CacheWrite] = None
     positions: Any = None  #: node holding the written positions (set by the write pass)
+    bounds: Any = None  #: the kmax, kmin, kabs, ctrl placeholders of the key cache (set by the write pass)
     args: dict = field(default_factory=dict)
 
     def describe(self) -> dict:
@@ -123,16 +126,11 @@ def find_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
     """Record an :class:`AttentionSite` per SDPA call in ``gm.meta["tinyserve_sites"]``."""
     order = node_order(gm.graph)
     sites: List[AttentionSite] = []
-    n_decode = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
         site = AttentionSite(len(sites), node, None, args=sdpa_args(node))
         _classify(site, order)
-        if site.query_len == 1:
-            if n_decode < config.dense_layers:
-                site.status, site.reason = "dense", f"within the first dense_layers={config.dense_layers} sites"
-            n_decode += 1
         sites.append(site)
     gm.meta["tinyserve_sites"] = sites
     return gm

@@ -3,22 +3,28 @@
 ``k_cache.index_copy_(2, pos, k)`` (and the ``setitem`` / ``index_put_`` /
 slice-``copy_`` idioms) becomes::
 
-    tinyserve::cache_write(k_cache, probe, pos, k, S)
+    cache_write(k_cache, kmax, kmin, kabs, ctrl, pos, k, S)
 
-``probe`` is a new graph input per write site (see :mod:`tinyserve_compile.runtime`);
-the backend passes it in. Decode sites that will be sparse and prefill sites past
-``dense_layers`` are handled, so that a compiled prefill keeps the bounds current.
+where ``kmax, kmin, kabs, ctrl`` are four new graph inputs per key-cache buffer
+(see :mod:`tinyserve_compile.runtime`; the backend hands them in) and
+``cache_write`` is the native op on CPU when it builds, else ``tinyserve::cache_write``.
+Decode sites that will be rewritten and prefill sites that write a cache are
+handled, so that a compiled prefill keeps the bounds current. Each buffer is
+recorded as a :class:`~tinyserve_compile.runtime.BoundsSlot` in
+``gm.meta["tinyserve_bounds"]``; ``site.bounds`` holds its four nodes.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from tinyserve_compile import runtime  # noqa: F401  (registers the ops)
+from tinyserve_compile import runtime
 
-__all__ = ["keep_bounds_on_cache_writes", "PROBE_PREFIX"]
+from ._graph import fake
 
-PROBE_PREFIX = "tinyserve_probe_"
+__all__ = ["keep_bounds_on_cache_writes", "BOUNDS_PREFIX"]
+
+BOUNDS_PREFIX = "tinyserve_bounds_"
 
 
 def _positions(graph: fx.Graph, site, device) -> fx.Node:
@@ -32,38 +38,40 @@ def _positions(graph: fx.Graph, site, device) -> fx.Node:
 def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
     sites = gm.meta.get("tinyserve_sites", [])
     graph = gm.graph
-    probes = gm.meta.setdefault("tinyserve_probes", [])
-    n_prefill = 0
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    slots = gm.meta.setdefault("tinyserve_bounds", [])
     done = {}
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    last_placeholder = placeholders[-1] if placeholders else None
     for site in sites:
-        wanted = site.status == "sparse"
-        if site.status == "prefill":
-            wanted = site.k_write is not None and n_prefill >= config.dense_layers
-            n_prefill += 1
+        wanted = site.status == "sparse" or (site.status == "prefill" and site.k_write is not None)
         if not wanted:
             continue
         if site.k_base in done:
-            site.positions = done[site.k_base]
+            site.positions, site.bounds = done[site.k_base]
             continue
         w = site.k_write
-        name = f"{PROBE_PREFIX}{len(probes)}"
-        with graph.inserting_after(last_placeholder):
-            probe = graph.placeholder(name)
-        probe.meta["example_value"] = torch.zeros(1)
-        last_placeholder = probe
-        probes.append(name)
-        device = w.src.meta.get("example_value").device if "example_value" in w.src.meta else None
+        cache = fake(site.k_base)
+        device = cache.device
+        slot = runtime.BoundsSlot(placeholders.index(site.k_base), tuple(int(s) for s in cache.shape), cache.dtype,
+                                  config.page_size, config.bounds_torch_dtype)
+        nodes = []
+        for name, example in zip(("kmax", "kmin", "kabs", "ctrl"), slot.example_inputs(device)):
+            with graph.inserting_after(last_placeholder):
+                node = graph.placeholder(f"{BOUNDS_PREFIX}{len(slots)}_{name}")
+            node.meta["example_value"] = example
+            nodes.append(node)
+            last_placeholder = node
+        slots.append(slot)
+        write_op = runtime.write_op(device)
         with graph.inserting_before(w.node):
             pos = _positions(graph, site, device)
-            graph.call_function(torch.ops.tinyserve.cache_write.default,
-                                (site.k_base, probe, pos, w.src, config.page_size))
+            graph.call_function(write_op, (site.k_base, *nodes, pos, w.src, config.page_size))
         w.node.replace_all_uses_with(site.k_base)
         graph.erase_node(w.node)
         for extra in w.extra_nodes:
             if not extra.users:
                 graph.erase_node(extra)
-        site.positions = done[site.k_base] = pos
+        site.positions, site.bounds = done[site.k_base] = pos, nodes
     graph.lint()
     gm.recompile()
     return gm

@@ -1,16 +1,22 @@
-"""Pass: replace each rewritable decode SDPA with ``tinyserve::paged_attention``.
+"""Pass: replace each rewritable decode SDPA with the native sparse-decode op or ``tinyserve::paged_attention``.
+
+On CPU with the ``query_aware`` policy and the native kernel built, the site
+becomes one call of ``tinyserve_native::sparse_decode``; otherwise the Python
+op runs the configured policy (Triton or PyTorch kernels).
 
 The op reads the cache buffers directly, so the ``repeat_kv`` copy of the whole
 cache that the stock graph makes (expand + reshape) disappears with it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.fx as fx
 
-from tinyserve_compile import runtime  # noqa: F401  (registers the ops)
+from tinyserve_compile import runtime
+from tinyserve_compile.explain import counters
 
 from ._graph import fake
 
@@ -30,6 +36,8 @@ def _erase_dead_chain(graph: fx.Graph, node) -> None:
 
 def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
     graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    slots = gm.meta.get("tinyserve_bounds", [])
     for site in gm.meta.get("tinyserve_sites", []):
         if site.status != "sparse":
             continue
@@ -39,14 +47,27 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
         a = site.args
         q = fake(a["query"])
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(int(q.shape[-1]))
+        slot_i = next(i for i, sl in enumerate(slots) if sl.input_index == placeholders.index(site.k_base))
+        slots[slot_i] = dataclasses.replace(slots[slot_i], decode_sites=slots[slot_i].decode_sites + 1)
+        kmax, kmin, kabs, ctrl = site.bounds
+        native = runtime.native_decode_op(q.device, config)
         with graph.inserting_before(site.node):
             top = graph.call_function(torch.ops.aten.amax.default, (site.positions, [0], True))
             valid_len = graph.call_function(torch.ops.aten.add.Scalar, (top, 1))  # [1] int64
-            new = graph.call_function(
-                torch.ops.tinyserve.paged_attention.default,
-                (a["query"], site.k_base, site.v_base, valid_len, a["attn_mask"], float(scale), config.page_size,
-                 config.token_budget, config.sink_pages, config.candidate_factor, config.policy, config.kernel),
-            )
+            if native is not None:  # query_aware on CPU: one native call
+                new = graph.call_function(
+                    native,
+                    (a["query"], site.k_base, site.v_base, kmax, kmin, kabs, valid_len, a["attn_mask"], float(scale),
+                     config.page_size, config.token_budget, config.sink_pages, config.candidate_factor, ctrl),
+                )
+            else:
+                new = graph.call_function(
+                    torch.ops.tinyserve.paged_attention.default,
+                    (a["query"], site.k_base, site.v_base, kmax, kmin, kabs, ctrl, valid_len, a["attn_mask"],
+                     float(scale), config.page_size, config.token_budget, config.sink_pages, config.candidate_factor,
+                     config.policy, config.kernel),
+                )
+            counters["native_sites" if native is not None else "python_op_sites"] += 1
         new.meta["example_value"] = site.node.meta.get("example_value")
         old_k, old_v = a["key"], a["value"]
         site.node.replace_all_uses_with(new)

@@ -9,6 +9,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from . import runtime
 from .config import TinyServeConfig
 from .explain import record_graph
 
@@ -19,6 +20,8 @@ BACKEND_NAME = "tinyserve"
 TORCH_EXECUTED_OPS = (
     "torch.ops.tinyserve.cache_write.default",
     "torch.ops.tinyserve.paged_attention.default",
+    "torch.ops.tinyserve_native.cache_write.default",
+    "torch.ops.tinyserve_native.sparse_decode.default",
 )
 
 
@@ -78,13 +81,19 @@ def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], optio
             if site.query_len == 1 and site.status == "dense" and "dense_layers" not in site.reason:
                 raise ValueError(f"tinyserve option 'strict'=True: decode attention site {site.node.name} "
                                  f"stays dense: {site.reason}")
-    probes = [torch.zeros(1) for _ in gm.meta.get("tinyserve_probes", [])]
-    compiled = _lower(gm, list(example_inputs) + probes, config)
-    if not probes:
+    slots = gm.meta.get("tinyserve_bounds", [])
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    extra = [t for slot in slots for t in slot.example_inputs(device)]
+    compiled = _lower(gm, list(example_inputs) + extra, config)
+    if not slots:
         return compiled
+    dense_layers = config.dense_layers
 
     def run(*args):
-        return compiled(*args, *probes)
+        # one version check per key-cache buffer, then the graph with the bounds as inputs
+        out = compiled(*args, *runtime.enter(slots, args, dense_layers))
+        runtime.leave(slots, args)
+        return out
 
     return run
 

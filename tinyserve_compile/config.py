@@ -41,7 +41,7 @@ DEFAULT_KERNEL = "auto"
 DEFAULT_BOUNDS_DTYPE = "bfloat16"
 
 LOWERINGS = ("inductor", "eager", "tensorrt")
-KERNEL_CHOICES = ("auto", "torch", "triton")
+KERNEL_CHOICES = ("auto", "native", "torch", "triton")
 BOUNDS_DTYPES = ("float32", "bfloat16")
 
 
@@ -65,8 +65,9 @@ class TinyServeConfig:
         Page-selection policy name (see :mod:`tinyserve_compile.policies`).
     lower : {"inductor", "eager", "tensorrt"}
         What compiles the rewritten graph.
-    kernel : {"auto", "torch", "triton"}
-        Sparse-attention implementation ("auto": Triton on CUDA, PyTorch elsewhere).
+    kernel : {"auto", "native", "torch", "triton"}
+        Sparse-attention implementation ("auto": Triton on CUDA, the native C++
+        kernel on CPU when it builds, else PyTorch).
     bounds_dtype : {"bfloat16", "float32"}
         Storage of the page max/min: bfloat16 is rounded outward (max up, min down),
         so scores stay upper bounds at half the bytes of float32.

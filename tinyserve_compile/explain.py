@@ -23,7 +23,11 @@ def _reason_key(reason: str) -> str:
 def record_graph(gm, config) -> None:
     sites = gm.meta.get("tinyserve_sites", [])
     counters["graphs"] += 1
-    info = {"graph": len(_GRAPHS), "config": config, "sites": [s.describe() for s in sites]}
+    slots = gm.meta.get("tinyserve_bounds", [])
+    devices = {n.meta["example_value"].device.type for n in gm.graph.nodes
+               if n.op == "placeholder" and hasattr(n.meta.get("example_value"), "device")}
+    info = {"graph": len(_GRAPHS), "config": config, "sites": [s.describe() for s in sites],
+            "device": "cpu" if devices <= {"cpu"} else "/".join(sorted(devices))}
     for s in sites:
         counters["attention_sites"] += 1
         if s.status == "prefill":
@@ -36,7 +40,7 @@ def record_graph(gm, config) -> None:
         else:
             counters["dense"] += 1
             counters[f"dense:{_reason_key(s.reason)}"] += 1
-    counters["cache_writes_rewritten"] += len(gm.meta.get("tinyserve_probes", []))
+    counters["cache_writes_rewritten"] += len(slots)
     _GRAPHS.append(info)
 
 
@@ -47,6 +51,8 @@ class ExplainReport:
     graphs: List[dict] = field(default_factory=list)
     counters: dict = field(default_factory=dict)
     runtime: dict = field(default_factory=dict)
+    #: "in use", or why the PyTorch path runs instead (no compiler, build error); "" before any CPU graph
+    native_kernel: str = ""
 
     @property
     def dense_reasons(self) -> List[str]:
@@ -61,6 +67,8 @@ class ExplainReport:
             for s in g["sites"]:
                 why = f"  ({s['reason']})" if s["reason"] else ""
                 lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{why}")
+        if self.native_kernel:
+            lines.append(f"  native CPU kernel: {self.native_kernel}")
         if self.runtime:
             lines.append("  runtime: " + ", ".join(f"{k}={v}" for k, v in sorted(self.runtime.items())))
         return "\n".join(lines)
@@ -68,9 +76,13 @@ class ExplainReport:
 
 def explain() -> ExplainReport:
     """Report on every graph the backend compiled since the last :func:`reset`."""
-    from .runtime import runtime_stats
+    from .runtime import native_unavailable_reason, runtime_stats
 
-    return ExplainReport([dict(g) for g in _GRAPHS], dict(counters), dict(runtime_stats))
+    native = ""
+    if any(g["device"] == "cpu" for g in _GRAPHS):
+        why = native_unavailable_reason()
+        native = "in use" if why is None else f"unavailable, PyTorch path used: {why}"
+    return ExplainReport([dict(g) for g in _GRAPHS], dict(counters), dict(runtime_stats), native)
 
 
 def reset() -> None:

@@ -1,30 +1,42 @@
-"""Run-time state of rewritten graphs: page bounds that live as long as the cache buffer.
+"""Run-time state of rewritten graphs: page bounds that live as long as the key-cache buffer.
 
-Two ops are put into graphs by the passes:
+The passes give every compiled graph four extra inputs per key-cache buffer it
+writes, and the backend's wrapper hands them in on each call:
 
-``tinyserve::cache_write(cache, probe, positions, src)``
-    The graph's own key-cache write (``index_copy_`` along the sequence dim).
-    It first checks whether anyone else wrote the key cache since this backend
-    last did (a foreign write: an eager prefill, ``cache.reset()``, a roll-back
-    done outside the graph); then it maintains the bounds: a full rebuild after a
-    foreign write or for a new buffer, otherwise only the pages touched.
-``tinyserve::paged_attention(q, k_cache, v_cache, valid_len, mask, ...)``
+``kmax``, ``kmin``, ``kabs``
+    The buffer's :class:`~tinyserve_compile.kernels.reference.PageBounds`.
+``ctrl``
+    int32 ``[2]`` on the CPU. ``ctrl[0]``: the bounds are stale (someone else
+    wrote the cache), so the graph's write op rebuilds them after writing and
+    clears the flag. ``ctrl[1]``: this layer attends densely (it is among the
+    first ``dense_layers`` layers).
+
+So no op does host bookkeeping per layer. Once per call, before it,
+:func:`enter` checks each buffer's version counter against the value recorded
+after our last call (:func:`leave`): any other write in between (an eager
+prefill, ``cache.reset()``, a roll-back) moved it, and sets ``ctrl[0]``.
+
+Layers are ranked by the order in which their key-cache buffers are first
+written: a new buffer takes the next rank, and a call that writes an already
+ranked buffer restarts the count, so a new cache's buffers (a new ``StaticCache``,
+another request's cache) are ranked from 0 again. This is execution order
+whether Dynamo made one graph or one graph per layer, so ``dense_layers`` means
+the first layers of the model.
+
+Ops put into graphs (the native C++ ops of :mod:`.kernels.native_sparse_decode`
+have the same schemas and replace these on CPU when they build):
+
+``tinyserve::cache_write(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size)``
+    ``k_cache.index_copy_(2, positions, src)``, then keep the bounds exact.
+``tinyserve::paged_attention(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, mask, ...)``
     Decode attention through the configured policy.
-
-Foreign writes are found with the tensor version counter. The compiled wrapper
-around a graph (AOTAutograd, the dispatcher) also bumps the version of every
-input that the graph mutates, by an amount that depends on the lowering, some of
-it before the op's body runs. Each write site therefore gets a private *probe*
-tensor, passed as an extra graph input and declared mutated by the same op, so
-that it receives exactly the same framework bumps: a foreign write is a cache
-bump the probe did not get.
 """
 from __future__ import annotations
 
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,10 +44,47 @@ from .kernels.bounds import allocate_bounds, rebuild_bounds_impl, update_bounds_
 from .kernels.reference import PageBounds
 from .policies import DecodeContext, get_policy
 
-__all__ = ["PagedKVState", "state_for", "runtime_stats", "reset_runtime"]
+__all__ = ["BoundsSlot", "PagedKVState", "state_for", "enter", "leave", "runtime_stats", "reset_runtime", "write_op",
+           "native_decode_op", "native_unavailable_reason"]
 
-#: run-time counters: rebuilds, incremental updates, decode calls, tokens read ...
+#: run-time counters: bounds rebuilds and updates, foreign writes, decode calls (sparse / dense layers)
 runtime_stats: Counter = Counter()
+
+
+@dataclass(frozen=True)
+class BoundsSlot:
+    """A key-cache buffer that a compiled graph writes, as the passes found it.
+
+    Attributes
+    ----------
+    input_index : int
+        Position of the buffer among the graph's inputs.
+    shape : tuple
+        ``(B, Hkv, L, D)`` of the cache as the ops see it.
+    dtype : torch.dtype
+        Cache dtype.
+    page_size : int
+    bounds_dtype : torch.dtype
+        Storage of ``kmax``/``kmin``.
+    decode_sites : int
+        Decode attention sites of the graph that read this buffer.
+    perm : tuple or None
+        Permutation from the buffer to ``[B, Hkv, L, D]`` (None: the buffer is in that layout).
+    """
+
+    input_index: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    page_size: int
+    bounds_dtype: torch.dtype
+    decode_sites: int = 0
+    perm: Optional[Tuple[int, ...]] = None
+
+    def example_inputs(self, device) -> List[torch.Tensor]:
+        """Zero ``kmax, kmin, kabs, ctrl`` of the right shapes, for lowering the graph."""
+        cache = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        b = allocate_bounds(cache, self.page_size, self.bounds_dtype)
+        return [t.new_zeros(t.shape, device=device) for t in b] + [torch.zeros(2, dtype=torch.int32)]
 
 
 @dataclass
@@ -43,85 +92,205 @@ class PagedKVState:
     """Bounds of one key-cache buffer, and what is known about its writes."""
 
     cache_ref: "weakref.ref"
-    page_size: int
+    key: tuple  #: (page_size, bounds dtype, view shape): a buffer read another way gets its own state
     bounds: PageBounds
-    version: int = -1  #: cache._version right after our last write
-    probe_ref: Optional["weakref.ref"] = None
-    probe_version: int = -1
-    stale: bool = True  #: a full rebuild is due
+    ctrl: torch.Tensor  #: int32 [2]: stale, dense layer
+    rank: int  #: layer rank: order of first write within a step (0 = first layer)
+    version: int = -1  #: cache._version right after our last call
     policy_state: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def stale(self) -> bool:
+        return bool(self._flags[0])
+
+    def __post_init__(self):
+        self._flags = self.ctrl.numpy()  # shares memory: flag writes cost no dispatch
 
 
 _STATES: Dict[int, PagedKVState] = {}
+_BY_BOUNDS: Dict[int, PagedKVState] = {}  #: id(kmax) -> state, for the policies' per-buffer state
+_NEXT_RANK = [0]  #: rank of the next new buffer; back to 0 whenever a ranked buffer is written
 
 
 def reset_runtime() -> None:
     """Forget every cache's bounds and clear :data:`runtime_stats`."""
     _STATES.clear()
+    _BY_BOUNDS.clear()
+    _NEXT_RANK[0] = 0
     runtime_stats.clear()
 
 
-def state_for(cache: torch.Tensor, page_size: int) -> PagedKVState:
-    """The state of ``cache`` ``[B, Hkv, L, D]``, created (stale) for a new buffer."""
-    key = id(cache)
-    st = _STATES.get(key)
-    if st is not None and st.cache_ref() is cache and st.page_size == page_size:
-        return st
-    st = PagedKVState(weakref.ref(cache, lambda _r, k=key: _STATES.pop(k, None)), page_size,
-                      allocate_bounds(cache, page_size))
-    _STATES[key] = st
-    runtime_stats["states_created"] += 1
-    return st
+def _forget(key: int, st_ref) -> None:
+    st = st_ref()
+    if st is None or _STATES.get(key) is not st:
+        return
+    del _STATES[key]
+    _BY_BOUNDS.pop(id(st.bounds.kmax), None)
 
 
-def _rebuild(st: PagedKVState, cache: torch.Tensor) -> None:
-    rebuild_bounds_impl(cache, *st.bounds, st.page_size)
-    st.policy_state.clear()
-    st.stale = False
-    runtime_stats["bounds_rebuilds"] += 1
+def _view(cache: torch.Tensor, perm) -> torch.Tensor:
+    return cache if perm is None else cache.permute(perm)
 
 
-# ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("tinyserve::cache_write", mutates_args=("cache", "probe"))
-def cache_write(cache: torch.Tensor, probe: torch.Tensor, positions: torch.Tensor, src: torch.Tensor,
-                page_size: int) -> None:
-    """``cache.index_copy_(2, positions, src)``, then keep the page bounds exact.
-
-    On entry it checks for a foreign write since its last call: the cache's
-    version moved by more than the probe's (both get the same framework bumps,
-    before this body runs too, as both are declared mutated).
+def state_for(cache: torch.Tensor, page_size: int, bounds_dtype: Optional[torch.dtype] = None,
+              perm: Optional[Sequence[int]] = None) -> PagedKVState:
+    """The state of the key-cache buffer ``cache``, created (stale) for a new buffer.
 
     Parameters
     ----------
     cache : torch.Tensor
-        ``[B, Hkv, L, D]`` key cache, written in place.
-    probe : torch.Tensor
-        ``[1]`` float32 probe of this write site.
+        The buffer the graph writes; ``cache.permute(perm)`` is ``[B, Hkv, L, D]``.
+    page_size : int
+    bounds_dtype : torch.dtype, optional
+        Storage of ``kmax``/``kmin``; None looks up an existing state of any dtype
+        (and creates a float32 one).
+    perm : sequence of int, optional
+    """
+    perm = tuple(perm) if perm is not None else None
+    view = _view(cache, perm)
+    st = _STATES.get(id(cache))
+    if st is not None and st.cache_ref() is cache and st.key[0] == page_size and st.key[2] == tuple(view.shape) \
+            and bounds_dtype in (None, st.key[1]):
+        return st
+    bounds_dtype = bounds_dtype or torch.float32
+    st = PagedKVState(None, (page_size, bounds_dtype, tuple(view.shape)), allocate_bounds(view, page_size, bounds_dtype),
+                      torch.ones(2, dtype=torch.int32), _NEXT_RANK[0])
+    _NEXT_RANK[0] += 1
+    st._flags[1] = 0
+    key = id(cache)
+    st.cache_ref = weakref.ref(cache, lambda _r, k=key, s=weakref.ref(st): _forget(k, s))
+    old = _STATES.get(key)
+    if old is not None:
+        _forget(key, weakref.ref(old))
+    _STATES[key] = st
+    _BY_BOUNDS[id(st.bounds.kmax)] = st
+    runtime_stats["states_created"] += 1
+    return st
+
+
+def enter(slots: Sequence[BoundsSlot], args: Sequence, dense_layers: int) -> List[torch.Tensor]:
+    """Before a compiled call: check each written buffer once; return the graph's extra inputs.
+
+    Parameters
+    ----------
+    slots : sequence of BoundsSlot
+        In the order of the graph's extra placeholders.
+    args : sequence
+        The graph's own inputs.
+    dense_layers : int
+        Layers of rank below this attend densely.
+
+    Returns
+    -------
+    list of torch.Tensor
+        ``kmax, kmin, kabs, ctrl`` per slot.
+    """
+    extra: List[torch.Tensor] = []
+    for slot in slots:
+        cache = args[slot.input_index]
+        st = _STATES.get(id(cache))
+        if st is not None and st.cache_ref() is cache:
+            _NEXT_RANK[0] = 0  # a ranked buffer: the next new one starts a new cache's layers
+        st = state_for(cache, slot.page_size, slot.bounds_dtype, slot.perm)
+        flags = st._flags
+        if cache._version != st.version or flags[0]:
+            if st.version != -1 and cache._version != st.version:
+                runtime_stats["foreign_writes"] += 1
+            flags[0] = 1  # the graph's write op rebuilds
+            st.policy_state.clear()  # a new sequence for stateful policies
+            runtime_stats["bounds_rebuilds"] += 1
+        else:
+            runtime_stats["bounds_updates"] += 1
+        dense = st.rank < dense_layers
+        flags[1] = dense
+        if slot.decode_sites:
+            runtime_stats["dense_layer_calls" if dense else "decode_calls"] += slot.decode_sites
+        extra.extend((*st.bounds, st.ctrl))
+    return extra
+
+
+def leave(slots: Sequence[BoundsSlot], args: Sequence) -> None:
+    """After a compiled call returned: record each written buffer's version."""
+    for slot in slots:
+        cache = args[slot.input_index]
+        _STATES[id(cache)].version = cache._version
+
+
+def _native_loaded() -> bool:
+    try:
+        from .kernels import native
+    except ImportError:  # pragma: no cover - the module ships with the package
+        return False
+    return native.load_native()
+
+
+def native_unavailable_reason() -> Optional[str]:
+    """Why the native CPU kernel is not used (None when it is)."""
+    try:
+        from .kernels import native
+    except ImportError as e:  # pragma: no cover
+        return f"tinyserve_compile.kernels.native is missing: {e}"
+    return None if native.load_native() else native.native_unavailable_reason()
+
+
+def write_op(device: torch.device):
+    """The cache-write op for a graph on ``device``: native on CPU when it builds."""
+    if device.type == "cpu" and _native_loaded():
+        return torch.ops.tinyserve_native.cache_write.default
+    return torch.ops.tinyserve.cache_write.default
+
+
+def native_decode_op(device: torch.device, config):
+    """``tinyserve_native::sparse_decode`` when ``config`` runs query-aware attention natively on ``device``, else None."""
+    if config.policy != "query_aware" or config.kernel not in ("auto", "native") or device.type != "cpu":
+        if config.kernel == "native" and device.type != "cpu":
+            raise ValueError(f"tinyserve option 'kernel'='native' runs on CPU tensors only, got {device}")
+        return None
+    if not _native_loaded():
+        if config.kernel == "native":
+            raise ValueError(f"tinyserve option 'kernel'='native': the native kernel is unavailable: "
+                             f"{native_unavailable_reason()}")
+        return None
+    return torch.ops.tinyserve_native.sparse_decode.default
+
+
+def _state_of_bounds(kmax: torch.Tensor) -> Optional[PagedKVState]:
+    return _BY_BOUNDS.get(id(kmax))
+
+
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("tinyserve::cache_write", mutates_args=("k_cache", "kmax", "kmin", "kabs", "ctrl"))
+def cache_write(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor, ctrl: torch.Tensor,
+                positions: torch.Tensor, src: torch.Tensor, page_size: int) -> None:
+    """``k_cache.index_copy_(2, positions, src)``, then keep the page bounds exact.
+
+    Parameters
+    ----------
+    k_cache : torch.Tensor
+        ``[B, Hkv, L, D]`` key cache (any strides), written in place.
+    kmax, kmin : torch.Tensor
+        ``[B, Hkv, P, D]`` float32 or bfloat16 bounds, written in place.
+    kabs : torch.Tensor
+        ``[B, Hkv, P]`` float32.
+    ctrl : torch.Tensor
+        int32 ``[2]``: ``ctrl[0] != 0`` rebuilds every page (then clears it);
+        otherwise only the pages holding ``positions`` are recomputed.
     positions : torch.Tensor
         int64 ``[n]`` sequence positions written.
     src : torch.Tensor
         ``[B, Hkv, n, D]`` new keys.
     page_size : int
     """
-    st = state_for(cache, page_size)
-    if not st.stale:
-        same_probe = st.probe_ref is not None and st.probe_ref() is probe
-        if not same_probe or (cache._version - st.version) != (probe._version - st.probe_version):
-            st.stale = True
-            runtime_stats["foreign_writes"] += 1
-    cache.index_copy_(2, positions.reshape(-1), src.to(cache.dtype))
-    if st.stale:
-        _rebuild(st, cache)
+    k_cache.index_copy_(2, positions.reshape(-1), src.to(k_cache.dtype))
+    if int(ctrl[0]):
+        rebuild_bounds_impl(k_cache, kmax, kmin, kabs, page_size)
+        ctrl[0] = 0
     else:
-        update_bounds_impl(cache, *st.bounds, positions, page_size)
-        runtime_stats["bounds_updates"] += 1
-    st.version = cache._version
-    st.probe_ref = weakref.ref(probe)
-    st.probe_version = probe._version
+        update_bounds_impl(k_cache, kmax, kmin, kabs, positions, page_size)
 
 
 @cache_write.register_fake
-def _(cache, probe, positions, src, page_size):
+def _(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size):
     return None
 
 
@@ -150,6 +319,10 @@ def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    kmax: torch.Tensor,
+    kmin: torch.Tensor,
+    kabs: torch.Tensor,
+    ctrl: torch.Tensor,
     valid_len: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     scale: float,
@@ -168,6 +341,10 @@ def paged_attention(
         ``[B, Hq, 1, D]``.
     k_cache, v_cache : torch.Tensor
         ``[B, Hkv, L, D]``, the caches themselves (no GQA repeat).
+    kmax, kmin, kabs : torch.Tensor
+        The key cache's page bounds (see :func:`cache_write`).
+    ctrl : torch.Tensor
+        int32 ``[2]``; ``ctrl[1] != 0`` attends densely (a dense layer).
     valid_len : torch.Tensor
         int64 ``[1]`` or ``[B]``: newest written position + 1.
     attn_mask : torch.Tensor, optional
@@ -181,28 +358,20 @@ def paged_attention(
     torch.Tensor
         ``[B, Hq, 1, D]``, dtype of ``q``.
     """
-    st = state_for(k_cache, page_size)
-    if st.stale or k_cache._version != st.version:
-        # the cache changed behind the graph's write op: never read stale bounds
-        _rebuild(st, k_cache)
-        st.version = k_cache._version
-        st.probe_ref = None  # the next cache_write rebuilds too
+    bounds = PageBounds(kmax, kmin, kabs)
+    if int(ctrl[0]):  # never read stale bounds (the graph's write op clears this first)
+        rebuild_bounds_impl(k_cache, kmax, kmin, kabs, page_size)
     B = q.shape[0]
     vl = valid_len.reshape(-1).to(torch.int64).expand(B)
     if attn_mask is not None and _mask_is_trivial(attn_mask, vl):
         attn_mask = None  # the mask adds nothing to valid_len (HF's causal decode mask): take the no-mask path
-        runtime_stats["masks_elided"] += 1
-    ctx = DecodeContext(q, k_cache, v_cache, st.bounds, vl, attn_mask, scale, page_size, token_budget, sink_pages,
-                        candidate_factor, st.policy_state, kernel)
-    runtime_stats["decode_calls"] += 1
-    n_valid_tokens = int(vl.max())
-    budget_tokens = min(n_valid_tokens, token_budget) if policy != "full" else n_valid_tokens
-    runtime_stats["tokens_valid"] += n_valid_tokens
-    runtime_stats["tokens_attended"] += budget_tokens
-    return get_policy(policy)(ctx)
+    st = _state_of_bounds(kmax)
+    ctx = DecodeContext(q, k_cache, v_cache, bounds, vl, attn_mask, scale, page_size, token_budget, sink_pages,
+                        candidate_factor, st.policy_state if st is not None else {}, kernel)
+    return get_policy("full" if int(ctrl[1]) else policy)(ctx)
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, valid_len, attn_mask, scale, page_size, token_budget, sink_pages, candidate_factor,
-      policy, kernel):
+def _(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+      candidate_factor, policy, kernel):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -73,10 +73,11 @@ class _SparseReferenceMode(TorchFunctionMode):
         c = self.config
         if c.policy == "query_aware":
             out = sparse_decode_reference(q, k, v, valid, mask, scale, c.page_size, c.token_budget, c.sink_pages,
-                                          c.candidate_factor)  # [B, Hq, 1, D]
+                                          c.candidate_factor,
+                                          page_bounds(k, c.page_size, dtype=c.bounds_torch_dtype))  # [B, Hq, 1, D]
         else:  # the policy itself, over bounds rebuilt from scratch (as the backend maintains them)
             B = q.shape[0]
-            ctx = DecodeContext(q, k, v, page_bounds(k, c.page_size), valid.expand(B), mask, scale, c.page_size,
+            ctx = DecodeContext(q, k, v, page_bounds(k, c.page_size, dtype=c.bounds_torch_dtype), valid.expand(B), mask, scale, c.page_size,
                                 c.token_budget, c.sink_pages, c.candidate_factor,
                                 self.policy_states.setdefault(layer, {}))
             out = get_policy(c.policy)(ctx)

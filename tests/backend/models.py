@@ -51,8 +51,9 @@ def n_heads(model):
 class GptFastAttention(nn.Module):
     """gpt-fast style: ``k_cache[:, :, input_pos] = k`` and GQA via ``repeat_interleave``."""
 
-    def __init__(self, dim, n_head, n_kv, max_len):
+    def __init__(self, dim, n_head, n_kv, max_len, graph_break=False):
         super().__init__()
+        self.graph_break = graph_break
         self.n_head, self.n_kv, self.hd = n_head, n_kv, dim // n_head
         self.wq = nn.Linear(dim, dim, bias=False)
         self.wkv = nn.Linear(dim, 2 * n_kv * self.hd, bias=False)
@@ -70,19 +71,22 @@ class GptFastAttention(nn.Module):
         kk = self.k_cache.repeat_interleave(g, dim=1)
         vv = self.v_cache.repeat_interleave(g, dim=1)
         y = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        if self.graph_break:
+            torch._dynamo.graph_break()
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class GptFastModel(nn.Module):
     """A tiny decoder with gpt-fast's cache idiom; ``forward(idx, input_pos) -> logits``."""
 
-    def __init__(self, n_layer=4, dim=64, n_head=4, n_kv=2, max_len=256, vocab=VOCAB):
+    def __init__(self, n_layer=4, dim=64, n_head=4, n_kv=2, max_len=256, vocab=VOCAB, graph_breaks=False):
         super().__init__()
         self.max_len = max_len
         self.n_kv = n_kv
         self.emb = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
-        self.layers = nn.ModuleList(GptFastAttention(dim, n_head, n_kv, max_len) for _ in range(n_layer))
+        # graph_breaks: Dynamo compiles each attention layer as its own frame (one graph per layer)
+        self.layers = nn.ModuleList(GptFastAttention(dim, n_head, n_kv, max_len, graph_breaks) for _ in range(n_layer))
         self.out = nn.Linear(dim, vocab, bias=False)
         self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)), persistent=False)
 
@@ -94,6 +98,6 @@ class GptFastModel(nn.Module):
         return self.out(x)
 
 
-def gpt_fast_model(seed: int = 0) -> GptFastModel:
+def gpt_fast_model(seed: int = 0, graph_breaks: bool = False) -> GptFastModel:
     torch.manual_seed(seed)
-    return GptFastModel().eval()
+    return GptFastModel(graph_breaks=graph_breaks).eval()

@@ -16,7 +16,7 @@ OPTS = {"token_budget": 32, "page_size": 16, "lower": "eager"}
 def _assert_bounds_fresh(caches, page_size=16):
     for k in caches:
         st = state_for(k, page_size)
-        fresh = page_bounds(k, page_size)
+        fresh = page_bounds(k, page_size, dtype=st.bounds.kmax.dtype)
         assert not st.stale
         assert torch.equal(st.bounds.kmax, fresh.kmax), "kmax differs from a rebuild"
         assert torch.equal(st.bounds.kmin, fresh.kmin), "kmin differs from a rebuild"
@@ -34,9 +34,9 @@ def test_reset_then_shorter_and_longer_prompts_and_new_cache():
         toks, logits, _ = hf_decode(model, compiled, prompt(n, seed=seed), 4, cache=cache)
         assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
         _assert_bounds_fresh([layer.keys for layer in cache.layers[2:]])
-    # each reset + eager prefill is a foreign write: exactly one rebuild per sparse layer per prompt
-    assert tc.explain().runtime["bounds_rebuilds"] == rebuilds + 2 * 2
-    assert tc.explain().runtime["foreign_writes"] >= 2 * 2
+    # each reset + eager prefill is a foreign write: exactly one rebuild per layer per prompt
+    assert tc.explain().runtime["bounds_rebuilds"] == rebuilds + 2 * 4
+    assert tc.explain().runtime["foreign_writes"] >= 2 * 4
     # a new cache object of the same shape
     ref_toks, ref_logits, _ = hf_decode(model, None, prompt(80, seed=4), 4, reference=OPTS)
     toks, logits, cache2 = hf_decode(model, compiled, prompt(80, seed=4), 4)
@@ -64,7 +64,7 @@ def test_rollback_and_foreign_overwrite_gpt_fast():
         before = tc.explain().runtime["bounds_rebuilds"]
         got = compiled(torch.tensor([[7]]), torch.tensor([75]))
         _assert_bounds_fresh(caches)
-        assert tc.explain().runtime["bounds_rebuilds"] == before + len(caches)
+        assert tc.explain().runtime["bounds_rebuilds"] == before + len(model.layers)  # dense layers keep bounds too
         from tinyserve_compile.testing import reference_sparse_attention
 
         # same step again, eagerly through the reference (it rewrites position 75 with the same key)
@@ -83,7 +83,7 @@ def test_batch_with_left_padding_matches_reference():
     toks, logits, cache = hf_decode(model, compiled, ids, 4, attention_mask=mask)
     assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
     assert torch.equal(toks, ref_toks)
-    assert tc.counters["rewritten"] == 2 * tc.counters["graphs"], tc.explain()  # the growing 2-D mask recompiles once
+    assert tc.counters["rewritten"] == 4 * tc.counters["graphs"], tc.explain()  # the growing 2-D mask recompiles once
     _assert_bounds_fresh([layer.keys for layer in cache.layers[2:]])
     # with a budget covering the context, padding is exact against eager dense attention
     dense_toks, dense_logits, _ = hf_decode(model, model, ids, 4, attention_mask=mask)

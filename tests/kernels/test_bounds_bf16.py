@@ -36,6 +36,8 @@ def test_outward_rounding_brackets_every_value():
 def test_bf16_bound_scores_are_upper_bounds(seed, page_size, L, scale_exp, dtype):
     g = torch.Generator().manual_seed(seed)
     B, Hq, Hkv, D = 2, 6, 3, 16
+    if dtype == torch.float16:
+        scale_exp = scale_exp * 6 // 20  # fp16 keys overflow past ~2^15; queries underflow below ~2^-14
     mag = 2.0 ** scale_exp
     k = (torch.randn(B, Hkv, L, D, generator=g) * mag).to(dtype)
     q = (torch.randn(B, Hq, 1, D, generator=g) / mag).to(dtype)

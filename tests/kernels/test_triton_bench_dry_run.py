@@ -1,8 +1,10 @@
-"""``bench/bench_kernel_gpu.py --dry-run``: the GPU benchmark's logic on tiny CPU shapes (Triton interpreter)."""
+"""``bench/bench_kernel_gpu.py --dry-run`` and ``bench/gpu_check.sh --dry-run``: the GPU benchmark's and the
+GPU check's logic on tiny CPU shapes (Triton interpreter, tiny random Llama)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_kernel_gpu_dry_run(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, str(ROOT / "bench" / "bench_kernel_gpu.py"), "--dry-run", "--contexts", "128",
-           "--batches", "2", "--dtypes", "bf16", "--out-dir", str(tmp_path)]
+           "--batches", "2", "--dtypes", "bf16", "--settings", "paper", "--out-dir", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / "bench_kernel_gpu.json").read_text())
@@ -27,3 +29,40 @@ def test_bench_kernel_gpu_dry_run(tmp_path):
     assert row["sparse_ms"] > 0 and row["dense_ms"] > 0 and row["select_ms"] > 0
     assert (tmp_path / "bench_kernel_gpu.csv").stat().st_size > 0
     assert (tmp_path / "bench_kernel_gpu.png").stat().st_size > 0
+
+
+needs_shell = pytest.mark.skipif(not (shutil.which("bash") and shutil.which("timeout")), reason="bash + timeout")
+
+
+@needs_shell
+def test_gpu_check_dry_run(tmp_path):
+    """Every step of the GPU check runs (kernel check at both selection settings, kernel bench, decode at two
+    contexts) and the summary collects them."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, TIMEOUT_SCALE="4")  # a shared CPU
+    res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
+                         env=env, timeout=1800)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ok"]
+    assert [s["step"] for s in summary["steps"]] == ["env", "kernel_check", "kernel_bench", "decode_8k", "decode_32k"]
+    assert sum(s["limit"] for s in summary["steps"]) <= 8 * 60  # the whole check fits in 8 minutes
+    check = json.loads((tmp_path / "kernel_check" / "bench_kernel_gpu.json").read_text())
+    assert {r["setting"] for r in check["rows"]} == {"paper", "defaults"}
+    assert all(r["ok"] and r["pages_agree"] == 1.0 for r in check["rows"]), check["rows"]
+    assert summary["kernel_check"]["failures"] == 0 and summary["kernel_bench"][0]["sparse_ms"] > 0
+    dec = summary["decode"]
+    assert [(r["context"], r["provider"]) for r in dec] == [(384, "eager"), (384, "tinyserve"), (512, "eager"),
+                                                            (512, "tinyserve")]
+    assert all(r["ms_per_token"] > 0 and r["dtype"] == "bfloat16" for r in dec)
+    assert "gpu_check summary" in res.stdout
+
+
+@needs_shell
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU exit")
+def test_gpu_check_without_gpu_exits_with_a_message(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, TIMEOUT_SCALE="4")
+    res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 2, res.stdout[-3000:]
+    assert "no usable CUDA GPU" in res.stdout
+    assert not (tmp_path / "kernel_check").exists()

@@ -81,7 +81,7 @@ def test_compiled_llama_triton_equals_torch(candidate_factor, monkeypatch):
         tc.reset()
         step = torch.compile(model, backend="tinyserve", options={**opts, "kernel": kernel})
         runs[kernel] = _greedy(model, step, ids, 4)
-        assert tc.counters["rewritten"] == 2, tc.explain()
+        assert tc.counters["rewritten"] == 3, tc.explain()  # the dense layer too (dense at run time)
     assert len(calls) == 4 * 2, f"the Triton launcher ran {len(calls)} times, expected 4 steps x 2 sparse layers"
     (t_toks, t_logits), (x_toks, x_logits) = runs["torch"], runs["triton"]
     d = (x_logits - t_logits).abs()

@@ -1,0 +1,1403 @@
+// Native CPU kernels of tinyserve-compile: query-aware paged sparse decode and page-bound maintenance.
+//
+// Ops (namespace tinyserve_native; fake implementations are registered from Python):
+//   sparse_decode   one call per sparse layer and decode step: bound scan, partial top-K selection with the
+//                   forced pages, optional two-stage candidate ranking, exact attention with an online softmax
+//   kept_pages      the same selection as sparse_decode, returned as a bool [B, Hkv, P] map (tests, debugging)
+//   cache_write     index_copy_ of new keys into the cache, then the bounds of the touched pages (or all pages
+//                   when ctrl[0] != 0)
+//   rebuild_bounds  every page's bounds from the key cache
+//
+// The semantics are those of kernels/reference.py (sparse_decode_reference, page_bounds); see there for the
+// algorithm. Work is split over (batch, KV head, chunk of pages) with at::parallel_for; the chunks of one
+// (batch, KV head) are merged with a log-sum-exp combine.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <cstring>
+#include <ctime>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace tinyserve_native {
+namespace {
+
+using at::vec::Vectorized;
+using Vec = Vectorized<float>;
+constexpr int VS = Vec::size();
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr float POS_INF = std::numeric_limits<float>::infinity();
+// prefetch distance, in blocks of VS tokens
+constexpr int PF_BLOCKS = 2;
+
+// ------------------------------------------------------------------------------------------------------------
+// small vector helpers
+// ------------------------------------------------------------------------------------------------------------
+
+template <typename T>
+inline Vec loadf(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// r[i] = sum of the 8 lanes of a[i]
+inline __m256 reduce8(const __m256* a) {
+  __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
+  __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
+  __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1);
+  __m256 u1 = _mm256_hadd_ps(t2, t3);
+  __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20);
+  __m256 hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+#endif
+
+// lane i of the result = sum of the lanes of a[i], for VS vectors
+inline Vec reduce_rows(const Vec* a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256 y[16];
+  for (int i = 0; i < 16; ++i) {
+    __m512 z = a[i];
+    __m256 lo = _mm512_castps512_ps256(z);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));
+    y[i] = _mm256_add_ps(lo, hi);
+  }
+  __m256 r0 = reduce8(y);
+  __m256 r1 = reduce8(y + 8);
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(r0)), _mm256_castps_pd(r1), 1));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 y[8];
+  for (int i = 0; i < 8; ++i) y[i] = a[i];
+  return reduce8(y);
+#else
+  alignas(64) float out[VS];
+  alignas(64) float tmp[VS];
+  for (int i = 0; i < VS; ++i) {
+    a[i].store(tmp);
+    float s = 0.f;
+    for (int j = 0; j < VS; ++j) s += tmp[j];
+    out[i] = s;
+  }
+  return Vec::loadu(out);
+#endif
+}
+
+inline float hmax(const float* x, int64_t n) {
+  int64_t i = 0;
+  float m = NEG_INF;
+  if (n >= VS) {
+    Vec mv(NEG_INF);
+    for (; i + VS <= n; i += VS) mv = at::vec::maximum(mv, Vec::loadu(x + i));
+    alignas(64) float t[VS];
+    mv.store(t);
+    for (int j = 0; j < VS; ++j) m = std::max(m, t[j]);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// x <- exp(x - m) in place, returns the sum (m finite)
+inline float exp_sub_sum(float* x, int64_t n, float m) {
+  int64_t i = 0;
+  Vec mv(m), acc(0.f);
+  for (; i + VS <= n; i += VS) {
+    Vec e = (Vec::loadu(x + i) - mv).exp_u20();
+    e.store(x + i);
+    acc = acc + e;
+  }
+  float s = 0.f;
+  if (i < n) {
+    Vec e = (Vec::loadu(x + i, static_cast<int>(n - i)) - mv).exp_u20();
+    e.store(x + i, static_cast<int>(n - i));
+    alignas(64) float t[VS];
+    e.store(t);
+    for (int64_t j = 0; j < n - i; ++j) s += t[j];
+  }
+  alignas(64) float t[VS];
+  acc.store(t);
+  for (int j = 0; j < VS; ++j) s += t[j];
+  return s;
+}
+
+// dst <- exp(src - m), returns the sum (m finite)
+inline float exp_sub_to(const float* src, float* dst, int64_t n, float m) {
+  int64_t i = 0;
+  Vec mv(m), acc(0.f);
+  for (; i + VS <= n; i += VS) {
+    Vec e = (Vec::loadu(src + i) - mv).exp_u20();
+    e.store(dst + i);
+    acc = acc + e;
+  }
+  alignas(64) float t[VS];
+  float s = 0.f;
+  if (i < n) {
+    const int r = static_cast<int>(n - i);
+    Vec e = (Vec::loadu(src + i, r) - mv).exp_u20();
+    e.store(dst + i, r);
+    e.store(t);
+    for (int j = 0; j < r; ++j) s += t[j];
+  }
+  acc.store(t);
+  for (int j = 0; j < VS; ++j) s += t[j];
+  return s;
+}
+
+inline float hsum(const float* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+  if (n >= VS) {
+    Vec a(0.f);
+    for (; i + VS <= n; i += VS) a = a + Vec::loadu(x + i);
+    alignas(64) float t[VS];
+    a.store(t);
+    for (int j = 0; j < VS; ++j) s += t[j];
+  }
+  for (; i < n; ++i) s += x[i];
+  return s;
+}
+
+// grow-only buffer (no page faults per call once warm)
+template <typename V>
+inline typename V::value_type* grow(V& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+inline void prefetch_row(const void* p, int64_t bytes, int locality) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    if (locality >= 3)
+      __builtin_prefetch(c + off, 0, 3);
+    else
+      __builtin_prefetch(c + off, 0, 1);
+  }
+}
+
+// phase timing for development builds (-DTS_PROFILE): averages printed to stderr every 500 calls
+#ifdef TS_PROFILE
+// thread CPU time (meaningful with one thread; robust to preemption on a busy machine)
+struct Prof {
+  double acc[16] = {0}, lo[16] = {0};
+  const char* names[16] = {nullptr};
+  int64_t calls = 0;
+  double t = 0;
+  static double now() {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+  }
+  void start() { t = now(); }
+  void mark(int i, const char* name) {
+    const double n = now(), d = n - t;
+    acc[i] += d;
+    lo[i] = (names[i] == nullptr || d < lo[i]) ? d : lo[i];
+    names[i] = name;
+    t = n;
+  }
+  void done() {
+    if (++calls % 500) return;
+    for (int i = 0; i < 16; ++i)
+      if (names[i]) std::fprintf(stderr, "%s %.1f/%.1fus  ", names[i], acc[i] / calls, lo[i]);
+    std::fprintf(stderr, "\n");
+  }
+};
+inline Prof& prof() {
+  static Prof p;
+  return p;
+}
+#define TS_START() prof().start()
+#define TS_MARK(i, name) prof().mark(i, name)
+#define TS_DONE() prof().done()
+#else
+#define TS_START()
+#define TS_MARK(i, name)
+#define TS_DONE()
+#endif
+
+// grow-only scratch, one per thread and purpose (no page faults per call)
+template <int Tag>
+inline float* scratch_f(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// dispatch over the three cache dtypes (float32, bfloat16, float16)
+template <typename F>
+inline void dispatch_kv(at::ScalarType t, const char* name, const F& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16, got ", t);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// mask view: attn_mask expanded to [B, Hq, 1, L] and read through its strides
+// ------------------------------------------------------------------------------------------------------------
+
+struct MaskView {
+  const void* ptr = nullptr;
+  int kind = 0;  // 0 none, 1 bool, 2 float32, 3 bfloat16, 4 float16
+  int64_t sb = 0, sh = 0, st = 0;
+  bool per_head = false;
+
+  inline float at(int64_t b, int64_t hq, int64_t t) const {
+    const int64_t off = b * sb + hq * sh + t * st;
+    switch (kind) {
+      case 1:
+        return static_cast<const bool*>(ptr)[off] ? 0.f : NEG_INF;
+      case 2:
+        return static_cast<const float*>(ptr)[off];
+      case 3:
+        return static_cast<float>(static_cast<const c10::BFloat16*>(ptr)[off]);
+      case 4:
+        return static_cast<float>(static_cast<const c10::Half*>(ptr)[off]);
+      default:
+        return 0.f;
+    }
+  }
+  // max of the additive mask over tokens [t0, t1)
+  inline float range_max(int64_t b, int64_t hq, int64_t t0, int64_t t1) const {
+    float m = NEG_INF;
+    if (kind == 1) {
+      const bool* p = static_cast<const bool*>(ptr) + b * sb + hq * sh;
+      for (int64_t t = t0; t < t1; ++t)
+        if (p[t * st]) return 0.f;
+      return NEG_INF;
+    }
+    for (int64_t t = t0; t < t1; ++t) m = std::max(m, at(b, hq, t));
+    return m;
+  }
+};
+
+MaskView make_mask(const c10::optional<at::Tensor>& attn_mask, int64_t B, int64_t Hq, int64_t L) {
+  MaskView mv;
+  if (!attn_mask.has_value() || !attn_mask->defined()) return mv;
+  const at::Tensor& m0 = *attn_mask;
+  TORCH_CHECK(m0.device().is_cpu(), "tinyserve_native: attn_mask must be a CPU tensor");
+  at::Tensor m = m0;
+  while (m.dim() < 4) m = m.unsqueeze(0);
+  TORCH_CHECK(m.dim() == 4, "tinyserve_native: attn_mask must broadcast to [B, Hq, 1, L]");
+  const bool head_dim = m.size(1) != 1;
+  m = m.expand({B, Hq, 1, L});
+  mv.ptr = m.data_ptr();
+  switch (m.scalar_type()) {
+    case at::kBool: mv.kind = 1; break;
+    case at::kFloat: mv.kind = 2; break;
+    case at::kBFloat16: mv.kind = 3; break;
+    case at::kHalf: mv.kind = 4; break;
+    default: TORCH_CHECK(false, "tinyserve_native: attn_mask must be bool or floating, got ", m.scalar_type());
+  }
+  mv.sb = m.stride(0);
+  mv.sh = m.stride(1);
+  mv.st = m.stride(3);
+  mv.per_head = head_dim && Hq > 1;
+  return mv;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// per-call context
+// ------------------------------------------------------------------------------------------------------------
+
+enum RowMode : int { EMPTY = 0, DENSE = 1, ONE_STAGE = 2, TWO_ALL = 3, TWO_TOPK = 4 };
+
+struct Row {
+  int64_t ntok;    // valid tokens, min(valid_len, L)
+  int64_t nvalid;  // valid pages, min(ceil(valid_len / S), P)
+  int64_t newest;  // page of the newest token, or -1 when that page is past the cache
+  int mode;
+};
+
+template <typename T, typename BT>
+struct Ctx {
+  int64_t B, Hq, Hkv, G, L, D, Dp, nv, S, P, K, cf, sinks;
+  float scale, factor, base;
+  const T* k;
+  int64_t ksb, ksh, ksl;
+  const T* v;
+  int64_t vsb, vsh, vsl;
+  const BT* kmax;
+  const BT* kmin;
+  const float* kabs;
+  MaskView mask;
+  const float* qs;    // [B*Hkv, G, Dp] q * scale
+  const float* qp;    // [B*Hkv, G, Dp] max(q, 0)
+  const float* qn;    // [B*Hkv, G, Dp] min(q, 0)
+  const float* qabs;  // [B*Hkv, G] |q|_1
+  std::vector<Row> rows;
+
+  // first row of (batch, KV head) bh; token t is at + t * ksl (resp. vsl)
+  inline const T* kbase(int64_t bh) const { return k + (bh / Hkv) * ksb + (bh % Hkv) * ksh; }
+  inline const T* vbase(int64_t bh) const { return v + (bh / Hkv) * vsb + (bh % Hkv) * vsh; }
+  inline bool direct() const { return std::is_same_v<T, float> && Dp == D; }
+};
+
+// n rows of T -> fp32 rows of Dp floats (zero padded) at dst
+template <typename T>
+inline void rows_to_f32(const T* const* src, int n, int64_t D, int64_t Dp, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const T* s = src[r];
+    float* d = dst + r * Dp;
+    int64_t i = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(d, s, D * sizeof(float));
+      i = D;
+    } else {
+      for (; i + VS <= D; i += VS) loadf(s + i).store(d + i);
+      for (; i < D; ++i) d[i] = static_cast<float>(s[i]);
+    }
+    for (; i < Dp; ++i) d[i] = 0.f;
+  }
+}
+
+// Micro-kernels on a block of VS fp32 rows stored contiguously (row stride nv * VS floats). NV > 0 fixes nv at
+// compile time, so that every row is addressed with an immediate offset from one base register; NV == 0 is the
+// generic version. One is picked per call (Kern::pick).
+
+// out[g * ld + j] = q_g . row_j for j < n (the block has VS readable rows)
+template <int NV>
+void dot_block(const float* rows, int n, const float* q, int64_t G, int64_t nv_rt, float* out, int64_t ld) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec acc[VS];
+    for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+    const float* qg = q + g * st;
+    for (int64_t i = 0; i < nv; ++i) {
+      const Vec qv = Vec::loadu(qg + i * VS);
+      for (int j = 0; j < VS; ++j) acc[j] = at::vec::fmadd(qv, Vec::loadu(rows + j * st + i * VS), acc[j]);
+    }
+    reduce_rows(acc).store(out + g * ld, n);
+  }
+}
+
+// r_j = relu(qp).M_j + min(q,0).m_j for the VS pages of a block (sum_d max(q_d M_jd, q_d m_jd))
+template <int NV>
+Vec bound_block(const float* M, const float* m, const float* qp, const float* qn, int64_t nv_rt) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  Vec acc[VS];
+  for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+  for (int64_t i = 0; i < nv; ++i) {
+    const Vec a = Vec::loadu(qp + i * VS);
+    const Vec z = Vec::loadu(qn + i * VS);
+    for (int j = 0; j < VS; ++j) {
+      acc[j] = at::vec::fmadd(a, Vec::loadu(M + j * st + i * VS), acc[j]);
+      acc[j] = at::vec::fmadd(z, Vec::loadu(m + j * st + i * VS), acc[j]);
+    }
+  }
+  return reduce_rows(acc);
+}
+
+// acc[g, :] += sum_{j < n} p[g * ldp + j] * row_j
+template <int NV>
+void v_accum(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv_rt, const float* rows, int n) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  if constexpr (NV > 0 && NV <= 8) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      Vec a[NV];
+      for (int i = 0; i < NV; ++i) a[i] = Vec::loadu(ag + i * VS);
+      for (int j = 0; j < n; ++j) {
+        const Vec pj(pg[j]);
+        for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(pj, Vec::loadu(rows + j * st + i * VS), a[i]);
+      }
+      for (int i = 0; i < NV; ++i) a[i].store(ag + i * VS);
+    }
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      for (int64_t i = 0; i < nv; ++i) {
+        Vec a = Vec::loadu(ag + i * VS);
+        for (int j = 0; j < n; ++j) a = at::vec::fmadd(Vec(pg[j]), Vec::loadu(rows + j * st + i * VS), a);
+        a.store(ag + i * VS);
+      }
+    }
+  }
+}
+
+struct Kern {
+  decltype(&dot_block<0>) dot;
+  decltype(&bound_block<0>) bound;
+  decltype(&v_accum<0>) vacc;
+  static Kern pick(int64_t nv) {
+    switch (nv) {
+      case 1: return {&dot_block<1>, &bound_block<1>, &v_accum<1>};
+      case 2: return {&dot_block<2>, &bound_block<2>, &v_accum<2>};
+      case 4: return {&dot_block<4>, &bound_block<4>, &v_accum<4>};
+      case 8: return {&dot_block<8>, &bound_block<8>, &v_accum<8>};
+      case 16: return {&dot_block<16>, &bound_block<16>, &v_accum<16>};
+      default: return {&dot_block<0>, &bound_block<0>, &v_accum<0>};
+    }
+  }
+};
+
+// A block of n <= VS token rows (tokens tok[0..n), row t at base + t * stride) as VS contiguous fp32 rows of Dp:
+// the cache itself when that is already the layout (fp32, Dp == D == stride, consecutive tokens, full block),
+// else a copy in scr (zero rows after n when pad).
+template <typename T>
+inline const float* token_block(const T* base, int64_t stride, const int64_t* tok, int n, int64_t D, int64_t Dp,
+                                float* scr, bool pad) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == VS && Dp == D && stride == D && tok[VS - 1] == tok[0] + VS - 1) {
+      bool run = true;
+      for (int j = 1; j < VS - 1; ++j) run &= tok[j] == tok[0] + j;
+      if (run) return base + tok[0] * stride;
+    }
+  }
+  const T* src[VS];
+  for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
+  rows_to_f32<T>(src, n, D, Dp, scr);
+  if (pad) std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
+  return scr;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// stage 1: page scores (bound scan) for pages [p0, p1) of one (batch, KV head)
+// ------------------------------------------------------------------------------------------------------------
+
+template <typename T, typename BT>
+void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, int64_t p1, float* out) {
+  const int64_t b = bh / c.Hkv, h = bh % c.Hkv, D = c.D, Dp = c.Dp, G = c.G, S = c.S;
+  const BT* M = c.kmax + bh * c.P * D;
+  const BT* m = c.kmin + bh * c.P * D;
+  const float* kab = c.kabs + bh * c.P;
+  const float* qp = c.qp + bh * G * Dp;
+  const float* qn = c.qn + bh * G * Dp;
+  const float* qa = c.qabs + bh * G;
+  float* scr = scratch_f<0>(2 * VS * Dp);
+  alignas(64) float mm[VS];
+  alignas(64) float kb[VS];
+  for (int64_t p = p0; p < p1; p += VS) {
+    const int n = static_cast<int>(std::min<int64_t>(VS, p1 - p));
+    // ---- the block's bounds as contiguous fp32 rows (in place for fp32 bounds and full blocks)
+    const float* Mb;
+    const float* mb;
+    if (std::is_same_v<BT, float> && Dp == D && n == VS) {
+      Mb = reinterpret_cast<const float*>(M + p * D);
+      mb = reinterpret_cast<const float*>(m + p * D);
+    } else {
+      const BT* src[VS];
+      for (int j = 0; j < n; ++j) src[j] = M + (p + j) * D;
+      rows_to_f32<BT>(src, n, D, Dp, scr);
+      for (int j = 0; j < n; ++j) src[j] = m + (p + j) * D;
+      rows_to_f32<BT>(src, n, D, Dp, scr + VS * Dp);
+      std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
+      std::fill(scr + (VS + n) * Dp, scr + 2 * VS * Dp, 0.f);
+      Mb = scr;
+      mb = scr + VS * Dp;
+    }
+    for (int j = 0; j < VS; ++j) kb[j] = j < n ? kab[p + j] : 0.f;
+    const Vec kbv = Vec::loadu(kb);
+    Vec best(NEG_INF);
+    for (int64_t g = 0; g < G; ++g) {
+      // ---- r = sum_d max(q_d M_d, q_d m_d), VS pages at once
+      const Vec r = kern.bound(Mb, mb, qp + g * Dp, qn + g * Dp, c.nv);
+      // ---- rounding slack, scale (as reference.page_scores), then the page max of the mask
+      const Vec slack = at::vec::fmadd(Vec(qa[g]), kbv, Vec(c.base));
+      Vec sc = at::vec::fmadd(Vec(c.factor), slack, r) * Vec(c.scale);
+      if (c.mask.kind != 0) {
+        if (g == 0 || c.mask.per_head) {
+          const int64_t hq = h * G + g;
+          for (int j = 0; j < VS; ++j) {
+            const int64_t pj = p + std::min(j, n - 1);
+            mm[j] = c.mask.range_max(b, hq, pj * S, std::min((pj + 1) * S, c.L));
+          }
+        }
+        sc = sc + Vec::loadu(mm);
+      }
+      best = at::vec::maximum(best, sc);
+    }
+    best.store(out + p, n);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// partial selection: the n_keep largest of w[0, n), forced pages at +inf, -inf never kept; ascending
+// ------------------------------------------------------------------------------------------------------------
+
+// order-preserving map of a float to uint32 (NaN above +inf, as topk treats it as largest)
+inline uint32_t fkey(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return x != x ? 0xFFFFFFFFu : k;
+}
+
+// Histogram of digit (k >> sh) & (nb - 1) over the keys with (k & pmask) == prefix; four interleaved
+// sub-histograms so that runs of equal digits (scores are concentrated) do not serialise on one counter.
+inline void digit_hist(const uint32_t* keys, int64_t n, int sh, uint32_t nb, uint32_t pmask, uint32_t prefix,
+                       uint32_t (*hist)[2048]) {
+  for (int u = 0; u < 4; ++u) std::memset(hist[u], 0, nb * sizeof(uint32_t));
+  int64_t i = 0;
+  if (pmask == 0) {
+    for (; i + 4 <= n; i += 4)
+      for (int u = 0; u < 4; ++u) ++hist[u][(keys[i + u] >> sh) & (nb - 1)];
+    for (; i < n; ++i) ++hist[0][(keys[i] >> sh) & (nb - 1)];
+  } else {
+    for (; i + 4 <= n; i += 4)
+      for (int u = 0; u < 4; ++u) hist[u][(keys[i + u] >> sh) & (nb - 1)] += (keys[i + u] & pmask) == prefix;
+    for (; i < n; ++i) hist[0][(keys[i] >> sh) & (nb - 1)] += (keys[i] & pmask) == prefix;
+  }
+  for (uint32_t d = 0; d < nb; ++d) hist[0][d] += hist[1][d] + hist[2][d] + hist[3][d];
+}
+
+// Writes the indices of the n_keep largest of w[0, n) to out, ascending, leaving out -inf; ties at the threshold
+// go to the lowest indices. Radix select on the float keys (digits of 11/11/10 bits; after the first digit only
+// the keys sharing it are scanned), no sort. keys: scratch of 2n. Returns the count.
+inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* keys, int32_t* out) {
+  constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // fkey(-inf)
+  if (n_keep >= n) {
+    int64_t cnt = 0;
+    for (int64_t p = 0; p < n; ++p)
+      if (fkey(w[p]) > NEG_INF_KEY) out[cnt++] = static_cast<int32_t>(p);
+    return cnt;
+  }
+  uint32_t hist[4][2048];
+  for (int64_t p = 0; p < n; ++p) keys[p] = fkey(w[p]);
+  // ---- first digit over every key
+  digit_hist(keys, n, 21, 2048, 0, 0, hist);
+  int64_t need = n_keep;
+  uint32_t d = 2047;
+  for (;; --d) {
+    if (hist[0][d] >= need) break;
+    need -= hist[0][d];
+  }
+  uint32_t prefix = d << 21, pmask = 0xFFE00000u;
+  // ---- the keys in that bucket, then the lower digits among them
+  uint32_t* sub = keys + n;
+  int64_t m = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    sub[m] = keys[p];
+    m += (keys[p] >> 21) == d;
+  }
+  const int shifts[2] = {10, 0};
+  const uint32_t widths[2] = {2048, 1024};
+  for (int lvl = 0; lvl < 2; ++lvl) {
+    const int sh = shifts[lvl];
+    const uint32_t nb = widths[lvl];
+    digit_hist(sub, m, sh, nb, pmask, prefix, hist);
+    uint32_t e = nb - 1;
+    for (;; --e) {
+      if (hist[0][e] >= need) break;
+      need -= hist[0][e];
+    }
+    prefix |= e << sh;
+    pmask |= (nb - 1) << sh;
+  }
+  const uint32_t thr = prefix;
+  // ---- ascending output: every key above the threshold, the first `need` equal to it
+  int64_t cnt = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const uint32_t k = keys[p];
+    if (k > thr || (k == thr && need-- > 0)) {
+      if (k > NEG_INF_KEY) out[cnt++] = static_cast<int32_t>(p);
+    }
+  }
+  return cnt;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// work lists
+// ------------------------------------------------------------------------------------------------------------
+
+struct Item {
+  int64_t bh, begin, end;
+};
+
+inline void add_chunks(std::vector<Item>& items, int64_t bh, int64_t n, int64_t chunk) {
+  for (int64_t s = 0; s < n; s += chunk) items.push_back({bh, s, std::min(n, s + chunk)});
+}
+
+inline int64_t chunk_size(int64_t total, int64_t min_chunk, int64_t align) {
+  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  int64_t ch = std::max<int64_t>(min_chunk, (total + 4 * nt - 1) / (4 * nt));
+  return (ch + align - 1) / align * align;
+}
+
+template <typename F>
+inline void run_items(int64_t n, const F& f) {
+  if (n <= 0) return;
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) f(i);
+  });
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// stage 3: exact attention over a token list of one (batch, KV head), logits given or computed from K
+// ------------------------------------------------------------------------------------------------------------
+
+// tok[T]: token indices (all valid). If lg_given, lg[g * ldl + t] hold the logits (mask included); else they
+// are computed here from the keys, q*scale and the mask. Writes part[g * (Dp + 2) + {0: max, 1: sum, 2..}].
+template <typename T, typename BT>
+void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int64_t* tok, int64_t T_, bool lg_given,
+                   float* lg, int64_t ldl, float* part) {
+  const int64_t G = c.G, Dp = c.Dp, nv = c.nv, D = c.D;
+  const int64_t b = bh / c.Hkv, h = bh % c.Hkv;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  float* scr = scratch_f<1>(VS * Dp);
+  const T* kb = c.kbase(bh);
+  const T* vb = c.vbase(bh);
+  const int64_t ksl = c.ksl, vsl = c.vsl;
+  // ---- logits from the keys, VS tokens at a time; prefetch keys ahead and this block's values into L2
+  if (!lg_given) {
+    const float* qs = c.qs + bh * G * Dp;
+    for (int64_t t0 = 0; t0 < T_; t0 += VS) {
+      const int n = static_cast<int>(std::min<int64_t>(VS, T_ - t0));
+      const int64_t tp = t0 + PF_BLOCKS * VS;
+      for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(kb + tok[t] * ksl, row_bytes, 3);
+      for (int j = 0; j < n; ++j) prefetch_row(vb + tok[t0 + j] * vsl, row_bytes, 1);
+      const float* rows = token_block<T>(kb, ksl, tok + t0, n, D, Dp, scr, true);
+      kern.dot(rows, n, qs, G, nv, lg + t0, ldl);
+    }
+    if (c.mask.kind != 0) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hq = h * G + (c.mask.per_head ? g : 0);
+        for (int64_t t = 0; t < T_; ++t) lg[g * ldl + t] += c.mask.at(b, hq, tok[t]);
+      }
+    }
+  }
+  // ---- softmax per head over the chunk (weights in place)
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = part + g * (Dp + 2);
+    float* x = lg + g * ldl;
+    const float mx = hmax(x, T_);
+    pg[0] = mx;
+    pg[1] = 0.f;
+    if (mx == NEG_INF || std::isnan(mx)) {
+      std::fill(x, x + T_, 0.f);
+      pg[0] = NEG_INF;
+      continue;
+    }
+    pg[1] = exp_sub_to(x, x, T_, mx);
+  }
+  // ---- weighted values, VS tokens at a time
+  float* acc = scratch_f<2>(G * Dp);
+  std::fill(acc, acc + G * Dp, 0.f);
+  for (int64_t t0 = 0; t0 < T_; t0 += VS) {
+    const int n = static_cast<int>(std::min<int64_t>(VS, T_ - t0));
+    const int64_t tp = t0 + PF_BLOCKS * VS;
+    for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(vb + tok[t] * vsl, row_bytes, 3);
+    const float* rows = token_block<T>(vb, vsl, tok + t0, n, D, Dp, scr, false);
+    kern.vacc(acc, lg + t0, ldl, G, nv, rows, n);
+  }
+  for (int64_t g = 0; g < G; ++g) std::memcpy(part + g * (Dp + 2) + 2, acc + g * Dp, Dp * sizeof(float));
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// the op
+// ------------------------------------------------------------------------------------------------------------
+
+struct Plan {
+  // selection outputs, per (batch, KV head)
+  std::vector<int32_t> sel;      // [BH, N1] first-stage pages (ascending)
+  std::vector<int64_t> selcnt;   // [BH]
+  std::vector<int32_t> kept;     // [BH, K] kept pages (one stage) or candidate slots (two stage), ascending
+  std::vector<int64_t> keptcnt;  // [BH]
+  // work buffers, grow-only (one Plan per calling thread)
+  std::vector<float> qbuf, scores, lgc, plse, parts;
+};
+
+inline Plan& thread_plan() {
+  thread_local Plan plan;
+  return plan;
+}
+
+template <typename T, typename BT>
+void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
+               const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
+               const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget, int64_t sinks,
+               int64_t cf, bool force_dense, std::vector<float>& qbuf) {
+  c.B = q.size(0);
+  c.Hq = q.size(1);
+  c.D = q.size(3);
+  c.Hkv = k.size(1);
+  c.L = k.size(2);
+  c.G = c.Hq / c.Hkv;
+  c.S = S;
+  c.P = (c.L + S - 1) / S;
+  c.K = budget / S;
+  c.cf = cf;
+  c.sinks = sinks;
+  c.nv = (c.D + VS - 1) / VS;
+  c.Dp = c.nv * VS;
+  c.scale = static_cast<float>(scale);
+  const double factor = 4.0 * (c.D + 2) * std::ldexp(1.0, -24);
+  c.factor = static_cast<float>(factor);
+  c.base = static_cast<float>((c.D + 2) * std::ldexp(1.0, -126) / (scale * factor));
+  c.k = k.data_ptr<T>();
+  c.ksb = k.stride(0);
+  c.ksh = k.stride(1);
+  c.ksl = k.stride(2);
+  c.v = v.data_ptr<T>();
+  c.vsb = v.stride(0);
+  c.vsh = v.stride(1);
+  c.vsl = v.stride(2);
+  c.kmax = kmax.data_ptr<BT>();
+  c.kmin = kmin.data_ptr<BT>();
+  c.kabs = kabs.data_ptr<float>();
+  c.mask = make_mask(attn_mask, c.B, c.Hq, c.L);
+  // ---- q as fp32: scaled, sign split, |q|_1
+  const int64_t BH = c.B * c.Hkv, G = c.G, Dp = c.Dp, D = c.D;
+  qbuf.assign(BH * G * Dp * 3 + BH * G, 0.f);
+  float* qs = qbuf.data();
+  float* qp = qs + BH * G * Dp;
+  float* qn = qp + BH * G * Dp;
+  float* qa = qn + BH * G * Dp;
+  const T* qd = q.data_ptr<T>();
+  const int64_t qsb = q.stride(0), qsh = q.stride(1), qsd = q.stride(3);
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t hq = 0; hq < c.Hq; ++hq) {
+      const int64_t o = (b * c.Hq + hq) * Dp;  // == ((b*Hkv + hq/G)*G + hq%G) * Dp
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = static_cast<float>(qd[b * qsb + hq * qsh + d * qsd]);
+        qs[o + d] = x * c.scale;
+        qp[o + d] = x > 0.f ? x : 0.f;
+        qn[o + d] = x < 0.f ? x : 0.f;
+        s += std::fabs(x);
+      }
+      qa[b * c.Hq + hq] = s;
+    }
+  c.qs = qs;
+  c.qp = qp;
+  c.qn = qn;
+  c.qabs = qa;
+  // ---- per-row plan
+  TORCH_CHECK(valid_len.numel() == 1 || valid_len.numel() == c.B, "tinyserve_native: valid_len must have 1 or B ",
+              "elements");
+  at::Tensor vl = valid_len.scalar_type() == at::kLong ? valid_len.contiguous() : valid_len.to(at::kLong).contiguous();
+  const int64_t* vlp = vl.data_ptr<int64_t>();
+  c.rows.resize(c.B);
+  for (int64_t b = 0; b < c.B; ++b) {
+    const int64_t n = vlp[vl.numel() == 1 ? 0 : b];
+    Row r;
+    r.ntok = std::max<int64_t>(0, std::min(n, c.L));
+    r.nvalid = n > 0 ? std::min((n + S - 1) / S, c.P) : 0;
+    r.newest = n > 0 && (n - 1) / S < c.P ? (n - 1) / S : -1;
+    if (r.nvalid == 0 || r.ntok == 0)
+      r.mode = EMPTY;
+    else if (force_dense || r.nvalid <= c.K)
+      r.mode = DENSE;
+    else if (cf <= 1)
+      r.mode = ONE_STAGE;
+    else if (r.nvalid <= c.K * cf)
+      r.mode = TWO_ALL;
+    else
+      r.mode = TWO_TOPK;
+    c.rows[b] = r;
+  }
+}
+
+// Selection stages (bound scan, top-K or top-cK, two-stage logits and ranking). Fills plan.kept/keptcnt and,
+// for two-stage rows, the candidates' logits lgc [BH, G, N1*S] (mask included, -inf at invalid slots).
+template <typename T, typename BT>
+void select_stages(const Ctx<T, BT>& c, Plan& pl, int64_t& ld_lgc) {
+  const Kern kern = Kern::pick(c.nv);
+  const int64_t BH = c.B * c.Hkv, G = c.G, S = c.S, K = c.K;
+  const int64_t N1 = c.cf > 1 ? std::min(c.K * c.cf, c.P) : c.K;
+  pl.sel.assign(BH * std::max<int64_t>(N1, 1), 0);
+  pl.selcnt.assign(BH, 0);
+  pl.kept.assign(BH * std::max<int64_t>(K, 1), 0);
+  pl.keptcnt.assign(BH, 0);
+  bool any_scores = false, any_two = false;
+  for (const Row& r : c.rows) {
+    any_scores |= r.mode == ONE_STAGE || r.mode == TWO_TOPK;
+    any_two |= r.mode == TWO_ALL || r.mode == TWO_TOPK;
+  }
+  // ---- stage 1: bound scan over the valid pages of the rows that need it
+  if (any_scores) {
+    float* scores = grow(pl.scores, BH * c.P);
+    std::vector<Item> items;
+    int64_t total = 0;
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      const Row& r = c.rows[bh / c.Hkv];
+      if (r.mode == ONE_STAGE || r.mode == TWO_TOPK) total += r.nvalid;
+    }
+    const int64_t ch = chunk_size(total, 64, VS);
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      const Row& r = c.rows[bh / c.Hkv];
+      if (r.mode == ONE_STAGE || r.mode == TWO_TOPK) add_chunks(items, bh, r.nvalid, ch);
+    }
+    run_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
+      const Item& it = items[i];
+      score_pages(c, kern, it.bh, it.begin, it.end, scores + it.bh * c.P);
+    });
+    TS_MARK(1, "scores");
+    // ---- stage 2: forced pages at +inf, partial top-N (ascending, -inf dropped)
+    run_items(BH, [&](int64_t bh) {
+      const Row& r = c.rows[bh / c.Hkv];
+      if (!(r.mode == ONE_STAGE || r.mode == TWO_TOPK)) return;
+      float* w = scores + bh * c.P;
+      for (int64_t p = 0; p < std::min(c.sinks, r.nvalid); ++p) w[p] = POS_INF;
+      if (r.newest >= 0) w[r.newest] = POS_INF;
+      const int64_t n_keep = r.mode == ONE_STAGE ? K : N1;
+      uint32_t* tmp = reinterpret_cast<uint32_t*>(scratch_f<3>(2 * r.nvalid));
+      int32_t* out = (r.mode == ONE_STAGE ? pl.kept.data() + bh * K : pl.sel.data() + bh * N1);
+      const int64_t cnt = select_top(w, r.nvalid, n_keep, tmp, out);
+      (r.mode == ONE_STAGE ? pl.keptcnt : pl.selcnt)[bh] = cnt;
+    });
+    TS_MARK(2, "select");
+  }
+  if (!any_two) return;
+  // ---- two-stage candidates: every valid page when they number at most c*K
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    const Row& r = c.rows[bh / c.Hkv];
+    if (r.mode == TWO_ALL) {
+      for (int64_t p = 0; p < r.nvalid; ++p) pl.sel[bh * N1 + p] = static_cast<int32_t>(p);
+      pl.selcnt[bh] = r.nvalid;
+    }
+  }
+  // ---- stage 3a: exact logits of the candidates' tokens, page log-sum-exp per query head
+  ld_lgc = N1 * S;
+  float* lg_all = grow(pl.lgc, BH * G * ld_lgc);
+  float* plse = grow(pl.plse, BH * G * N1);
+  std::vector<Item> items;
+  int64_t total = 0;
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    const int m = c.rows[bh / c.Hkv].mode;
+    if (m == TWO_ALL || m == TWO_TOPK) total += pl.selcnt[bh];
+  }
+  const int64_t ch = chunk_size(total, 16, VS);
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    const int m = c.rows[bh / c.Hkv].mode;
+    if (m == TWO_ALL || m == TWO_TOPK) add_chunks(items, bh, pl.selcnt[bh], ch);
+  }
+  const int64_t Dp = c.Dp, nv = c.nv, D = c.D;
+  run_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& it = items[i];
+    const int64_t bh = it.bh, b = bh / c.Hkv, h = bh % c.Hkv;
+    const Row& r = c.rows[b];
+    const int32_t* cand = pl.sel.data() + bh * N1;
+    const int64_t s0 = it.begin * S, ns = (it.end - it.begin) * S;  // the chunk's candidate slots
+    float* scr = scratch_f<1>(VS * Dp);
+    const float* qs = c.qs + bh * G * Dp;
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+    const T* kb = c.kbase(bh);
+    // token of every slot of the chunk (-1 past the valid tokens)
+    int64_t* tok = reinterpret_cast<int64_t*>(scratch_f<4>(2 * ns + 2));
+    for (int64_t j = it.begin; j < it.end; ++j) {
+      const int64_t t0 = static_cast<int64_t>(cand[j]) * S;
+      int64_t* tj = tok + (j - it.begin) * S;
+      for (int64_t u = 0; u < S; ++u) tj[u] = t0 + u < r.ntok ? t0 + u : -1;
+    }
+    // logits straight into the slots, VS slots at a time (a slot past the valid tokens reads a zero row)
+    float* xb = lg_all + bh * G * ld_lgc + s0;
+    int64_t tk[VS];
+    for (int64_t s1 = 0; s1 < ns; s1 += VS) {
+      const int n = static_cast<int>(std::min<int64_t>(VS, ns - s1));
+      const int64_t sp = s1 + PF_BLOCKS * VS;
+      for (int64_t sl = sp; sl < std::min(ns, sp + VS); ++sl)
+        if (tok[sl] >= 0) prefetch_row(kb + tok[sl] * c.ksl, row_bytes, 3);
+      int nvld = 0;
+      while (nvld < n && tok[s1 + nvld] >= 0) ++nvld;  // invalid slots only at the end (newest page)
+      const float* rows;
+      if (nvld == n) {
+        rows = token_block<T>(kb, c.ksl, tok + s1, n, D, Dp, scr, true);
+      } else {
+        for (int j = 0; j < nvld; ++j) tk[j] = tok[s1 + j];
+        rows = token_block<T>(kb, c.ksl, tk, nvld, D, Dp, scr, true);
+      }
+      kern.dot(rows, n, qs, G, nv, xb + s1, ld_lgc);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* x = lg_all + (bh * G + g) * ld_lgc;
+      const int64_t hq = h * G + (c.mask.per_head ? g : 0);
+      if (c.mask.kind != 0) {
+        for (int64_t sl = 0; sl < ns; ++sl)
+          x[s0 + sl] = tok[sl] < 0 ? NEG_INF : x[s0 + sl] + c.mask.at(b, hq, tok[sl]);
+      } else if (r.ntok < (static_cast<int64_t>(cand[it.end - 1]) + 1) * S) {  // only the newest page is partial
+        for (int64_t sl = ns - S; sl < ns; ++sl)
+          if (tok[sl] < 0) x[s0 + sl] = NEG_INF;
+      }
+      // page log-sum-exp: exp against the chunk max, page sums, vectorised log
+      float* lse = plse + (bh * G + g) * N1;
+      const float mc = hmax(x + s0, ns);
+      if (mc == NEG_INF || std::isnan(mc)) {
+        std::fill(lse + it.begin, lse + it.end, NEG_INF);
+        continue;
+      }
+      float* e = scratch_f<6>(ns + VS);
+      exp_sub_to(x + s0, e, ns, mc);
+      float* sums = lse + it.begin;
+      const int64_t np = it.end - it.begin;
+      if (S == VS) {
+        int64_t j = 0;
+        for (; j + VS <= np; j += VS) {
+          Vec pv[VS];
+          for (int u = 0; u < VS; ++u) pv[u] = Vec::loadu(e + (j + u) * S);
+          reduce_rows(pv).store(sums + j);
+        }
+        for (; j < np; ++j) sums[j] = hsum(e + j * S, S);
+      } else {
+        for (int64_t j = 0; j < np; ++j) sums[j] = hsum(e + j * S, S);
+      }
+      int64_t j = 0;
+      for (; j + VS <= np; j += VS) (Vec::loadu(sums + j).log() + Vec(mc)).store(sums + j);
+      if (j < np) (Vec::loadu(sums + j, static_cast<int>(np - j)).log() + Vec(mc)).store(sums + j, static_cast<int>(np - j));
+      for (j = 0; j < np; ++j) {
+        if (sums[j] > NEG_INF) continue;
+        // zero sum: the page is -inf throughout, or it underflowed against the chunk max (exact value then)
+        const float* xj = x + (it.begin + j) * S;
+        float pm = NEG_INF;
+        for (int64_t u = 0; u < S; ++u) pm = std::max(pm, xj[u]);
+        if (pm == NEG_INF) continue;
+        float s2 = 0.f;
+        for (int64_t u = 0; u < S; ++u) s2 += std::exp(xj[u] - pm);
+        sums[j] = pm + std::log(s2);
+      }
+    }
+  });
+  TS_MARK(3, "cand_logits");
+  // ---- stage 3b: share of softmax mass per candidate page (max over the group), forced pages, top K
+  run_items(BH, [&](int64_t bh) {
+    const Row& r = c.rows[bh / c.Hkv];
+    if (!(r.mode == TWO_ALL || r.mode == TWO_TOPK)) return;
+    const int64_t kc = pl.selcnt[bh];
+    const int32_t* cand = pl.sel.data() + bh * N1;
+    float* share = scratch_f<7>(3 * kc + 1);
+    uint32_t* tmp = reinterpret_cast<uint32_t*>(share + kc);
+    std::fill(share, share + kc, NEG_INF);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* lse = plse + (bh * G + g) * N1;
+      const float mx = hmax(lse, kc);
+      float total = NEG_INF;
+      if (mx > NEG_INF) {
+        float* e = scratch_f<6>(kc + VS);
+        total = mx + std::log(exp_sub_to(lse, e, kc, mx));
+      }
+      for (int64_t j = 0; j < kc; ++j) {
+        const float x = lse[j] - total;
+        if (!std::isnan(x)) share[j] = std::max(share[j], x);
+      }
+    }
+    for (int64_t j = 0; j < kc; ++j) {
+      const int64_t p = cand[j];
+      if (p == r.newest || p < c.sinks) share[j] = POS_INF;
+    }
+    pl.keptcnt[bh] = select_top(share, kc, K, tmp, pl.kept.data() + bh * K);
+  });
+  TS_MARK(4, "rank");
+}
+
+template <typename T, typename BT>
+at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
+                               const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
+                               const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
+                               int64_t sinks, int64_t cf, bool force_dense) {
+  TS_START();
+  Ctx<T, BT> c;
+  Plan& pl = thread_plan();
+  build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, pl.qbuf);
+  TS_MARK(0, "setup");
+  const int64_t BH = c.B * c.Hkv, G = c.G, Dp = c.Dp, K = c.K;
+  const int64_t N1 = cf > 1 ? std::min(c.K * cf, c.P) : c.K;
+  int64_t ld_lgc = 0;
+  select_stages(c, pl, ld_lgc);
+  const float* lgc = pl.lgc.data();
+  const Kern kern = Kern::pick(c.nv);
+  // ---- attention work items: chunks of kept pages (or of all valid pages for dense rows)
+  std::vector<Item> items;
+  int64_t total = 0;
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    const Row& r = c.rows[bh / c.Hkv];
+    if (r.mode == DENSE) total += r.nvalid;
+    else if (r.mode != EMPTY) total += pl.keptcnt[bh];
+  }
+  const int64_t ch = chunk_size(total, std::max<int64_t>(1, 64 / S), 1);
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    const Row& r = c.rows[bh / c.Hkv];
+    if (r.mode == DENSE) add_chunks(items, bh, r.nvalid, ch);
+    else if (r.mode != EMPTY) add_chunks(items, bh, pl.keptcnt[bh], ch);
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  float* parts = grow(pl.parts, n_items * G * (Dp + 2));
+  run_items(n_items, [&](int64_t i) {
+    const Item& it = items[i];
+    const int64_t bh = it.bh;
+    const Row& r = c.rows[bh / c.Hkv];
+    const int64_t cap = (it.end - it.begin) * S;
+    int64_t* tok = reinterpret_cast<int64_t*>(scratch_f<4>(2 * cap + 2));
+    const int64_t ldl = cap + VS;
+    float* lg = scratch_f<5>(G * ldl);
+    int64_t nt = 0;
+    const bool two = r.mode == TWO_ALL || r.mode == TWO_TOPK;
+    for (int64_t j = it.begin; j < it.end; ++j) {
+      int64_t page;
+      if (r.mode == DENSE) {
+        page = j;
+      } else if (two) {
+        page = pl.sel[bh * N1 + pl.kept[bh * K + j]];
+      } else {
+        page = pl.kept[bh * K + j];
+      }
+      const int64_t t0 = page * S, t1 = std::min(t0 + S, r.ntok);
+      if (two) {  // reuse the candidates' logits
+        const int64_t slot = pl.kept[bh * K + j];
+        for (int64_t g = 0; g < G; ++g) {
+          const float* src = lgc + (bh * G + g) * ld_lgc + slot * S;
+          std::memcpy(lg + g * ldl + nt, src, std::max<int64_t>(0, t1 - t0) * sizeof(float));
+        }
+      }
+      for (int64_t t = t0; t < t1; ++t) tok[nt++] = t;
+    }
+    attend_tokens(c, kern, bh, tok, nt, two, lg, ldl, parts + i * G * (Dp + 2));
+  });
+  TS_MARK(5, "attend");
+  // ---- combine the chunks of each (batch, KV head): log-sum-exp merge, normalise, cast
+  at::Tensor out = at::empty({c.B, c.Hq, 1, c.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  T* o = out.data_ptr<T>();
+  std::vector<int64_t> first(BH + 1, n_items);
+  for (int64_t i = n_items - 1; i >= 0; --i) first[items[i].bh] = i;
+  run_items(BH, [&](int64_t bh) {
+    int64_t i0 = first[bh], i1 = i0;
+    while (i1 < n_items && items[i1].bh == bh) ++i1;
+    std::vector<float> acc(Dp);
+    for (int64_t g = 0; g < G; ++g) {
+      float M = NEG_INF;
+      for (int64_t i = i0; i < i1; ++i) M = std::max(M, parts[(i * G + g) * (Dp + 2)]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float l = 0.f;
+      if (M > NEG_INF) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const float* pg = parts + (i * G + g) * (Dp + 2);
+          if (pg[0] == NEG_INF) continue;
+          const float w = std::exp(pg[0] - M);
+          l += w * pg[1];
+          for (int64_t d = 0; d < Dp; ++d) acc[d] += w * pg[2 + d];
+        }
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* od = o + bh * G * c.D + g * c.D;  // [B, Hq, 1, D] with hq = h*G + g
+      for (int64_t d = 0; d < c.D; ++d) od[d] = static_cast<T>(acc[d] * inv);
+    }
+  });
+  TS_MARK(6, "combine");
+  TS_DONE();
+  return out;
+}
+
+template <typename T, typename BT>
+at::Tensor kept_pages_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& kmax, const at::Tensor& kmin,
+                            const at::Tensor& kabs, const at::Tensor& valid_len,
+                            const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
+                            int64_t sinks, int64_t cf, bool force_dense) {
+  Ctx<T, BT> c;
+  Plan& pl = thread_plan();
+  build_ctx(c, q, k, k, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, pl.qbuf);
+  int64_t ld_lgc = 0;
+  select_stages(c, pl, ld_lgc);
+  const int64_t BH = c.B * c.Hkv, K = c.K;
+  const int64_t N1 = cf > 1 ? std::min(c.K * cf, c.P) : c.K;
+  at::Tensor out = at::zeros({c.B, c.Hkv, c.P}, q.options().dtype(at::kBool));
+  bool* o = out.data_ptr<bool>();
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    const Row& r = c.rows[bh / c.Hkv];
+    bool* ob = o + bh * c.P;
+    if (r.mode == DENSE) {
+      for (int64_t p = 0; p < r.nvalid; ++p) ob[p] = true;
+    } else if (r.mode == ONE_STAGE) {
+      for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[pl.kept[bh * K + j]] = true;
+    } else if (r.mode == TWO_ALL || r.mode == TWO_TOPK) {
+      for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[pl.sel[bh * N1 + pl.kept[bh * K + j]]] = true;
+    }
+  }
+  return out;
+}
+
+void check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
+                       const at::Tensor& kmin, const at::Tensor& kabs, int64_t S, int64_t budget, int64_t sinks,
+                       int64_t cf, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "tinyserve_native.sparse_decode: q must be [B, Hq, 1, D]");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "tinyserve_native.sparse_decode: k_cache and v_cache must be ",
+              "[B, Hkv, L, D] of one shape");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "tinyserve_native.sparse_decode: k_cache shape does not match q");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "tinyserve_native.sparse_decode: k_cache and v_cache must have q's dtype");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "tinyserve_native.sparse_decode: CPU tensors only");
+  TORCH_CHECK(k.size(3) == 0 || (k.stride(3) == 1 && v.stride(3) == 1),
+              "tinyserve_native.sparse_decode: k_cache and v_cache need a unit stride on D");
+  TORCH_CHECK(S > 0 && budget >= S && sinks >= 0 && cf >= 1 && scale > 0,
+              "tinyserve_native.sparse_decode: bad selection arguments");
+  const int64_t P = (k.size(2) + S - 1) / S;
+  TORCH_CHECK(kmax.dim() == 4 && kmax.size(0) == k.size(0) && kmax.size(1) == k.size(1) && kmax.size(2) == P &&
+                  kmax.size(3) == k.size(3) && kmin.sizes() == kmax.sizes(),
+              "tinyserve_native.sparse_decode: kmax/kmin must be [B, Hkv, P, D]");
+  TORCH_CHECK(kmax.scalar_type() == kmin.scalar_type() &&
+                  (kmax.scalar_type() == at::kFloat || kmax.scalar_type() == at::kBFloat16),
+              "tinyserve_native.sparse_decode: kmax/kmin must be float32 or bfloat16");
+  TORCH_CHECK(kabs.dim() == 3 && kabs.size(0) == k.size(0) && kabs.size(1) == k.size(1) && kabs.size(2) == P &&
+                  kabs.scalar_type() == at::kFloat,
+              "tinyserve_native.sparse_decode: kabs must be float32 [B, Hkv, P]");
+}
+
+bool dense_flag(const c10::optional<at::Tensor>& ctrl) {
+  if (!ctrl.has_value() || !ctrl->defined()) return false;
+  TORCH_CHECK(ctrl->device().is_cpu() && ctrl->scalar_type() == at::kInt && ctrl->numel() >= 2,
+              "tinyserve_native: ctrl must be an int32 CPU tensor of 2 elements");
+  return ctrl->contiguous().data_ptr<int32_t>()[1] != 0;
+}
+
+at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                         const at::Tensor& valid_len, const c10::optional<at::Tensor>& attn_mask, double scale,
+                         int64_t page_size, int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
+                         const c10::optional<at::Tensor>& ctrl) {
+  check_decode_args(q, k_cache, v_cache, kmax, kmin, kabs, page_size, token_budget, sink_pages, candidate_factor,
+                    scale);
+  const bool dense = dense_flag(ctrl);
+  const at::Tensor M = kmax.contiguous(), m = kmin.contiguous(), a = kabs.contiguous();
+  at::Tensor out;
+  dispatch_kv(q.scalar_type(), "tinyserve_native.sparse_decode", [&](auto tag) {
+    using T = decltype(tag);
+    if (M.scalar_type() == at::kFloat)
+      out = sparse_decode_typed<T, float>(q, k_cache, v_cache, M, m, a, valid_len, attn_mask, scale, page_size,
+                                          token_budget, sink_pages, candidate_factor, dense);
+    else
+      out = sparse_decode_typed<T, c10::BFloat16>(q, k_cache, v_cache, M, m, a, valid_len, attn_mask, scale,
+                                                  page_size, token_budget, sink_pages, candidate_factor, dense);
+  });
+  return out;
+}
+
+at::Tensor kept_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin,
+                      const at::Tensor& kabs, const at::Tensor& valid_len, const c10::optional<at::Tensor>& attn_mask,
+                      double scale, int64_t page_size, int64_t token_budget, int64_t sink_pages,
+                      int64_t candidate_factor, const c10::optional<at::Tensor>& ctrl) {
+  check_decode_args(q, k_cache, k_cache, kmax, kmin, kabs, page_size, token_budget, sink_pages, candidate_factor,
+                    scale);
+  const bool dense = dense_flag(ctrl);
+  const at::Tensor M = kmax.contiguous(), m = kmin.contiguous(), a = kabs.contiguous();
+  at::Tensor out;
+  dispatch_kv(q.scalar_type(), "tinyserve_native.kept_pages", [&](auto tag) {
+    using T = decltype(tag);
+    if (M.scalar_type() == at::kFloat)
+      out = kept_pages_typed<T, float>(q, k_cache, M, m, a, valid_len, attn_mask, scale, page_size, token_budget,
+                                       sink_pages, candidate_factor, dense);
+    else
+      out = kept_pages_typed<T, c10::BFloat16>(q, k_cache, M, m, a, valid_len, attn_mask, scale, page_size,
+                                               token_budget, sink_pages, candidate_factor, dense);
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// page bounds
+// ------------------------------------------------------------------------------------------------------------
+
+// bfloat16 rounded outward: up for the max, down for the min (the score stays an upper bound)
+inline float round_up_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0xFFFFu) == 0) return x;
+  if (x > 0.f)
+    bits = (bits + 0x10000u) & 0xFFFF0000u;
+  else
+    bits &= 0xFFFF0000u;
+  float y;
+  std::memcpy(&y, &bits, 4);
+  return y;
+}
+inline float round_down_bf16(float x) { return -round_up_bf16(-x); }
+
+// bounds of pages [p0, p1) of one (batch, KV head), every slot of a page inside the cache
+template <typename T, typename BT>
+void bound_pages(const T* kb, int64_t ksl, int64_t L, int64_t D, int64_t S, int64_t p0, int64_t p1, BT* M, BT* m,
+                 float* kab) {
+  float* hi = scratch_f<8>(2 * D);
+  float* lo = hi + D;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t t0 = p * S, t1 = std::min(t0 + S, L);
+    // ---- channel-wise max and min (NaN propagates, as amax/amin)
+    {
+      const T* r = kb + t0 * ksl;
+      int64_t i = 0;
+      for (; i + VS <= D; i += VS) loadf(r + i).store(hi + i);
+      for (; i < D; ++i) hi[i] = static_cast<float>(r[i]);
+      std::memcpy(lo, hi, D * sizeof(float));
+    }
+    for (int64_t t = t0 + 1; t < t1; ++t) {
+      const T* r = kb + t * ksl;
+      int64_t i = 0;
+      for (; i + VS <= D; i += VS) {
+        const Vec x = loadf(r + i);
+        at::vec::maximum(Vec::loadu(hi + i), x).store(hi + i);
+        at::vec::minimum(Vec::loadu(lo + i), x).store(lo + i);
+      }
+      for (; i < D; ++i) {
+        const float x = static_cast<float>(r[i]);
+        hi[i] = (std::isnan(x) || x > hi[i]) ? x : hi[i];
+        lo[i] = (std::isnan(x) || x < lo[i]) ? x : lo[i];
+      }
+    }
+    // ---- stored format, then kabs from the stored values
+    float a = 0.f;
+    bool nan = false;
+    for (int64_t i = 0; i < D; ++i) {
+      float x = hi[i], y = lo[i];
+      if constexpr (std::is_same_v<BT, c10::BFloat16>) {
+        x = round_up_bf16(x);
+        y = round_down_bf16(y);
+        M[p * D + i] = c10::BFloat16(x);  // exact: low 16 bits are zero
+        m[p * D + i] = c10::BFloat16(y);
+      } else {
+        M[p * D + i] = x;
+        m[p * D + i] = y;
+      }
+      const float ab = std::max(std::fabs(x), std::fabs(y));
+      nan |= std::isnan(ab);
+      a = std::max(a, ab);
+    }
+    kab[p] = nan ? std::numeric_limits<float>::quiet_NaN() : a;
+  }
+}
+
+void check_bounds_args(const at::Tensor& k, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                       int64_t S) {
+  TORCH_CHECK(S > 0, "tinyserve_native: page_size must be positive");
+  TORCH_CHECK(k.dim() == 4 && k.device().is_cpu(), "tinyserve_native: k_cache must be a CPU [B, Hkv, L, D] tensor");
+  TORCH_CHECK(k.size(3) == 0 || k.stride(3) == 1, "tinyserve_native: k_cache needs a unit stride on D");
+  const int64_t P = (k.size(2) + S - 1) / S;
+  TORCH_CHECK(kmax.dim() == 4 && kmax.size(0) == k.size(0) && kmax.size(1) == k.size(1) && kmax.size(2) == P &&
+                  kmax.size(3) == k.size(3) && kmin.sizes() == kmax.sizes() && kmax.is_contiguous() &&
+                  kmin.is_contiguous(),
+              "tinyserve_native: kmax/kmin must be contiguous [B, Hkv, P, D]");
+  TORCH_CHECK(kmax.scalar_type() == kmin.scalar_type() &&
+                  (kmax.scalar_type() == at::kFloat || kmax.scalar_type() == at::kBFloat16),
+              "tinyserve_native: kmax/kmin must be float32 or bfloat16");
+  TORCH_CHECK(kabs.dim() == 3 && kabs.size(0) == k.size(0) && kabs.size(1) == k.size(1) && kabs.size(2) == P &&
+                  kabs.scalar_type() == at::kFloat && kabs.is_contiguous(),
+              "tinyserve_native: kabs must be contiguous float32 [B, Hkv, P]");
+}
+
+// pages: ascending page list, or nullptr for every page
+void bounds_for_pages(const at::Tensor& k, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                      int64_t S, const std::vector<int64_t>* pages) {
+  const int64_t B = k.size(0), H = k.size(1), L = k.size(2), D = k.size(3), P = (L + S - 1) / S;
+  if (B * H == 0 || P == 0) return;
+  dispatch_kv(k.scalar_type(), "tinyserve_native.bounds", [&](auto tag) {
+    using T = decltype(tag);
+    auto body = [&](auto* Mp, auto* mp) {
+      using BT = std::remove_pointer_t<decltype(Mp)>;
+      const T* kd = k.data_ptr<T>();
+      float* ka = kabs.data_ptr<float>();
+      const int64_t sb = k.stride(0), sh = k.stride(1), sl = k.stride(2);
+      if (pages == nullptr) {
+        const int64_t ch = std::max<int64_t>(16, (P + 3) / 4);
+        const int64_t nch = (P + ch - 1) / ch;
+        run_items(B * H * nch, [&](int64_t i) {
+          const int64_t bh = i / nch, c0 = (i % nch) * ch;
+          const T* kb = kd + (bh / H) * sb + (bh % H) * sh;
+          bound_pages<T, BT>(kb, sl, L, D, S, c0, std::min(P, c0 + ch), Mp + bh * P * D, mp + bh * P * D,
+                             ka + bh * P);
+        });
+      } else {
+        const int64_t np = static_cast<int64_t>(pages->size());
+        if (np == 0) return;
+        auto one = [&](int64_t i) {
+          const int64_t bh = i / np, p = (*pages)[i % np];
+          const T* kb = kd + (bh / H) * sb + (bh % H) * sh;
+          bound_pages<T, BT>(kb, sl, L, D, S, p, p + 1, Mp + bh * P * D, mp + bh * P * D, ka + bh * P);
+        };
+        if (B * H * np * S * D < (1 << 16)) {
+          for (int64_t i = 0; i < B * H * np; ++i) one(i);  // a decode step: too little work to fork
+        } else {
+          run_items(B * H * np, one);
+        }
+      }
+    };
+    if (kmax.scalar_type() == at::kFloat)
+      body(kmax.data_ptr<float>(), kmin.data_ptr<float>());
+    else
+      body(kmax.data_ptr<c10::BFloat16>(), kmin.data_ptr<c10::BFloat16>());
+  });
+}
+
+void rebuild_bounds(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                    int64_t page_size) {
+  check_bounds_args(k_cache, kmax, kmin, kabs, page_size);
+  bounds_for_pages(k_cache, kmax, kmin, kabs, page_size, nullptr);
+}
+
+void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                 const at::Tensor& ctrl, const at::Tensor& positions, const at::Tensor& src, int64_t page_size) {
+  check_bounds_args(k_cache, kmax, kmin, kabs, page_size);
+  TORCH_CHECK(ctrl.device().is_cpu() && ctrl.scalar_type() == at::kInt && ctrl.numel() >= 1 && ctrl.is_contiguous(),
+              "tinyserve_native.cache_write: ctrl must be a contiguous int32 CPU tensor");
+  // ---- the write itself
+  at::Tensor pos = positions.reshape({-1}).to(at::kLong);
+  at::Tensor kc = k_cache;
+  kc.index_copy_(2, pos, src);
+  // ---- bounds: everything when flagged stale, else the touched pages
+  int32_t* flag = ctrl.data_ptr<int32_t>();
+  if (flag[0] != 0) {
+    bounds_for_pages(k_cache, kmax, kmin, kabs, page_size, nullptr);
+    flag[0] = 0;
+    return;
+  }
+  const int64_t P = kmax.size(2);
+  at::Tensor pc = pos.contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  std::vector<int64_t> pages;
+  pages.reserve(pc.numel());
+  for (int64_t i = 0; i < pc.numel(); ++i) {
+    const int64_t p = pp[i] >= 0 ? pp[i] / page_size : -1;
+    if (p >= 0 && p < P) pages.push_back(p);
+  }
+  std::sort(pages.begin(), pages.end());
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  bounds_for_pages(k_cache, kmax, kmin, kabs, page_size, &pages);
+}
+
+}  // namespace
+}  // namespace tinyserve_native
+
+TORCH_LIBRARY(tinyserve_native, m) {
+  m.def(
+      "sparse_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kmax, Tensor kmin, Tensor kabs, "
+      "Tensor valid_len, Tensor? attn_mask, float scale, int page_size, int token_budget, int sink_pages, "
+      "int candidate_factor, Tensor? ctrl) -> Tensor");
+  m.def(
+      "kept_pages(Tensor q, Tensor k_cache, Tensor kmax, Tensor kmin, Tensor kabs, Tensor valid_len, "
+      "Tensor? attn_mask, float scale, int page_size, int token_budget, int sink_pages, int candidate_factor, "
+      "Tensor? ctrl) -> Tensor");
+  m.def(
+      "cache_write(Tensor(a!) k_cache, Tensor(b!) kmax, Tensor(c!) kmin, Tensor(d!) kabs, Tensor(e!) ctrl, "
+      "Tensor positions, Tensor src, int page_size) -> ()");
+  m.def("rebuild_bounds(Tensor k_cache, Tensor(a!) kmax, Tensor(b!) kmin, Tensor(c!) kabs, int page_size) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tinyserve_native, CPU, m) {
+  m.impl("sparse_decode", &tinyserve_native::sparse_decode);
+  m.impl("kept_pages", &tinyserve_native::kept_pages);
+  m.impl("cache_write", &tinyserve_native::cache_write);
+  m.impl("rebuild_bounds", &tinyserve_native::rebuild_bounds);
+}

@@ -1,0 +1,179 @@
+"""Build and load the native CPU kernels (``kernels/csrc/tinyserve_cpu.cpp``) at first use.
+
+The C++ source is compiled with :func:`torch.utils.cpp_extension.load` into a cache
+folder keyed by a hash of the source, the torch version, the compiler flags and the
+CPU's vector features (``-march=native`` makes the binary specific to the host), so a
+second process loads it in milliseconds. Loading registers the ops
+``torch.ops.tinyserve_native.{sparse_decode, kept_pages, cache_write, rebuild_bounds}``
+and their fake implementations (:mod:`.native_sparse_decode`).
+
+If anything fails (no compiler, no ninja, a build error), :func:`load_native` returns
+False and :func:`native_unavailable_reason` says why; callers then use the PyTorch path.
+Nothing is built at import time.
+
+Environment
+-----------
+``TINYSERVE_DISABLE_NATIVE=1``
+    Never build or load; the PyTorch path runs.
+``TINYSERVE_NATIVE_ISA``
+    ``avx512``, ``avx2`` or ``default``: override the detected vector ISA (testing).
+``TINYSERVE_NATIVE_CFLAGS``
+    Extra compiler flags (development, e.g. ``-DTS_PROFILE`` for phase timings on stderr).
+``TINYSERVE_CACHE_DIR``
+    Cache root (default ``~/.cache/tinyserve_compile``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+from typing import Optional
+
+import torch
+
+__all__ = ["load_native", "native_unavailable_reason", "native_build_dir", "SOURCE"]
+
+#: the C++ source of the native ops
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "tinyserve_cpu.cpp")
+
+_lock = threading.Lock()
+_state: dict = {"loaded": None, "reason": None, "build_dir": None}
+
+
+def _cpu_flags() -> set:
+    """The CPU feature flags of the host (``/proc/cpuinfo``; empty where unavailable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") or line.startswith("Features"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _isa(flags: set) -> str:
+    forced = os.environ.get("TINYSERVE_NATIVE_ISA", "").strip().lower()
+    if forced in ("avx512", "avx2", "default"):
+        return forced
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "default"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return "default"
+
+
+def _flags(isa: str):
+    """Compiler and linker flags for ``isa``."""
+    cflags = ["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        cflags.append("-march=native" if isa != "default" else "-march=x86-64")
+    else:
+        cflags.append("-mcpu=native")
+    if isa == "avx512":
+        cflags += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    elif isa == "avx2":
+        cflags += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    else:
+        cflags += ["-DCPU_CAPABILITY=DEFAULT"]
+    cflags += os.environ.get("TINYSERVE_NATIVE_CFLAGS", "").split()  # development only (e.g. -DTS_PROFILE)
+    return cflags, ["-fopenmp"]
+
+
+def native_build_dir() -> Optional[str]:
+    """The build folder of the loaded (or last attempted) native build, or None."""
+    return _state["build_dir"]
+
+
+def native_unavailable_reason() -> Optional[str]:
+    """Why the native kernels are not in use (None when they are loaded, or were never tried).
+
+    Call :func:`load_native` first; this only reports its outcome.
+    """
+    return _state["reason"]
+
+
+def load_native(verbose: bool = False) -> bool:
+    """Build (first time) and load the native ops; True when ``torch.ops.tinyserve_native`` is usable.
+
+    Thread-safe and cached: the build is attempted once per process.
+    """
+    if _state["loaded"] is not None:
+        return _state["loaded"]
+    with _lock:
+        if _state["loaded"] is not None:
+            return _state["loaded"]
+        try:
+            _state["loaded"] = _load(verbose)
+            _state["reason"] = None if _state["loaded"] else _state["reason"]
+        except Exception as e:  # any build or load failure means: fall back to the PyTorch path
+            _state["loaded"] = False
+            _state["reason"] = f"native kernel build failed ({type(e).__name__}): {_summary(e)}"
+        return _state["loaded"]
+
+
+def _summary(e: Exception) -> str:
+    """The first compiler error line of a failed build (else the exception's last lines)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    picked = errors[:2] if errors else lines[-3:]
+    return " | ".join(picked)[:600] if picked else type(e).__name__
+
+
+def _load(verbose: bool) -> bool:
+    if os.environ.get("TINYSERVE_DISABLE_NATIVE", "") not in ("", "0"):
+        _state["reason"] = "disabled by TINYSERVE_DISABLE_NATIVE"
+        return False
+    if not torch.backends.openmp.is_available() and not torch.__config__.parallel_info().count("OpenMP"):
+        _state["reason"] = "this torch build has no OpenMP (the native kernel's thread pool)"
+        return False
+    if not os.path.exists(SOURCE):
+        _state["reason"] = f"native kernel source missing: {SOURCE}"
+        return False
+    # ---- the build must find ninja (pip-installed next to this interpreter) without an activated venv
+    bindir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if bindir not in path.split(os.pathsep):
+        os.environ["PATH"] = bindir + (os.pathsep + path if path else "")
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        _state["reason"] = "ninja not found (pip install ninja)"
+        return False
+    # ---- cache key: source, torch version, flags, CPU features
+    flags = _cpu_flags()
+    isa = _isa(flags)
+    cflags, ldflags = _flags(isa)
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    vec_flags = sorted(x for x in flags if x.startswith(("avx", "fma", "f16c", "sse", "amx", "neon", "sve", "asimd")))
+    h = hashlib.sha256()
+    for part in (src, torch.__version__.encode(), " ".join(cflags + ldflags).encode(), " ".join(vec_flags).encode(),
+                 platform.machine().encode(), sys.version.split()[0].encode()):
+        h.update(part)
+        h.update(b"\0")
+    key = h.hexdigest()[:16]
+    root = os.environ.get("TINYSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tinyserve_compile")
+    build_dir = os.path.join(root, f"native-{key}")
+    os.makedirs(build_dir, exist_ok=True)
+    _state["build_dir"] = build_dir
+    cpp_extension.load(
+        name=f"tinyserve_native_{key}",
+        sources=[SOURCE],
+        extra_cflags=cflags,
+        extra_ldflags=ldflags,
+        build_directory=build_dir,
+        is_python_module=False,
+        verbose=verbose,
+    )
+    if not hasattr(torch.ops.tinyserve_native, "sparse_decode"):
+        _state["reason"] = "native library loaded but torch.ops.tinyserve_native.sparse_decode is missing"
+        return False
+    from . import native_sparse_decode
+
+    native_sparse_decode._register_fakes()
+    return True

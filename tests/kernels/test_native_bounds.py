@@ -1,0 +1,126 @@
+"""The native bound ops ``tinyserve_native::{cache_write, rebuild_bounds}`` (issue 9, items 1 and 2).
+
+Both must equal the reference :func:`reference.page_bounds` (fp32, or bf16 rounded
+outward) bit for bit, and ``cache_write`` must write the keys exactly as
+``index_copy_``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_checks import make_gen, randn
+from tinyserve_compile.kernels import reference as ref
+from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
+
+pytestmark = pytest.mark.skipif(not load_native(), reason=f"native kernel unavailable: {native_unavailable_reason()}")
+
+KV = [torch.float32, torch.bfloat16, torch.float16]
+BOUNDS = [torch.float32, torch.bfloat16]
+
+
+def _alloc(k, S, bdt, fill=0.0):
+    B, H, L, D = k.shape
+    P = ref.num_pages(L, S)
+    return (torch.full((B, H, P, D), fill, dtype=bdt), torch.full((B, H, P, D), fill, dtype=bdt),
+            torch.full((B, H, P), fill, dtype=torch.float32))
+
+
+def _assert_bits(got, k, S, bdt, what):
+    """``got`` (kmax, kmin, kabs) equals ``reference.page_bounds(k, S, dtype=bdt)`` exactly; names the first mismatch."""
+    want = ref.page_bounds(k, S, dtype=bdt)
+    for name, g, w in zip(("kmax", "kmin", "kabs"), got, want):
+        assert g.dtype == w.dtype, f"{what}: {name} dtype {g.dtype} != {w.dtype}"
+        bad = g != w
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            raise AssertionError(f"{what}: {name} differs at {int(bad.sum())} places; first {idx}: "
+                                 f"got {float(g[idx])!r} want {float(w[idx])!r}")
+
+
+def _keys(shape, gen, dtype, transposed):
+    """Keys with a wide range of magnitudes and signs (every rounding case of bf16), maybe a strided view."""
+    B, H, L, D = shape
+    x = randn((B, L, H, D) if transposed else shape, gen, torch.float32)
+    e = 10 if dtype == torch.float16 else 20  # finite in the key dtype
+    x = x * torch.exp2(torch.randint(-e, e, x.shape, generator=gen).float())
+    x = x.to(dtype)
+    return x.transpose(1, 2) if transposed else x
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("bdt", BOUNDS)
+@pytest.mark.parametrize("dtype", KV)
+@pytest.mark.parametrize("S, L, D", [(8, 203, 64), (16, 64, 16), (5, 23, 12)])
+def test_rebuild_bounds_bit_exact(dtype, bdt, transposed, S, L, D):
+    k = _keys((2, 3, L, D), make_gen(L + D), dtype, transposed)
+    got = _alloc(k, S, bdt, fill=7.0)
+    torch.ops.tinyserve_native.rebuild_bounds(k, *got, S)
+    _assert_bits(got, k, S, bdt, f"rebuild_bounds {dtype} bounds={bdt} S={S} L={L} D={D} transposed={transposed}")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("bdt", BOUNDS)
+@pytest.mark.parametrize("dtype", KV)
+def test_cache_write_decode_loop_bit_exact(dtype, bdt, transposed):
+    """Prefill, then a decode loop that crosses pages: keys as index_copy_, bounds as a rebuild, every step."""
+    S, L, D, B, H = 8, 60, 32, 2, 2
+    gen = make_gen(3)
+    k = _keys((B, H, L, D), gen, dtype, transposed)
+    k.zero_()
+    want_k = torch.zeros(B, H, L, D, dtype=dtype)
+    b = _alloc(k, S, bdt)
+    ctrl = torch.tensor([1, 0], dtype=torch.int32)  # stale: the first write rebuilds everything
+    op = torch.ops.tinyserve_native.cache_write
+    # ---- prefill 21 tokens (pages 0..2, the last partial)
+    pos = torch.arange(21)
+    src = randn((B, H, 21, D), gen, torch.float32, 3.0).to(dtype)
+    op(k, *b, ctrl, pos, src, S)
+    want_k.index_copy_(2, pos, src)
+    assert torch.equal(k, want_k) and int(ctrl[0]) == 0 and int(ctrl[1]) == 0
+    _assert_bits(b, k, S, bdt, f"prefill {dtype} {bdt}")
+    # ---- decode steps 21..44: one position per step, through pages 2..5
+    for t in range(21, 45):
+        src = randn((B, H, 1, D), gen, torch.float32, 3.0).to(dtype)
+        op(k, *b, ctrl, torch.tensor([t]), src, S)
+        want_k.index_copy_(2, torch.tensor([t]), src)
+        assert torch.equal(k, want_k), f"keys differ after step {t}"
+        _assert_bits(b, k, S, bdt, f"decode step {t} {dtype} bounds={bdt} transposed={transposed}")
+    # ---- an overwrite of older positions (a roll-back), int32 positions, two pages at once
+    pos = torch.tensor([3, 17, 16], dtype=torch.int32)
+    src = randn((B, H, 3, D), gen, torch.float32, 3.0).to(dtype)
+    op(k, *b, ctrl, pos, src, S)
+    want_k.index_copy_(2, pos.long(), src)
+    assert torch.equal(k, want_k)
+    _assert_bits(b, k, S, bdt, f"overwrite {dtype} {bdt}")
+
+
+@pytest.mark.parametrize("bdt", BOUNDS)
+def test_cache_write_stale_flag_rebuilds_every_page(bdt):
+    """``ctrl[0] != 0`` (the cache was written behind our back): every page is rebuilt, and the flag is cleared;
+    without it only the touched page is recomputed."""
+    S, L, D = 8, 48, 16
+    gen = make_gen(5)
+    k = _keys((1, 2, L, D), gen, torch.float32, False)
+    b = _alloc(k, S, bdt, fill=-5.0)  # garbage bounds
+    ctrl = torch.tensor([0, 1], dtype=torch.int32)
+    op = torch.ops.tinyserve_native.cache_write
+    op(k, *b, ctrl, torch.tensor([9]), randn((1, 2, 1, D), gen), S)
+    assert bool((b[0][:, :, 0] == -5.0).all()), "flag clear: untouched pages must be left alone"
+    assert bool((b[0][:, :, 1] != -5.0).any()), "flag clear: the written page must be recomputed"
+    ctrl[0] = 1
+    op(k, *b, ctrl, torch.tensor([10]), randn((1, 2, 1, D), gen), S)
+    assert ctrl.tolist() == [0, 1], "the stale flag is cleared, ctrl[1] kept"
+    _assert_bits(b, k, S, bdt, f"stale rebuild bounds={bdt}")
+
+
+@pytest.mark.parametrize("bdt", BOUNDS)
+@pytest.mark.parametrize("dtype", KV)
+def test_opcheck_native_bound_ops(dtype, bdt):
+    gen = make_gen(17)
+    k = randn((2, 2, 21, 8), gen, dtype)
+    b = _alloc(k, 4, bdt)
+    torch.library.opcheck(torch.ops.tinyserve_native.rebuild_bounds.default, (k, *b, 4))
+    ctrl = torch.tensor([0, 0], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.tinyserve_native.cache_write.default,
+                          (k, *b, ctrl, torch.tensor([4, 20]), randn((2, 2, 2, 8), gen, dtype), 4))

@@ -1,0 +1,330 @@
+"""The native CPU kernel ``tinyserve_native::sparse_decode`` (issue 9, item 1) against the reference.
+
+Every case compares the output with :func:`reference.sparse_decode_reference` and with
+dense SDPA over the pages the reference keeps, and the pages the kernel keeps
+(``tinyserve_native::kept_pages``) with the reference selection. Skipped, with the
+build's reason, only where the native kernel cannot be built.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernel_checks import TOL, assert_close_report, dense_sdpa, make_gen, randn
+from tinyserve_compile.kernels import reference as ref
+from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
+
+pytestmark = pytest.mark.skipif(not load_native(), reason=f"native kernel unavailable: {native_unavailable_reason()}")
+
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _mask(kind, B, Hq, L, gen):
+    """A mask of the given kind, broadcastable to ``[B, Hq, 1, L]``."""
+    if kind is None:
+        return None
+    if kind == "bool_shared":  # HF's layout: [B, 1, 1, L]
+        return torch.rand(B, 1, 1, L, generator=gen) < 0.75
+    if kind == "bool_L":
+        return torch.rand(L, generator=gen) < 0.75
+    if kind == "bool_per_head":
+        return torch.rand(B, Hq, 1, L, generator=gen) < 0.7
+    if kind == "float_shared":
+        return randn((B, 1, 1, L), gen, torch.float32, 2.0)
+    if kind == "float_per_head":  # additive, with -inf holes, in bf16 storage
+        m = randn((B, Hq, 1, L), gen, torch.float32, 2.0)
+        return m.masked_fill(torch.rand(B, Hq, 1, L, generator=gen) < 0.2, float("-inf")).to(torch.bfloat16)
+    raise AssertionError(kind)
+
+
+def _build(dtype, B, Hkv, G, L, D, S, bdt, valid_len, mask_kind, seed, transposed=False):
+    gen = make_gen(seed)
+    Hq = Hkv * G
+    q = randn((B, Hq, 1, D), gen, dtype)
+    if transposed:  # a [B, L, Hkv, D] buffer viewed as [B, Hkv, L, D]: strided, no copy
+        k = randn((B, L, Hkv, D), gen, dtype).transpose(1, 2)
+        v = randn((B, L, Hkv, D), gen, dtype).transpose(1, 2)
+    else:
+        k = randn((B, Hkv, L, D), gen, dtype)
+        v = randn((B, Hkv, L, D), gen, dtype)
+    mask = _mask(mask_kind, B, Hq, L, gen)
+    vl = torch.tensor(valid_len, dtype=torch.int64)
+    bounds = ref.page_bounds(k, S, dtype=bdt)
+    return q, k, v, vl, mask, bounds
+
+
+def _attend_kept(q, k, v, vl, mask, scale, keep_tok):
+    """Exact attention over the kept valid tokens, fp32, with the reference's conventions (no finite logit: zeros).
+
+    ``keep_tok``: bool ``[B, Hkv, L]``.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    keep = keep_tok & (torch.arange(L)[None, None, :] < vl.reshape(-1).expand(B)[:, None, None])
+    keep = keep.repeat_interleave(G, dim=1)[:, :, None, :]  # [B,Hq,1,L]
+    logits = (q.float() @ k.float().repeat_interleave(G, dim=1).transpose(-1, -2)) * scale
+    if mask is not None:
+        logits = logits + (torch.zeros(mask.shape).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                           else mask.float())
+    logits = logits.masked_fill(~keep, float("-inf"))
+    return ref.softmax_attend(logits, v.float().repeat_interleave(G, dim=1))
+
+
+def _ref_kept(q, k, bounds, vl, mask, scale, S, budget, sinks, cf):
+    """Reference kept pages as bool ``[B, Hkv, P]``: every valid page for a dense result."""
+    B, Hkv, L = k.shape[0], k.shape[1], k.shape[2]
+    P = ref.num_pages(L, S)
+    sel = ref.choose_pages(q, k, bounds, vl, mask, scale, S, budget, sinks, cf)
+    vlb = vl.reshape(-1).expand(B)
+    n_valid = ((vlb + S - 1) // S).clamp(max=P)
+    if sel is None:
+        return (torch.arange(P)[None, :] < n_valid[:, None])[:, None, :].expand(B, Hkv, P).clone()
+    out = torch.zeros(B, Hkv, P, dtype=torch.bool)
+    return out.scatter_(2, sel.idx.clamp(max=P - 1), sel.ok)
+
+
+def _comparable_pages(q, bounds, vl, mask, scale, S, L):
+    """Pages whose group score is finite: where keeping or not changes the result (bool ``[B, Hkv, P]``)."""
+    B, Hq = q.shape[0], q.shape[1]
+    scores = ref.page_scores(q, bounds, scale, ref.mask_page_max(mask, B, Hq, L, S))
+    P = scores.shape[-1]
+    n_valid = ((vl.reshape(-1).expand(B) + S - 1) // S).clamp(max=P)
+    return torch.isfinite(scores) & (torch.arange(P)[None, None, :] < n_valid[:, None, None])
+
+
+def _check_case(dtype, B, Hkv, G, L, D, S, budget, sinks, cf, bdt, valid_len, mask_kind, seed, transposed=False,
+                compare_selection=True):
+    q, k, v, vl, mask, b = _build(dtype, B, Hkv, G, L, D, S, bdt, valid_len, mask_kind, seed, transposed)
+    scale = 1.0 / math.sqrt(D)
+    out = torch.ops.tinyserve_native.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, S, budget, sinks,
+                                                   cf, None)
+    what = (f"{dtype} B={B} Hkv={Hkv} G={G} L={L} D={D} S={S} budget={budget} sinks={sinks} c={cf} bounds={bdt} "
+            f"valid_len={valid_len} mask={mask_kind} transposed={transposed}")
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    atol, rtol = TOL[dtype]
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, scale, S, budget, sinks, cf, bounds=b)
+    assert_close_report(out, want, atol, rtol, f"native vs reference: {what}")
+    kept = torch.ops.tinyserve_native.kept_pages(q, k, b.kmax, b.kmin, b.kabs, vl, mask, scale, S, budget, sinks, cf,
+                                                 None)
+    if compare_selection:
+        rk = _ref_kept(q, k, b, vl, mask, scale, S, budget, sinks, cf)
+        cmp = _comparable_pages(q, b, vl, mask, scale, S, L)
+        diff = (kept != rk) & cmp
+        assert not bool(diff.any()), (f"kept pages differ from the reference at {diff.nonzero().tolist()[:8]} "
+                                      f"({int(diff.sum())} pages): {what}")
+    # the output is exact attention over the kernel's own kept pages
+    keep_tok = kept.repeat_interleave(S, dim=-1)[..., :L]
+    dense = dense_sdpa(q, k, v, vl, mask, scale, keep_kv=keep_tok)
+    assert_close_report(out, dense, atol, rtol, f"native vs dense SDPA over its kept pages: {what}")
+    assert_close_report(out, _attend_kept(q, k, v, vl, mask, scale, keep_tok), atol, rtol,
+                        f"native vs exact attention over its kept pages: {what}")
+    return kept
+
+
+# (dtype, G, c, sinks, S, bounds, mask, valid lengths): every value of each knob at least once, in combinations
+CASES = [
+    ("fp32", 1, 1, 0, 8, "fp32", None, "both_sparse"),
+    ("fp32", 3, 1, 1, 16, "bf16", "bool_shared", "one_dense"),
+    ("fp32", 4, 2, 2, 8, "fp32", "float_per_head", "one_dense"),
+    ("fp32", 3, 4, 1, 8, "bf16", None, "one_dense"),
+    ("fp32", 3, 4, 0, 16, "fp32", "bool_per_head", "both_sparse"),
+    ("bf16", 3, 1, 2, 8, "bf16", "float_shared", "both_sparse"),
+    ("bf16", 1, 2, 1, 16, "fp32", "bool_L", "one_dense"),
+    ("bf16", 4, 4, 1, 8, "bf16", "bool_shared", "one_dense"),
+    ("bf16", 3, 4, 2, 8, "bf16", "float_per_head", "both_sparse"),
+    ("fp16", 3, 1, 1, 8, "fp32", "bool_per_head", "one_dense"),
+    ("fp16", 4, 2, 0, 16, "bf16", None, "both_sparse"),
+    ("fp16", 1, 4, 2, 8, "bf16", "float_shared", "one_dense"),
+    ("fp16", 3, 4, 1, 16, "fp32", "bool_shared", "one_dense"),
+]
+
+
+@pytest.mark.parametrize("dt, G, cf, sinks, S, bdt, mask_kind, rows", CASES)
+def test_matches_reference(dt, G, cf, sinks, S, bdt, mask_kind, rows):
+    """Output equals the reference (and dense SDPA over the kept pages); kept pages equal the reference's."""
+    L, D, budget = 331, 64, 6 * S  # L not a multiple of S; K = 6 pages
+    valid_len = [L, 300] if rows == "both_sparse" else [L - 3, 5 * S - 1]  # second row fits the budget
+    _check_case(DT[dt], 2, 2, G, L, D, S, budget, sinks, cf, DT[bdt], valid_len, mask_kind, seed=hash((dt, G, cf, S)) % 1000)
+
+
+@pytest.mark.parametrize("cf", [1, 4])
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+def test_candidates_cover_every_page(dt, cf):
+    """Between K and c*K valid pages: every valid page is a candidate (no bound scan); and the dense fit."""
+    S, budget = 8, 64  # K = 8 pages, c*K = 32
+    for vl in ([200, 100], [60, 64]):  # 25 / 13 pages (candidates = all), 8 / 8 pages (dense)
+        _check_case(DT[dt], 2, 3, 3, 256, 32, S, budget, 1, cf, torch.bfloat16, vl, "bool_shared", seed=vl[0])
+
+
+@pytest.mark.parametrize("D", [4, 16, 20, 64, 128])
+def test_head_dims(D):
+    """Head dims that do and do not fill whole vectors (padded rows)."""
+    _check_case(torch.float32, 1, 2, 3, 150, D, 8, 32, 1, 2, torch.float32, [150], None, seed=D)
+    _check_case(torch.bfloat16, 1, 2, 3, 150, D, 8, 32, 1, 1, torch.bfloat16, [149], "float_shared", seed=D + 1)
+
+
+@pytest.mark.parametrize("page", [1, 2, 4, 5, 16, 32])
+def test_page_sizes(page):
+    """Pages smaller and larger than a vector, and not a power of two."""
+    _check_case(torch.float32, 2, 1, 2, 97, 16, page, 4 * page, 1, 2, torch.float32, [97, 60], "bool_L", seed=page)
+    _check_case(torch.float16, 2, 1, 2, 97, 16, page, 4 * page, 0, 1, torch.bfloat16, [96, 3 * page], None, seed=page)
+
+
+@pytest.mark.parametrize("cf", [1, 4])
+@pytest.mark.parametrize("dt", ["fp32", "bf16", "fp16"])
+def test_transposed_cache_view(dt, cf):
+    """A ``[B, L, Hkv, D]`` buffer read through ``.transpose(1, 2)`` (no copy) gives the reference result."""
+    _check_case(DT[dt], 2, 3, 3, 400, 64, 8, 64, 1, cf, torch.bfloat16, [400, 250], "bool_shared", seed=7,
+                transposed=True)
+
+
+def test_transposed_cache_is_not_copied():
+    """The kernel reads a strided cache in place: no copy/clone/contiguous op runs inside the call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, vl, mask, b = _build(torch.float32, 1, 3, 3, 512, 64, 8, torch.bfloat16, [512], "bool_shared", 3,
+                                  transposed=True)
+    assert not k.is_contiguous()
+    op = torch.ops.tinyserve_native.sparse_decode
+    op(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.125, 8, 64, 1, 4, None)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        op(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.125, 8, 64, 1, 4, None)
+    names = {e.key for e in prof.key_averages()}
+    copies = sorted(n for n in names if n in ("aten::copy_", "aten::clone", "aten::contiguous", "aten::to",
+                                              "aten::_to_copy", "aten::index_select", "aten::gather"))
+    assert not copies, f"the native op copied data: {copies}"
+
+
+def test_ctrl_dense_flag():
+    """``ctrl[1] != 0``: dense attention over every valid token, whatever the budget."""
+    q, k, v, vl, mask, b = _build(torch.float32, 2, 2, 3, 300, 32, 8, torch.bfloat16, [300, 170], "bool_shared", 5)
+    scale = 0.2
+    op = torch.ops.tinyserve_native
+    ctrl = torch.tensor([0, 1], dtype=torch.int32)
+    out = op.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, 8, 16, 1, 4, ctrl)
+    assert_close_report(out, dense_sdpa(q, k, v, vl, mask, scale), *TOL[torch.float32], "ctrl dense vs SDPA")
+    kept = op.kept_pages(q, k, b.kmax, b.kmin, b.kabs, vl, mask, scale, 8, 16, 1, 4, ctrl)
+    n_valid = (vl + 7) // 8
+    assert torch.equal(kept, (torch.arange(kept.shape[-1])[None, :] < n_valid[:, None])[:, None, :].expand_as(kept))
+    sparse = op.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, 8, 16, 1, 4,
+                              torch.tensor([1, 0], dtype=torch.int32))  # ctrl[0] is cache_write's: no effect here
+    assert float((sparse - out).abs().max()) > 1e-4, "with ctrl[1] == 0 the budget must apply"
+
+
+def test_rows_without_tokens_give_zeros():
+    """A row with no valid token, or every token masked, gives zeros (as SDPA's convention in the reference)."""
+    q, k, v, vl, _, b = _build(torch.float32, 3, 1, 2, 64, 16, 8, torch.float32, [0, 64, 40], None, 9)
+    mask = torch.ones(3, 1, 1, 64, dtype=torch.bool)
+    mask[1] = False
+    out = torch.ops.tinyserve_native.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.25, 8, 16, 0, 2, None)
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, 0.25, 8, 16, 0, 2, bounds=b)
+    assert_close_report(out, want, *TOL[torch.float32], "empty rows")
+    assert float(out[:2].abs().max()) == 0.0
+
+
+def test_sparse_drops_tokens_and_matches_reference_at_scale():
+    """A realistic shape (9/3 heads, D=64, 4K tokens, the defaults): budget applies and the result is the reference's."""
+    kept = _check_case(torch.float32, 1, 3, 3, 4096, 64, 8, 512, 1, 4, torch.bfloat16, [4001], None, seed=11)
+    assert int(kept.sum()) == 3 * 64  # K = 64 pages per KV head
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# properties (hypothesis): robust to ties, any shape
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def native_case(draw):
+    dt = draw(st.sampled_from(sorted(DT)))
+    S = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    L = draw(st.integers(1, 120))
+    B = draw(st.integers(1, 3))
+    Hkv = draw(st.integers(1, 3))
+    G = draw(st.sampled_from([1, 2, 3, 4]))
+    D = draw(st.sampled_from([4, 8, 16, 24]))
+    vl = [draw(st.integers(0, L)) for _ in range(B)]
+    P = ref.num_pages(L, S)
+    K = draw(st.integers(1, max(1, P + 1)))
+    sinks = draw(st.integers(0, K - 1))
+    cf = draw(st.sampled_from([1, 2, 4]))
+    mask = draw(st.sampled_from([None, "bool_shared", "bool_per_head", "float_shared", "float_per_head"]))
+    bdt = draw(st.sampled_from(["fp32", "bf16"]))
+    ties = draw(st.booleans())  # repeated keys: equal page scores
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dict(dt=dt, S=S, L=L, B=B, Hkv=Hkv, G=G, D=D, vl=vl, budget=K * S, sinks=sinks, cf=cf, mask=mask,
+                bdt=bdt, ties=ties, seed=seed)
+
+
+@settings(max_examples=120, deadline=None)
+@given(native_case())
+def test_property_exact_attention_over_valid_selection(c):
+    """For any input: (1) the output is exact attention over the pages the kernel keeps; (2) those pages are
+    valid, at most K per KV head, and include the newest page and the sinks of every sparse row; (3) with one
+    stage, every kept page's bound score is at least every dropped valid page's (ties broken either way)."""
+    dtype = DT[c["dt"]]
+    q, k, v, vl, mask, b = _build(dtype, c["B"], c["Hkv"], c["G"], c["L"], c["D"], c["S"], DT[c["bdt"]], c["vl"],
+                                  c["mask"], c["seed"])
+    if c["ties"]:
+        k = k[:, :, :1].expand_as(k).contiguous()
+        b = ref.page_bounds(k, c["S"], dtype=DT[c["bdt"]])
+    S, L, K = c["S"], c["L"], c["budget"] // c["S"]
+    scale = 1.0 / math.sqrt(c["D"])
+    args = (b.kmax, b.kmin, b.kabs, vl, mask, scale, S, c["budget"], c["sinks"], c["cf"], None)
+    out = torch.ops.tinyserve_native.sparse_decode(q, k, v, *args)
+    kept = torch.ops.tinyserve_native.kept_pages(q, k, *args)
+    P = ref.num_pages(L, S)
+    n_valid = ((vl + S - 1) // S).clamp(max=P)  # [B]
+    page = torch.arange(P)
+    valid = page[None, :] < n_valid[:, None]  # [B,P]
+    # (1) exact attention over the kept pages
+    dense = _attend_kept(q, k, v, vl, mask, scale, kept.repeat_interleave(S, dim=-1)[..., :L])
+    assert_close_report(out, dense, *TOL[dtype], f"native vs attention over its kept pages, case {c}")
+    # (2) kept pages are valid; sparse rows keep at most K, the newest page and the sinks
+    assert not bool((kept & ~valid[:, None, :]).any()), f"kept an invalid page, case {c}"
+    sparse_row = n_valid > K
+    if bool(sparse_row.any()):
+        ks = kept[sparse_row]  # [r,Hkv,P]
+        assert int(ks.sum(-1).max()) <= K, f"kept more than K={K} pages, case {c}"
+        newest = (vl[sparse_row] - 1) // S
+        assert bool(ks.gather(2, newest.reshape(-1, 1, 1).expand(-1, ks.shape[1], 1)).all()), f"newest dropped {c}"
+        assert bool(ks[:, :, :c["sinks"]].all()), f"a sink page dropped, case {c}"
+    else:
+        assert torch.equal(kept, valid[:, None, :].expand_as(kept)), f"dense rows must keep every valid page {c}"
+    # (3) one stage: the kept pages are the top scores
+    if c["cf"] == 1 and bool(sparse_row.any()):
+        sc = ref.page_scores(q, b, scale, ref.mask_page_max(mask, c["B"], q.shape[1], L, S))  # [B,Hkv,P]
+        forced = (page[None, :] == ((vl - 1) // S)[:, None]) | (page[None, :] < c["sinks"])
+        sc = sc.masked_fill(forced[:, None, :], float("inf"))[sparse_row]
+        kk, vv = kept[sparse_row], valid[sparse_row][:, None, :].expand_as(kept[sparse_row])
+        lo = sc.masked_fill(~kk, float("inf")).amin(-1)  # weakest kept
+        hi = sc.masked_fill(kk | ~vv, float("-inf")).amax(-1)  # strongest dropped
+        tol = 1e-5 * (hi.abs().nan_to_num(0, 0, 0) + 1)
+        assert bool(((lo >= hi - tol) | (hi == float("-inf"))).all()), f"a dropped page outscores a kept one {c}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# opcheck
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _opcheck_decode_args(dtype, mask_kind, cf, bdt, ctrl):
+    q, k, v, vl, mask, b = _build(dtype, 2, 2, 2, 61, 8, 4, bdt, [61, 40], mask_kind, 13)
+    c = None if ctrl is None else torch.tensor(ctrl, dtype=torch.int32)
+    return q, k, v, b, vl, mask, c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind, cf, bdt, ctrl", [(None, 1, torch.float32, None),
+                                                      ("bool_shared", 4, torch.bfloat16, [0, 0]),
+                                                      ("float_per_head", 2, torch.float32, [0, 1])])
+def test_opcheck_native_decode_ops(dtype, mask_kind, cf, bdt, ctrl):
+    q, k, v, b, vl, mask, c = _opcheck_decode_args(dtype, mask_kind, cf, bdt, ctrl)
+    torch.library.opcheck(torch.ops.tinyserve_native.sparse_decode.default,
+                          (q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.35, 4, 12, 1, cf, c))
+    torch.library.opcheck(torch.ops.tinyserve_native.kept_pages.default,
+                          (q, k, b.kmax, b.kmin, b.kabs, vl, mask, 0.35, 4, 12, 1, cf, c))

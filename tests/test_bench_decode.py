@@ -1,0 +1,93 @@
+"""bench/bench_decode.py on a tiny random Llama: the record schema, the outputs, the prefill snapshot, and
+that the left-padded batch rows decode exactly like each row alone. No timing is asserted."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from bench import bench_decode as bd  # noqa: E402
+
+OPTS = {"token_budget": 16, "page_size": 8, "lower": "eager"}
+#: every record carries these, with these types
+SCHEMA = {"provider": str, "context": int, "batch": int, "ms_per_token": float, "tokens_per_s": float,
+          "compile_s": float, "first_call_s": float, "kv_bytes_per_step": int, "weight_bytes": int,
+          "stream_gbps": float, "floor_ms": float, "pct_of_floor": float, "row_lengths": str, "steps": int,
+          "sparse_sites": int, "timed_bounds_rebuilds": int, "options": str, "model": str, "dtype": str}
+
+
+def test_row_lengths():
+    assert bd.row_lengths(2048, 1) == [2048]
+    lens = bd.row_lengths(2048, 8)
+    assert lens[0] == 2048 and lens[-1] == 2048 * 9 // 16 and len(set(lens)) == 8
+    with pytest.raises(ValueError, match="batches"):
+        bd.row_lengths(2048, 0)
+    with pytest.raises(ValueError, match="providers"):
+        bd.provider_names(["eager", "vllm"], False, None)
+
+
+def test_runner_json_schema_and_outputs(tmp_path):
+    out = tmp_path / "decode.json"
+    snaps = tmp_path / "snap"
+    bd.main(["--model", "tiny", "--contexts", "64", "--batches", "1", "3", "--providers", "eager,tinyserve",
+             "--paper", "--options", json.dumps(OPTS), "--steps", "2", "--rounds", "1", "--warmup", "1",
+             "--warm-compile", "--prefill-cache", str(snaps), "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert isinstance(rows, list)
+    assert [(r["batch"], r["provider"]) for r in rows] == [
+        (b, p) for b in (1, 3) for p in ("eager", "tinyserve", "tinyserve-paper")]
+    for r in rows:
+        for key, typ in SCHEMA.items():
+            assert isinstance(r[key], typ), (key, r[key])
+        assert r["context"] == 64 and r["steps"] == 2 and r["ms_per_token"] > 0 and r["floor_ms"] > 0
+        assert r["vs_best_stock"] == pytest.approx(r["best_stock_ms"] / r["ms_per_token"])
+    ts = [r for r in rows if r["provider"].startswith("tinyserve")]
+    assert all(r["sparse_sites"] >= 2 for r in ts), ts  # 4 layers, the first 2 dense (at run time)
+    assert json.loads(ts[1]["options"]) == dict(OPTS, **bd.PAPER)
+    # the paper's pages of 16 keep 1 page of 16 tokens: fewer K/V bytes than dense eager
+    assert all(r["kv_bytes_per_step"] < rows[0]["kv_bytes_per_step"] * r["batch"] for r in ts)
+    assert rows[3]["row_lengths"] == "64,54,44"
+    with open(tmp_path / "decode.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert (tmp_path / "decode.png").stat().st_size > 0
+    # the prefill snapshot is on disk and reused
+    (snap,) = snaps.iterdir()
+    mtime = snap.stat().st_mtime_ns
+    model, name = bd.model_for("tiny", 64, torch.float32, torch.device("cpu"))
+    assert bd.prefill_snapshot(model, name, 64, str(snaps)) == str(snap)
+    assert snap.stat().st_mtime_ns == mtime
+
+
+@torch.no_grad()
+def test_left_padded_rows_decode_like_each_row_alone(tmp_path):
+    """The batch the benchmark builds (right-aligned rows, 2-D mask, per-row positions) gives every row the
+    logits of that row decoded alone from its own prefix."""
+    from transformers import StaticCache
+
+    model, name = bd.model_for("tiny", 48, torch.float32, torch.device("cpu"))
+    lens = bd.row_lengths(48, 4)
+    ctx, max_len = 48, 52
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    model(input_ids=torch.zeros(4, 1, dtype=torch.long), cache=cache, use_cache=True)
+    bd.fill_cache(cache, model, name, lens, "prefill", str(tmp_path))
+    mask = torch.ones(4, max_len, dtype=torch.long)
+    for r, n in enumerate(lens):
+        mask[r, : ctx - n] = 0
+    toks = torch.tensor([[7], [8], [9], [10]])
+    got = model(input_ids=toks, position_ids=torch.tensor(lens)[:, None], attention_mask=mask, cache=cache,
+                use_cache=True).logits[:, -1]
+    ids = bd._prompt_ids(name, ctx)
+    for r, n in enumerate(lens):  # stock HF: prefill the row's own tokens, then one decode step
+        one = StaticCache(config=model.config, max_cache_len=n + 4)
+        model(input_ids=ids[:, :n], cache=one, use_cache=True)
+        want = model(input_ids=toks[r:r + 1], cache=one, use_cache=True).logits
+        torch.testing.assert_close(got[r], want[0, -1], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got[0], got[1], atol=1e-3)  # the rows really differ
