@@ -45,8 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_op import read_bandwidth_gbs  # noqa: E402
-from bench.speed import _filled_cache, _model_for  # noqa: E402
+from bench.bench_decode import model_for, read_bandwidth_gbs, weight_bytes  # noqa: E402
 from tinyserve_compile.config import TinyServeConfig  # noqa: E402
 from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 
@@ -77,33 +76,55 @@ def _export(model, which: str, L: int, options, export_dir: str, batch: int = 1)
     return path, info.export_seconds
 
 
-def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, export_dir: str, threads):
+def _filled_cache(model, ctx: int, length: int, seed: int = 0):
+    """A static cache of ``length`` slots whose first ``ctx`` hold seeded random keys/values."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1]]), cache=cache, use_cache=True)  # allocates the layers
+    g = torch.Generator().manual_seed(seed)
+    for layer in cache.layers:
+        for buf in (layer.keys, layer.values):
+            buf.zero_()
+            buf[:, :, :ctx].copy_(torch.randn(buf[:, :, :ctx].shape, generator=g))
+        layer.cumulative_length.fill_(ctx)  # the next write goes to slot ctx
+    return cache
+
+
+def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, export_dir: str, threads,
+                kind: str = "auto", only=None):
     from tinyserve_compile.export import decode_state
     from tinyserve_compile.onnx_runtime import OrtDecoder
 
-    model, which = _model_for(ctx)
+    model, which = model_for(kind, ctx, torch.float32, torch.device("cpu"))
     S = TinyServeConfig().page_size
     total = warmup + steps * rounds + 1
     L = -(-(ctx + total) // S) * S  # room for every timed step, whole pages
     ts_name, ort_ts_name = _names(budget)
     sparse_opts, dense_opts = {"token_budget": budget}, {"policy": "full"}
     paths, export_s = {}, {}
-    paths[ORT_DENSE], export_s[ORT_DENSE] = _export(model, which, L, dense_opts, export_dir)
-    paths[ort_ts_name], export_s[ort_ts_name] = _export(model, which, L, sparse_opts, export_dir)
-    providers = [EAGER, INDUCTOR, ts_name, ORT_DENSE, ort_ts_name]
-    caches, fns, pos = {}, {}, {p: ctx for p in providers}
-    for p in (EAGER, INDUCTOR, ts_name):
-        caches[p] = _filled_cache(model, ctx, L - ctx)  # static cache of length L, random up to ctx
-    fns[EAGER] = model
-    fns[INDUCTOR] = torch.compile(model, backend="inductor")
-    fns[ts_name] = torch.compile(model, backend="tinyserve", options=sparse_opts)
     for p, opts in ((ORT_DENSE, dense_opts), (ort_ts_name, sparse_opts)):
-        dec = OrtDecoder(paths[p], threads=threads)
-        dec.load_state(decode_state(caches[EAGER], options=opts))  # copies the same random cache
-        fns[p] = dec
+        if only is None or p in only:
+            paths[p], export_s[p] = _export(model, which, L, opts, export_dir)
+    providers = [p for p in (EAGER, INDUCTOR, ts_name, ORT_DENSE, ort_ts_name) if only is None or p in only]
+    caches, fns, pos = {}, {}, {p: ctx for p in providers}
+    source = _filled_cache(model, ctx, L)  # static cache of length L, random up to ctx
+    for p in (EAGER, INDUCTOR, ts_name):
+        if p in providers:
+            caches[p] = source if not caches else _filled_cache(model, ctx, L)
+    compiled = {EAGER: lambda: model, INDUCTOR: lambda: torch.compile(model, backend="inductor", dynamic=False),
+                ts_name: lambda: torch.compile(model, backend="tinyserve", options=sparse_opts, dynamic=False)}
+    for p in caches:
+        fns[p] = compiled[p]()
+    for p, opts in ((ORT_DENSE, dense_opts), (ort_ts_name, sparse_opts)):
+        if p in providers:
+            dec = OrtDecoder(paths[p], threads=threads)
+            dec.load_state(decode_state(source, options=opts))  # a copy of the same random cache, before any step
+            fns[p] = dec
 
     def step(p, i):
-        tok = torch.tensor([[100 + i % 50]])
+        tok = torch.tensor([[(100 + i % 50) % model.config.vocab_size]])
         if p in (ORT_DENSE, ort_ts_name):
             fns[p].step(tok, torch.tensor([pos[p]]))
         else:
@@ -125,7 +146,7 @@ def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, exp
                     times[p].append(time.perf_counter() - t0)
     torch._dynamo.reset()
     cfg = TinyServeConfig.from_options(sparse_opts)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embeddings counted once
+    weights = weight_bytes(model)
     rows = []
     for p in providers:
         kv = kv_bytes_per_token(model.config, ctx, cfg if p in (ts_name, ort_ts_name) else None)
@@ -145,6 +166,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch and ONNX Runtime intra-op threads")
     ap.add_argument("--quick", action="store_true", help="2K and 8K, 4 steps x 2 rounds")
     ap.add_argument("--label", default="", help="e.g. 'contended' when other jobs share the machine")
+    ap.add_argument("--model", default="auto", help="auto (SmolLM2 to 8K, then random-init Llama of its shape), "
+                    "smollm2, random, tiny")
+    ap.add_argument("--providers", nargs="+", default=None,
+                    help="a subset: eager inductor tinyserve ort-dense ort-tinyserve (default: all)")
     ap.add_argument("--export-dir", default="results/onnx_exports", help="exported files are cached here")
     ap.add_argument("--json", help="write records here (a .csv and .png go next to it)")
     a = ap.parse_args(argv)
@@ -154,10 +179,13 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     os.makedirs(a.export_dir, exist_ok=True)
     load0 = os.getloadavg()
-    bw = read_bandwidth_gbs()
+    bw = read_bandwidth_gbs(torch.device("cpu"))
+    short = dict(zip(("eager", "inductor", "tinyserve", "ort-dense", "ort-tinyserve"),
+                     (EAGER, INDUCTOR, *_names(a.budget)[:1], ORT_DENSE, _names(a.budget)[1])))
+    only = None if a.providers is None else [short[p] for p in a.providers]
     rows = []
     for ctx in a.contexts:
-        rows += run_context(ctx, a.budget, a.steps, a.rounds, a.warmup, a.export_dir, a.threads)
+        rows += run_context(ctx, a.budget, a.steps, a.rounds, a.warmup, a.export_dir, a.threads, a.model, only)
     load1 = os.getloadavg()
     ts_name, ort_ts_name = _names(a.budget)
     label = f" [{a.label}]" if a.label else ""
@@ -168,8 +196,8 @@ def main(argv=None):
           f"{'KV MB':>8} {'MB/step':>8} {'GB/s':>6}")
     for ctx in a.contexts:
         rs = [r for r in rows if r["context"] == ctx]
-        best = min(r["ms_per_token"] for r in rs if r["provider"] in STOCK)
-        ort_dense = next(r["ms_per_token"] for r in rs if r["provider"] == ORT_DENSE)
+        best = min((r["ms_per_token"] for r in rs if r["provider"] in STOCK), default=float("nan"))
+        ort_dense = next((r["ms_per_token"] for r in rs if r["provider"] == ORT_DENSE), float("nan"))
         for r in rs:
             r.update(speedup_vs_best_stock=best / r["ms_per_token"], speedup_vs_ort_dense=ort_dense / r["ms_per_token"],
                      effective_gbs=r["bytes_per_step"] / r["ms_per_token"] / 1e6, read_bandwidth_gbs=bw,
