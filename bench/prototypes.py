@@ -17,6 +17,8 @@ neither the kernels nor :mod:`tinyserve_compile.cost` know them. Their bytes per
   decode the sketch even when the candidates cover every page), the candidates' sketch, the kept K/V (the
   attention needs exact logits: unlike today's two-stage, the sketch's logits cannot be reused).
 
+* ``hier8x4sketch4`` - both: candidates from the hierarchical first stage, ranked by the 4-bit sketch.
+
 ``python -m bench.study --extra bench.prototypes ...`` adds :func:`VARIANTS` to a grid.
 """
 from __future__ import annotations
@@ -61,6 +63,25 @@ def superpage_bounds(bounds: PageBounds, pages_per_super: int) -> PageBounds:
                       kabs.unflatten(2, (-1, R)).amax(3))
 
 
+def scores_inside_superpages(ctx: DecodeContext, pages_per_super: int, factor: int) -> torch.Tensor:
+    """Page-bound scores ``[B, Hkv, P]`` with every page outside the ``factor * K / R`` superpages of highest
+    superpage bound (plus the forced ones) set to -inf; all scores when those cover every superpage."""
+    B, S, R = ctx.q.shape[0], ctx.page_size, pages_per_super
+    K = ctx.token_budget // S
+    vl = ctx.valid_len.reshape(-1).expand(B)
+    scores = page_scores(ctx.q, ctx.bounds, ctx.scale, ctx.mask_pages())  # [B,Hkv,P]
+    n_super = max(1, factor * K // R)
+    sup = select_pages(page_scores(ctx.q, superpage_bounds(ctx.bounds, R), ctx.scale, None), vl, S * R,
+                       ctx.token_budget, -(-ctx.sink_pages // R), n_select=n_super)
+    if sup is None:
+        return scores
+    P = scores.shape[-1]
+    inside = torch.zeros(B, scores.shape[1], -(-P // R), dtype=torch.bool, device=scores.device)
+    inside.scatter_(2, sup.idx, sup.ok)
+    inside = inside.repeat_interleave(R, dim=2)[..., :P]
+    return scores.masked_fill(~inside, float("-inf"))
+
+
 class HierarchicalPolicy(PagePolicy):
     """Superpage bounds first, then page bounds inside the kept superpages (see the module docstring)."""
 
@@ -68,20 +89,9 @@ class HierarchicalPolicy(PagePolicy):
     factor = 4
 
     def select(self, ctx: DecodeContext) -> Optional[Selection]:
-        B, S, R = ctx.q.shape[0], ctx.page_size, self.pages_per_super
-        K = ctx.token_budget // S
-        vl = ctx.valid_len.reshape(-1).expand(B)
-        scores = page_scores(ctx.q, ctx.bounds, ctx.scale, ctx.mask_pages())  # [B,Hkv,P]
-        n_super = max(1, self.factor * K // R)
-        sup = select_pages(page_scores(ctx.q, superpage_bounds(ctx.bounds, R), ctx.scale, None), vl, S * R,
-                           ctx.token_budget, -(-ctx.sink_pages // R), n_select=n_super)
-        if sup is not None:  # keep the scores of the pages inside the kept superpages only
-            P = scores.shape[-1]
-            inside = torch.zeros(B, scores.shape[1], -(-P // R), dtype=torch.bool, device=scores.device)
-            inside.scatter_(2, sup.idx, sup.ok)
-            inside = inside.repeat_interleave(R, dim=2)[..., :P]
-            scores = scores.masked_fill(~inside, float("-inf"))
-        return select_pages(scores, vl, S, ctx.token_budget, ctx.sink_pages)
+        vl = ctx.valid_len.reshape(-1).expand(ctx.q.shape[0])
+        scores = scores_inside_superpages(ctx, self.pages_per_super, self.factor)
+        return select_pages(scores, vl, ctx.page_size, ctx.token_budget, ctx.sink_pages)
 
 
 # ---------------------------------------------------------------------------------------------- key sketch
@@ -110,9 +120,13 @@ def sketch_keys(k_cache: torch.Tensor, bounds: PageBounds, page_size: int, bits:
 
 
 class SketchPolicy(PagePolicy):
-    """Two-stage selection whose second stage reads a ``bits``-bit key sketch (see the module docstring)."""
+    """Two-stage selection whose second stage reads a ``bits``-bit key sketch (see the module docstring).
+    With ``pages_per_super`` set, the first stage is the hierarchical one (candidates inside the kept
+    superpages only)."""
 
     bits = 4
+    pages_per_super = 0
+    factor = 4
 
     def select(self, ctx: DecodeContext) -> Optional[Selection]:
         B, Hq, _, D = ctx.q.shape
@@ -121,7 +135,10 @@ class SketchPolicy(PagePolicy):
         vl = ctx.valid_len.reshape(-1).expand(B)
         if int(((vl + S - 1) // S).max()) <= K:
             return None
-        scores = page_scores(ctx.q, ctx.bounds, ctx.scale, ctx.mask_pages())
+        if self.pages_per_super:
+            scores = scores_inside_superpages(ctx, self.pages_per_super, self.factor)
+        else:
+            scores = page_scores(ctx.q, ctx.bounds, ctx.scale, ctx.mask_pages())
         cand = select_pages(scores, vl, S, ctx.token_budget, ctx.sink_pages, n_select=K * max(1, ctx.candidate_factor))
         Hkv, L = ctx.k_cache.shape[1], ctx.k_cache.shape[2]
         if cand is None:
@@ -149,6 +166,8 @@ def _register(name, base, **attrs):
 HIER = {_register(f"hier{R}x{F}", HierarchicalPolicy, pages_per_super=R, factor=F): (R, F)
         for R, F in ((8, 4), (8, 2), (4, 4))}
 SKETCH = {_register(f"sketch{b}", SketchPolicy, bits=b): b for b in (4, 8)}
+#: hierarchical first stage (superpages of 8 pages, 4x) + 4-bit sketch second stage
+HIER_SKETCH = {_register("hier8x4sketch4", SketchPolicy, bits=4, pages_per_super=8, factor=4): (8, 4, 4)}
 
 
 def proto_site_bytes(policy: str, ctx: int, n_kv_heads: int, head_dim: int, itemsize: int, page_size: int,
@@ -161,13 +180,18 @@ def proto_site_bytes(policy: str, ctx: int, n_kv_heads: int, head_dim: int, item
     page_b = d * 2 * bounds_itemsize + 4
     pages = -(-ctx // S)
     kept = h * B * d * 2 * itemsize  # kept keys and values
-    if policy in HIER:
-        R, F = HIER[policy]
+    if policy in HIER or policy in HIER_SKETCH:
+        R, F = HIER[policy] if policy in HIER else HIER_SKETCH[policy][:2]
         n_super = -(-pages // R)
         kept_super = min(n_super, max(1, F * (B // S) // R))
         if kept_super >= n_super:  # every superpage is kept: the superpage stage is skipped
-            return h * pages * page_b + kept
-        return h * (n_super * page_b + kept_super * R * page_b) + kept
+            bounds = h * pages * page_b
+        else:
+            bounds = h * (n_super * page_b + kept_super * R * page_b)
+        if policy in HIER:
+            return bounds + kept
+        sketch = h * min(ctx, candidate_factor * B) * d * HIER_SKETCH[policy][2] // 8
+        return bounds + sketch + kept
     if policy in SKETCH:
         bits = SKETCH[policy]
         cand = min(ctx, candidate_factor * B)
@@ -184,8 +208,10 @@ def VARIANTS(budget: int) -> Dict[str, Sparse]:  # noqa: N802 (the study's --ext
                                                                  candidate_factor=4),
         "sketch int8 from bounds, pages 16, sink 1, c=2": Sparse(**b, policy="sketch8", page_size=16,
                                                                  candidate_factor=2),
+        "hierarchical + sketch int4, pages 8, sink 1, c=2": Sparse(**b, policy="hier8x4sketch4", page_size=8,
+                                                                   candidate_factor=2),
     }
 
 
-__all__ = ["superpage_bounds", "sketch_keys", "HierarchicalPolicy", "SketchPolicy", "proto_site_bytes", "VARIANTS",
-           "HIER", "SKETCH"]
+__all__ = ["superpage_bounds", "scores_inside_superpages", "sketch_keys", "HierarchicalPolicy", "SketchPolicy",
+           "proto_site_bytes", "VARIANTS", "HIER", "SKETCH", "HIER_SKETCH"]

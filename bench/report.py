@@ -170,10 +170,10 @@ def site_bytes_share(policy: str, ctx: int, budget: int, page_size: int, candida
     if policy in ("oracle", "h2o"):
         return 0.5 + kept / 2
     try:
-        from .prototypes import HIER, SKETCH, proto_site_bytes
+        from .prototypes import HIER, HIER_SKETCH, SKETCH, proto_site_bytes
     except ImportError:
-        from prototypes import HIER, SKETCH, proto_site_bytes
-    if policy in HIER or policy in SKETCH:
+        from prototypes import HIER, HIER_SKETCH, SKETCH, proto_site_bytes
+    if policy in HIER or policy in SKETCH or policy in HIER_SKETCH:
         bi = 2 if bounds_dtype == "bfloat16" else 4
         return proto_site_bytes(policy, ctx, n_kv_heads, head_dim, itemsize, page_size, budget, candidate_factor,
                                 bi) / dense

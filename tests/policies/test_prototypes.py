@@ -98,3 +98,22 @@ def test_prototype_bytes_match_the_cost_model_where_the_algorithms_coincide():
     assert s4 == sparse_site_bytes(32768, h, d, it, 16, 2048, 1, 2) + h * 4 * 2048 * d // 2
     assert proto_site_bytes("sketch8", 1024, h, d, it, 16, 2048, 4, 2) == 2 * h * 1024 * d * it  # dense fit
     assert set(HIER) >= {"hier8x4"} and set(SKETCH) == {"sketch4", "sketch8"}
+
+
+def test_hierarchical_sketch_reduces_to_its_parts():
+    q, k, v, b = _case(11, L=400, dtype=torch.float32)
+    vl = torch.tensor([400])
+    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, 8, 64, 1, 2, {})
+    # every superpage kept and a fine sketch: the exact two-stage selection
+    fine = type("HF", (SketchPolicy,), dict(bits=20, pages_per_super=8, factor=1000))().select(ctx)
+    want = choose_pages(q, k, b, vl, None, 0.25, 8, 64, 1, 2)
+    assert torch.equal(fine.idx, want.idx) and torch.equal(fine.ok, want.ok)
+    # with a real superpage stage, every kept page lies in a kept superpage (at most 4 per head + forced)
+    got = get_policy("hier8x4sketch4").select(ctx)
+    for h in range(got.idx.shape[1]):
+        assert torch.unique(got.idx[0, h] // 8).numel() <= 4 + 1
+    h, d, it = 3, 64, 4
+    assert proto_site_bytes("hier8x4sketch4", 8192, h, d, it, 8, 2048, 2, 2) == \
+        proto_site_bytes("sketch4", 8192, h, d, it, 8, 2048, 2, 2)  # 8K: the superpage stage is skipped
+    assert proto_site_bytes("hier8x4sketch4", 32768, h, d, it, 8, 2048, 2, 2) < \
+        proto_site_bytes("sketch4", 32768, h, d, it, 8, 2048, 2, 2)
