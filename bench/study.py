@@ -47,6 +47,7 @@ def grid(name: str, budget: int) -> List[Sparse]:
     with a sink, two-stage c=2/4 with a sink, and the oracle (pages of 8, sink). ``tail``: the rest of
     pages 8/16 x sinks 0/1 x c 1/2/4 (two-stage without a sink). ``heldout``: the candidates for the
     defaults (one stage, pages of 8/12/16, a sink), today's defaults (pages of 8, sink, c=4), the oracle.
+    ``none``: nothing (with ``--extra``: only the extra configurations).
     """
     b = dict(token_budget=budget, dense_layers=2)
     one = [Sparse(**b, page_size=S, sink_pages=1) for S in (8, 12, 16)]
@@ -59,6 +60,8 @@ def grid(name: str, budget: int) -> List[Sparse]:
         return [Sparse(**b, page_size=S, candidate_factor=c) for c in (2, 4) for S in (8, 16)]
     if name == "heldout":
         return one + [Sparse(**b, page_size=8, sink_pages=1, candidate_factor=4), oracle]
+    if name == "none":  # only --extra
+        return []
     raise ValueError(f"unknown grid {name!r}")
 
 
@@ -80,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--half", default="tune", choices=("tune", "heldout"))
-    ap.add_argument("--grid", default="frontier", choices=("frontier", "tail", "heldout"))
+    ap.add_argument("--grid", default="frontier", choices=("frontier", "tail", "heldout", "none"))
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--budgets", default="512,2048")
     ap.add_argument("--only", default="", help="semicolon-separated variant names (default: the whole grid)")
