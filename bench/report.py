@@ -389,41 +389,54 @@ def targets_table(summary: List[dict]) -> str:
 
 def _short(v: str) -> str:
     return (v.replace("pages ", "p").replace(", sink ", " s").replace(", c=", " c").replace(", fp32 bounds", " fp32")
-            .replace("oracle (pages of 8)", "oracle"))
+            .replace("oracle (pages of 8)", "oracle").replace("hierarchical", "hier").replace(" from bounds", "")
+            .replace("superpages of 8 pages, 4x, ", "").replace(",", ""))
 
 
 def plot_frontier10(summary: List[dict], path: str, title: str = ""):
-    """+ppl (mean, error bar = min..max over windows) against bytes per sparse layer and step at 8K, one
-    panel per budget, with issue 10's targets as dashed lines."""
+    """Quality against bytes per sparse layer and step at 8K, one column per budget: +ppl (top row) and
+    top-1 agreement (bottom row), mean with min..max over windows as error bars; issue 10's targets dashed."""
     plt = _plt()
     budgets = sorted({e["budget"] for e in summary})
-    fig, axes = plt.subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), squeeze=False)
+    fig, axes = plt.subplots(2, len(budgets), figsize=(7.5 * len(budgets), 9), squeeze=False)
     lim = {512: TARGETS["ppl_512"], 2048: TARGETS["ppl_2048"]}
-    for ax, b in zip(axes[0], budgets):
-        for e in (x for x in summary if x["budget"] == b):
-            s = e["ppl_rel"]
-            x, y = 100 * e["bytes_8k"], 100 * s["mean"]
-            c = {1: "C0", 2: "C1", 4: "C2"}.get(e["candidate_factor"], "C4") if e["policy"] == "query_aware" else "C3"
-            mk = "s" if e["page_size"] == 16 else ("D" if e["page_size"] == 12 else "o")
-            if e["bounds_dtype"] == "float32" and e["policy"] == "query_aware":
-                mk = "x"
-            ax.errorbar(x, y, yerr=[[y - 100 * s["min"]], [100 * s["max"] - y]], fmt=mk, color=c, ms=5, capsize=2,
-                        mfc="none" if e["sink_pages"] == 0 else c)
-            ax.annotate(_short(e["variant"]), (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
-        if b in lim:
-            ax.axhline(100 * lim[b], color="k", ls="--", lw=0.7)
-        if b == 2048:
-            ax.axvline(100 * TARGETS["bytes_8k"], color="k", ls=":", lw=0.7)
-        ax.set_yscale("symlog", linthresh=1.0)
-        ax.axhline(0, color="k", lw=0.4)
-        ax.set_title(f"{title} budget {b}", fontsize=9)
-        ax.set_xlabel("bytes read per sparse layer and step at 8K (% of dense K+V, tinyserve_compile.cost)")
-        ax.set_ylabel("+perplexity vs full (%), mean and min..max over windows")
-        ax.grid(alpha=0.3)
-    fig.text(0.01, 0.005, "colour: c=1 blue, c=2 orange, c=4 green, oracle red; marker: pages 8 o, 12 D, 16 s, "
-             "fp32 bounds x; hollow: no sink; dashed: quality target, dotted: 8K bytes target", fontsize=7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=90)
+    for j, b in enumerate(budgets):
+        for i, key in enumerate(("ppl_rel", "top1")):
+            ax = axes[i][j]
+            for e in (x for x in summary if x["budget"] == b):
+                s = e[key]
+                x, y = 100 * e["bytes_8k"], 100 * s["mean"]
+                c = {1: "C0", 2: "C1", 4: "C2"}.get(e["candidate_factor"], "C4") if e["policy"] == "query_aware" \
+                    else ("C3" if e["policy"] == "oracle" else "C5")
+                mk = {16: "s", 12: "D"}.get(e["page_size"], "o")
+                if e["bounds_dtype"] == "float32" and e["policy"] == "query_aware":
+                    mk = "x"
+                if e["policy"] not in ("query_aware", "oracle"):
+                    mk = "*"
+                ax.errorbar(x, y, yerr=[[y - 100 * s["min"]], [100 * s["max"] - y]], fmt=mk, color=c, ms=6, capsize=2,
+                            mfc="none" if e["sink_pages"] == 0 else c, alpha=0.85)
+                ax.annotate(_short(e["variant"]), (x, y), fontsize=6.5, xytext=(4, -3 if i else 2),
+                            textcoords="offset points")
+            if key == "ppl_rel":
+                if b in lim:
+                    ax.axhline(100 * lim[b], color="k", ls="--", lw=0.7)
+                ax.set_yscale("symlog", linthresh=1.0)
+                ax.axhline(0, color="k", lw=0.4)
+                ax.set_ylabel("+perplexity vs full (%)")
+            else:
+                if b == 2048:
+                    ax.axhline(100 * TARGETS["top1_2048"], color="k", ls="--", lw=0.7)
+                ax.set_ylabel("top-1 agreement with full (%)")
+            if b == 2048:
+                ax.axvline(100 * TARGETS["bytes_8k"], color="k", ls=":", lw=0.7)
+            ax.set_title(f"{title} budget {b}: mean, bars min..max over windows", fontsize=9)
+            ax.set_xlabel("bytes read per sparse layer and step at 8K (% of dense K+V)", fontsize=8)
+            ax.grid(alpha=0.3)
+    fig.text(0.01, 0.005, "colour: c=1 blue, c=2 orange, c=4 green, oracle red, prototypes brown (*); marker: pages "
+             "8 o, 12 D, 16 s, fp32 bounds x; hollow: no sink; dashed: quality target, dotted: 8K bytes target "
+             "(budget 2048)", fontsize=7.5)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
