@@ -46,7 +46,8 @@ def grid(name: str, budget: int) -> List[Sparse]:
     targets) with pages of 8/12/16 and a sink, pages of 8/16 without one, fp32 bounds for pages of 8/16
     with a sink, two-stage c=2/4 with a sink, and the oracle (pages of 8, sink). ``tail``: the rest of
     pages 8/16 x sinks 0/1 x c 1/2/4 (two-stage without a sink). ``heldout``: the candidates for the
-    defaults (one stage, pages of 8/12/16, a sink), today's defaults (pages of 8, sink, c=4), the oracle.
+    defaults (one stage, pages of 8/12/16, a sink), today's defaults (pages of 8, sink, c=4), the oracle,
+    and the tuning text's best two-stage compromise (pages of 8, sink, c=2).
     ``none``: nothing (with ``--extra``: only the extra configurations).
     """
     b = dict(token_budget=budget, dense_layers=2)
@@ -59,7 +60,8 @@ def grid(name: str, budget: int) -> List[Sparse]:
     if name == "tail":
         return [Sparse(**b, page_size=S, candidate_factor=c) for c in (2, 4) for S in (8, 16)]
     if name == "heldout":
-        return one + [Sparse(**b, page_size=8, sink_pages=1, candidate_factor=4), oracle]
+        return one + [Sparse(**b, page_size=8, sink_pages=1, candidate_factor=4), oracle,
+                      Sparse(**b, page_size=8, sink_pages=1, candidate_factor=2)]
     if name == "none":  # only --extra
         return []
     raise ValueError(f"unknown grid {name!r}")
