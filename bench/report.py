@@ -440,6 +440,18 @@ def plot_frontier10(summary: List[dict], path: str, title: str = ""):
     plt.close(fig)
 
 
+def bytes_table(summary: List[dict]) -> str:
+    """Markdown: bytes per sparse layer and step (share of dense K+V) of every variant of ``summary`` at
+    8K and 32K, budgets 512 and 2048 (cost model; SmolLM2's 3 KV heads, D=64, fp32 cache)."""
+    out = ["| variant | 8K @ 512 | 8K @ 2048 | 32K @ 512 | 32K @ 2048 |", "|---|---|---|---|---|"]
+    for v in dict.fromkeys(e["variant"] for e in summary):
+        e = next(x for x in summary if x["variant"] == v)
+        cells = [f"{100 * site_bytes_share(e['policy'], c, b, e['page_size'], e['candidate_factor'], e['bounds_dtype']):.1f}%"
+                 for c in (8192, 32768) for b in (512, 2048)]
+        out.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def study10_report(results_dir: str = "results", img_dir: str = "docs/img", prefix: str = "study10") -> str:
     """Tables (markdown) and frontier PNGs of the issue-10 study from ``results/<prefix>_{tune,heldout}.json``;
     the summaries go to ``<img_dir>/<prefix>_summary.json`` and the per-window rows next to them."""
@@ -456,6 +468,9 @@ def study10_report(results_dir: str = "results", img_dir: str = "docs/img", pref
         full = [r for r in rows if r["policy"] == "full"]
         offs = sorted({r["offset"] for r in full})
         fulls = ", ".join(f"{r['ppl']:.2f}" for r in sorted(full, key=lambda r: r["offset"]))
+        if half == "tune":
+            parts += ["### Bytes read per sparse layer and step (share of dense K+V, `tinyserve_compile.cost`; "
+                      "prototypes: `bench.prototypes.proto_site_bytes`)", "", bytes_table(summ), ""]
         parts += [f"### {'Tuning' if half == 'tune' else 'Held-out'} text: {len(offs)} windows at token offsets "
                   f"{', '.join(map(str, offs))} (full-attention ppl {fulls}; {full[0]['steps']} teacher-forced "
                   f"predictions each, context {full[0]['ctx']})", "",
