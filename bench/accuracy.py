@@ -10,7 +10,7 @@ import math
 import os
 import random
 import time
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ def _progress(it, desc, total=None, quiet=False):
 
 # ---------------------------------------------------------------------------------------------- perplexity
 def perplexity(ctx: int, cfgs: Sequence[Sparse], steps: int = 128, half: str = "tune", collect: Iterable = (),
-               offset: int = 0, quiet: bool = False) -> List[dict]:
+               offset: int = 0, quiet: bool = False, on_row: Optional[Callable[[dict], None]] = None) -> List[dict]:
     """Teacher-forced decode perplexity at context ``ctx``.
 
     The first ``ctx - steps`` tokens of the text (from token ``offset``) are prefilled densely once;
@@ -63,7 +63,8 @@ def perplexity(ctx: int, cfgs: Sequence[Sparse], steps: int = 128, half: str = "
     at a time through the decode path (the policy is used at every step), each predicting its
     successor. Reports the perplexity of those ``steps`` predictions, the top-1 agreement of
     the argmax with full attention at the same positions, and (for configurations in
-    ``collect``) the per-step statistics of :class:`bench.harness.StepStats`.
+    ``collect``) the per-step statistics of :class:`bench.harness.StepStats`. ``on_row`` is called
+    with each row as soon as it is measured (full attention first).
     """
     model, tok = load_model()
     ids = tok(topic_text(half), return_tensors="pt").input_ids[0, offset: offset + ctx + 1]
@@ -97,10 +98,10 @@ def perplexity(ctx: int, cfgs: Sequence[Sparse], steps: int = 128, half: str = "
                    top1=float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
                    s_per_step=dt / steps, prefill_s=prefill_s)
         row.update({f"stat_{k}": v for k, v in summarize_stats(em.stats).items()})
+        row["ppl_rel"] = row["ppl"] / (rows[0]["ppl"] if rows else row["ppl"]) - 1.0
         rows.append(row)
-    full = rows[0]["ppl"]
-    for r in rows:
-        r["ppl_rel"] = r["ppl"] / full - 1.0
+        if on_row is not None:
+            on_row(row)
     return rows
 
 

@@ -1,21 +1,29 @@
-"""Op benchmark on this CPU: ``tinyserve::sparse_decode`` against dense torch SDPA.
+"""Op benchmark on this CPU: the sparse decode op against dense torch SDPA, side by side.
 
-Setting (issue 2, section 4): B=1, 9 query heads / 3 KV heads, D=64, page 16,
-token budget 2048, fp32 and bf16, contexts 4K/16K/64K (more with ``--full``).
+Shape (issue 2, section 4): B=1, 9 query heads / 3 KV heads, D=64, fp32 and bf16,
+contexts 4K/16K/64K (1K..256K with ``--full``). Two selection settings:
 
-Dense and sparse are timed side by side in one loop (alternating calls, median of
-many repetitions, default ``torch`` thread count). The sparse op is called through
-``torch.ops.tinyserve.sparse_decode`` exactly as a compiled graph calls it.
+* ``defaults``: the backend's defaults (:mod:`tinyserve_compile.config`: page 8,
+  budget 2048, 1 sink page, candidate factor 4, bf16 page bounds);
+* ``paper``: the paper's rule (page 16, budget 2048, no sinks, one stage, fp32 bounds).
 
-Bandwidth bound: the bytes the sparse op must touch (fp32 bounds ``P*D*2*4`` plus
-``kabs`` ``P*4`` per KV head, plus the selected keys and values
-``budget*D*2*itemsize`` per KV head) divided by the read bandwidth measured once
-at start-up (a large ``sum``).
+Providers, timed in one interleaved loop (rotating order, median of ``--reps``):
+``dense`` = ``F.scaled_dot_product_attention(enable_gqa=True)`` over the whole cache,
+``sparse`` = the native kernel ``torch.ops.tinyserve_native.sparse_decode`` (the CPU
+default; the PyTorch path if the native kernel cannot be built, said in the output),
+``torch`` = the PyTorch path ``torch.ops.tinyserve.sparse_decode(..., "torch")``
+(a variant column; ``--no-torch`` skips it). By default every timed call starts
+from a cold cache (a 64 MB buffer is read before it, untimed), as in a real decode
+step where the other layers' weights and caches pass through; ``--warm`` skips that.
+
+Bytes: what the sparse kernel reads (:func:`tinyserve_compile.cost.sparse_site_bytes`:
+page bounds, candidates' keys, kept keys and values), against the read bandwidth
+measured in the same run (``stream_gbps``: one ``sum`` over 256 MB, median of 7).
 
 Usage::
 
-    python bench/bench_op.py --quick                # < 1 minute
-    python bench/bench_op.py --out-dir results/     # table + results/bench_op.{json,csv,png}
+    python bench/bench_op.py --quick                  # < 2 minutes
+    python bench/bench_op.py --out-dir results/       # table + results/bench_op.{json,csv,png}
     python bench/bench_op.py --full --json results/bench_op_full.json
 """
 from __future__ import annotations
@@ -32,15 +40,22 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tinyserve_compile import config as C
 from tinyserve_compile.cost import sparse_site_bytes
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_
+from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
 
-B, HQ, HKV, D, PAGE, BUDGET = 1, 9, 3, 64, 16, 2048
+B, HQ, HKV, D = 1, 9, 3, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SETTINGS = {
+    "defaults": dict(page=C.DEFAULT_PAGE_SIZE, budget=C.DEFAULT_TOKEN_BUDGET, sink=C.DEFAULT_SINK_PAGES,
+                     cf=C.DEFAULT_CANDIDATE_FACTOR, bounds=C.DEFAULT_BOUNDS_DTYPE),
+    "paper": dict(page=16, budget=2048, sink=0, cf=1, bounds="float32"),
+}
 
 
 def read_bandwidth_gbs(mb: int = 256, reps: int = 7) -> float:
-    """Machine read bandwidth in GB/s: median time of ``sum`` over a ``mb`` MB fp32 buffer."""
+    """Machine read bandwidth in GB/s: median time of one ``sum`` over a ``mb`` MB fp32 buffer."""
     x = torch.ones(mb * 2**20 // 4)
     x.sum()  # warm (page faults)
     times = []
@@ -62,56 +77,88 @@ def sdpa_materializes_repeat(q, k, v) -> str:
     return "yes (" + ", ".join(copies) + ")" if copies else "no"
 
 
-def sparse_bytes(L: int, itemsize: int, page: int = PAGE, budget: int = BUDGET, cf: int = 1) -> int:
-    """Bytes the sparse op must touch per call (see :func:`tinyserve_compile.cost.sparse_site_bytes`)."""
-    return sparse_site_bytes(L, HKV, D, itemsize, page, budget, cf)
+def sparse_bytes(L: int, itemsize: int, s: dict) -> int:
+    """Bytes the sparse kernel reads per call (:func:`tinyserve_compile.cost.sparse_site_bytes`)."""
+    bounds_itemsize = getattr(torch, s["bounds"]).itemsize
+    return sparse_site_bytes(L, HKV, D, itemsize, s["page"], s["budget"], s["cf"], bounds_itemsize)
 
 
-def bench_one(L: int, dtype: torch.dtype, reps: int, warmup: int = 3, seed: int = 0, page: int = PAGE,
-              budget: int = BUDGET, sink: int = 0, cf: int = 1) -> dict:
-    """Time dense SDPA and the sparse op, alternating, on one (context, dtype) point."""
+class _Flush:
+    """Evicts the caches: reads (and writes one element per line of) a buffer larger than the last-level cache."""
+
+    def __init__(self, mb: int = 64):
+        self.buf = torch.ones(mb * 2**20 // 4)
+
+    def __call__(self):
+        self.buf[::16].add_(1.0)
+
+
+def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool, with_torch: bool = True,
+              cold: bool = True, warmup: int = 3, seed: int = 0) -> dict:
+    """Time dense SDPA, the sparse kernel and (optionally) the PyTorch path, interleaved, on one point."""
+    s = SETTINGS[setting]
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, HQ, 1, D, generator=gen).to(dtype)  # [1,9,1,64]
     k = torch.randn(B, HKV, L, D, generator=gen).to(dtype)  # [1,3,L,64]
     v = torch.randn(B, HKV, L, D, generator=gen).to(dtype)
-    bounds = rebuild_bounds_(k, allocate_bounds(k, page), page)  # fp32 [1,3,P,64] x2, [1,3,P]
+    bdt = getattr(torch, s["bounds"])
+    bounds = rebuild_bounds_(k, allocate_bounds(k, s["page"], bdt), s["page"])  # [1,3,P,64] x2, [1,3,P]
     vl = torch.tensor([L], dtype=torch.int64)
     scale = 1.0 / D**0.5
-    op = torch.ops.tinyserve.sparse_decode
+    sel = (s["page"], s["budget"], s["sink"], s["cf"])
+    flush = _Flush() if cold else (lambda: None)
 
     def dense():
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
-    def sparse():
-        return op(q, k, v, *bounds, vl, None, scale, page, budget, sink, cf, "torch")
+    if native:
+        def sparse():
+            return torch.ops.tinyserve_native.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, None)
+    else:
+        def sparse():
+            return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch")
 
+    def torch_path():
+        return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch")
+
+    fns = {"dense": dense, "sparse": sparse}
+    if with_torch:
+        fns["torch"] = torch_path
     for _ in range(warmup):
-        dense()
-        sparse()
-    td, ts = [], []
+        for f in fns.values():
+            f()
+    times = {name: [] for name in fns}
+    names = list(fns)
     for i in range(reps):
-        for name in (("dense", "sparse") if i % 2 == 0 else ("sparse", "dense")):
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]  # rotate the order
+            flush()
             t0 = time.perf_counter()
-            (dense if name == "dense" else sparse)()
-            dt = time.perf_counter() - t0
-            (td if name == "dense" else ts).append(dt)
-    dense_ms = statistics.median(td) * 1e3
-    sparse_ms = statistics.median(ts) * 1e3
-    nbytes = sparse_bytes(L, k.element_size(), page, budget, cf)
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    nbytes = sparse_bytes(L, k.element_size(), s)
     return dict(
         context=L,
         dtype=str(dtype).replace("torch.", ""),
+        setting=setting,
+        kernel="native" if native else "torch",
         heads=f"{HQ}/{HKV}",
-        page=page,
-        budget=budget,
-        sink_pages=sink,
-        candidate_factor=cf,
-        dense_ms=round(dense_ms, 4),
-        sparse_ms=round(sparse_ms, 4),
-        ratio=round(dense_ms / sparse_ms, 2),
-        sparse_bytes=nbytes,
-        effective_gbs=round(nbytes / (sparse_ms * 1e-3) / 1e9, 2),
+        page=s["page"],
+        budget=s["budget"],
+        sink_pages=s["sink"],
+        candidate_factor=s["cf"],
+        bounds_dtype=s["bounds"],
+        dense_ms=round(ms["dense"], 4),
+        sparse_ms=round(ms["sparse"], 4),
+        torch_ms=round(ms["torch"], 4) if with_torch else None,
+        ratio=round(ms["dense"] / ms["sparse"], 2),
+        torch_ratio=round(ms["dense"] / ms["torch"], 2) if with_torch else None,
+        bytes=nbytes,
+        gbps=round(nbytes / (ms["sparse"] * 1e-3) / 1e9, 2),
+        cold=cold,
         reps=reps,
+        threads=torch.get_num_threads(),
     )
 
 
@@ -119,13 +166,16 @@ def fmt_ctx(L: int) -> str:
     return f"{L // 1024}K" if L % 1024 == 0 else str(L)
 
 
-def print_table(rows, bw_gbs: float) -> str:
-    head = ("context", "dtype", "heads", "dense ms", "sparse ms", "ratio", "eff GB/s", "bw bound ms")
+def print_table(rows) -> str:
+    head = ("context", "dtype", "setting", "SDPA ms", "sparse ms", "ratio", "torch-path ms", "MB read", "GB/s",
+            "% of stream")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        tp = f"{r['torch_ms']:.3f} ({r['torch_ratio']:.1f}x)" if r["torch_ms"] is not None else "-"
         lines.append(
-            f"| {fmt_ctx(r['context'])} | {r['dtype']} | {r['heads']} | {r['dense_ms']:.3f} | {r['sparse_ms']:.3f} | "
-            f"{r['ratio']:.1f}x | {r['effective_gbs']:.1f} | {r['bound_ms']:.3f} |"
+            f"| {fmt_ctx(r['context'])} | {r['dtype']} | {r['setting']} | {r['dense_ms']:.3f} | {r['sparse_ms']:.3f} | "
+            f"{r['ratio']:.1f}x | {tp} | {r['bytes'] / 1e6:.1f} | {r['gbps']:.1f} | "
+            f"{100 * r['gbps'] / r['stream_gbps']:.0f}% |"
         )
     text = "\n".join(lines)
     print(text)
@@ -150,21 +200,26 @@ def write_outputs(rows, json_path: str) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for dt in sorted({r["dtype"] for r in rows}):
-        rr = [r for r in rows if r["dtype"] == dt]
-        ctx = [r["context"] for r in rr]
-        ax.plot(ctx, [r["dense_ms"] for r in rr], "o--", label=f"SDPA {dt}")
-        ax.plot(ctx, [r["sparse_ms"] for r in rr], "s-", label=f"sparse_decode {dt}")
-        ax.plot(ctx, [r["bound_ms"] for r in rr], ":", color="gray")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("ms per decode step (median)")
-    r0 = rows[0]
-    ax.set_title(f"B={B}, {HQ}q/{HKV}kv heads, D={D}, page {r0['page']}, budget {r0['budget']}, "
-                 f"c={r0['candidate_factor']} (dotted: bw bound)", fontsize=9)
-    ax.legend(fontsize=8)
+    settings = sorted({r["setting"] for r in rows})
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
+    for ax, st_name in zip(axes[0], settings):
+        for dt in sorted({r["dtype"] for r in rows}):
+            rr = [r for r in rows if r["dtype"] == dt and r["setting"] == st_name]
+            ctx = [r["context"] for r in rr]
+            ax.plot(ctx, [r["dense_ms"] for r in rr], "o--", label=f"SDPA {dt}")
+            ax.plot(ctx, [r["sparse_ms"] for r in rr], "s-", label=f"{rr[0]['kernel']} {dt}")
+            if rr[0]["torch_ms"] is not None:
+                ax.plot(ctx, [r["torch_ms"] for r in rr], "^:", label=f"torch path {dt}")
+            ax.plot(ctx, [r["bound_ms"] for r in rr], ":", color="gray")
+        s = SETTINGS[st_name]
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms per call (median)")
+        ax.set_title(f"{st_name}: page {s['page']}, budget {s['budget']}, sinks {s['sink']}, c={s['cf']}, "
+                     f"{s['bounds']} bounds (dotted: bandwidth bound)", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"B={B}, {HQ}q/{HKV}kv heads, D={D}, {rows[0]['threads']} threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
     print(f"wrote {json_path}, {stem}.csv, {stem}.png")
@@ -172,51 +227,60 @@ def write_outputs(rows, json_path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="few repetitions; finishes in under a minute")
-    ap.add_argument("--full", action="store_true", help="add 1K, 128K and 256K contexts")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per point (default 15 quick, 60)")
+    ap.add_argument("--quick", action="store_true", help="few repetitions; finishes in about 2 minutes")
+    ap.add_argument("--full", action="store_true", help="add 1K, 2K, 128K and 256K contexts")
+    ap.add_argument("--contexts", default=None, help="comma-separated contexts (overrides --full)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per point (default 11 quick, 41)")
     ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--settings", default="defaults,paper", help="comma-separated: defaults, paper")
+    ap.add_argument("--defaults", action="store_true", help="only the backend's default selection")
+    ap.add_argument("--paper", action="store_true", help="only the paper's selection")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch-path column")
+    ap.add_argument("--warm", action="store_true", help="do not evict the caches before each timed call")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--json", default=None, help="write records here (+ .csv and .png with the same stem)")
     ap.add_argument("--out-dir", default=None, help="write bench_op.json/.csv/.png into this folder")
-    ap.add_argument("--page-size", type=int, default=PAGE)
-    ap.add_argument("--budget", type=int, default=BUDGET)
-    ap.add_argument("--sink-pages", type=int, default=0)
-    ap.add_argument("--candidate-factor", type=int, default=1)
-    ap.add_argument("--defaults", action="store_true",
-                    help="use the backend's default selection (tinyserve_compile.config) instead of the paper's")
     args = ap.parse_args(argv)
-    if args.defaults:
-        from tinyserve_compile import config as C
-
-        args.page_size, args.budget = C.DEFAULT_PAGE_SIZE, C.DEFAULT_TOKEN_BUDGET
-        args.sink_pages, args.candidate_factor = C.DEFAULT_SINK_PAGES, C.DEFAULT_CANDIDATE_FACTOR
-
+    settings = args.settings.split(",")
+    if args.defaults or args.paper:
+        settings = (["defaults"] if args.defaults else []) + (["paper"] if args.paper else [])
+    for s in settings:
+        if s not in SETTINGS:
+            ap.error(f"unknown setting {s!r}; choose from {sorted(SETTINGS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    contexts = [4096, 16384, 65536]
-    if args.full:
-        contexts = [1024] + contexts + [131072, 262144]
-    reps = args.reps or (15 if args.quick else 60)
+    if args.contexts:
+        contexts = [int(x) for x in args.contexts.split(",")]
+    else:
+        contexts = [4096, 16384, 65536]
+        if args.full:
+            contexts = [1024, 2048] + contexts + [131072, 262144]
+    reps = args.reps or (11 if args.quick else 41)
     t_start = time.perf_counter()
-    bw = read_bandwidth_gbs(128 if args.quick else 512)
+    native = load_native()
+    bw = read_bandwidth_gbs(256)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()} "
-          f"({os.cpu_count()} cpus); measured read bandwidth {bw:.1f} GB/s")
+          f"({os.cpu_count()} cpus); read bandwidth (sum over 256 MB) {bw:.1f} GB/s")
+    print("sparse kernel: " + ("native (tinyserve_native::sparse_decode)" if native else
+                               f"PyTorch path (native unavailable: {native_unavailable_reason()})"))
     q = torch.randn(1, HQ, 1, D)
     kv = torch.randn(1, HKV, 4096, D)
     print(f"SDPA enable_gqa materializes repeated K/V: {sdpa_materializes_repeat(q, kv, kv)}")
-    print(f"selection: page {args.page_size}, budget {args.budget}, sink pages {args.sink_pages}, "
-          f"candidate factor {args.candidate_factor}")
+    for s in settings:
+        print(f"setting {s}: {SETTINGS[s]}")
+    print(f"caches: {'warm' if args.warm else 'evicted before every timed call'}; {reps} reps per point")
     rows = []
     for L in contexts:
         for name in args.dtypes.split(","):
-            r = bench_one(L, DTYPES[name], reps, page=args.page_size, budget=args.budget, sink=args.sink_pages,
-                          cf=args.candidate_factor)
-            r["bound_ms"] = round(r["sparse_bytes"] / (bw * 1e9) * 1e3, 4)
-            r["read_gbs"] = round(bw, 2)
-            rows.append(r)
+            for s in settings:
+                r = bench_one(L, DTYPES[name], s, reps, native, with_torch=not args.no_torch, cold=not args.warm)
+                r["stream_gbps"] = round(bw, 2)
+                r["bound_ms"] = round(r["bytes"] / (bw * 1e9) * 1e3, 4)
+                rows.append(r)
+                print(f"  {fmt_ctx(L)} {name} {s}: SDPA {r['dense_ms']:.3f} ms, sparse {r['sparse_ms']:.3f} ms "
+                      f"({r['ratio']:.1f}x), {r['gbps']:.1f} GB/s", flush=True)
     print()
-    print_table(rows, bw)
+    print_table(rows)
     json_path = args.json or (os.path.join(args.out_dir, "bench_op.json") if args.out_dir else None)
     if json_path:
         write_outputs(rows, json_path)

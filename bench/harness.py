@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from tinyserve_compile.cost import sparse_site_bytes
 from tinyserve_compile.kernels.bounds import allocate_bounds, rebuild_bounds_, update_bounds_
 from tinyserve_compile.kernels.reference import choose_pages, dropped_mass_bound, selected_token_mask
 from tinyserve_compile.policies import DecodeContext, get_policy
@@ -42,6 +43,8 @@ class Sparse:
     candidate_factor: int = 1
     #: optional per-layer budget override {layer: budget}
     layer_budgets: Optional[tuple] = None
+    #: storage of the page bounds, as the backend's ``bounds_dtype`` option ("bfloat16" rounded outward, "float32")
+    bounds_dtype: str = "bfloat16"
 
     def label(self) -> str:
         s = f"{self.policy}/B{self.token_budget}/S{self.page_size}/d{self.dense_layers}"
@@ -51,6 +54,8 @@ class Sparse:
             s += f"/c{self.candidate_factor}"
         if self.layer_budgets:
             s += "/lb"
+        if self.bounds_dtype != "bfloat16":
+            s += f"/{self.bounds_dtype}"
         return s
 
     def budget_for(self, layer: int) -> int:
@@ -82,7 +87,7 @@ class StepStats:
     """Per-step statistics, averaged over sparse layers (and heads)."""
 
     kv_fraction: float  # attended K/V tokens / valid tokens
-    bytes_fraction: float  # everything read (K/V, bounds, candidate keys) / dense K+V bytes
+    bytes_fraction: float  # everything read (tinyserve_compile.cost for query_aware) / dense K+V bytes
     rho: float  # |S_t & S_{t-1}| / |S_t|, NaN on the first step
     dropped: float  # measured softmax mass left out (mean over heads)
     dropped_max: float
@@ -131,7 +136,8 @@ class EvalModel:
         S = cfg.page_size
         bounds = self.bounds.get(layer)
         if bounds is None:
-            bounds = self.bounds[layer] = rebuild_bounds_(key, allocate_bounds(key, S), S)
+            bounds = allocate_bounds(key, S, getattr(torch, cfg.bounds_dtype))
+            bounds = self.bounds[layer] = rebuild_bounds_(key, bounds, S)
         update_bounds_(key, bounds, torch.tensor([self.pos]), S)
         ctx = DecodeContext(query, key, value, bounds, torch.tensor([vl]), None, float(scale), S,
                             cfg.budget_for(layer), cfg.sink_pages, cfg.candidate_factor,
@@ -157,10 +163,11 @@ class EvalModel:
             tok = selected_token_mask(sel, S, L, ctx.valid_len)[..., :vl]
             frac = float(tok.float().mean())
             extra = 0.0
-            if self.cfg.policy == "query_aware":
-                extra += n_pages_valid * 2 / (vl * 2)  # two fp32 bound vectors per page vs K+V per token
-                if ctx.candidate_factor > 1:
-                    extra += min(ctx.candidate_factor * (ctx.token_budget // S) * S, vl) / (2 * vl)  # candidate keys
+            if self.cfg.policy == "query_aware":  # the backend's cost model, minus the attended K/V counted in frac
+                it = ctx.k_cache.element_size()
+                read = sparse_site_bytes(vl, Hkv, D, it, S, ctx.token_budget, ctx.candidate_factor,
+                                         ctx.bounds.kmax.element_size())
+                extra = read / (2 * Hkv * vl * D * it) - frac
             elif self.cfg.policy in ("oracle", "h2o"):
                 extra += 0.5  # every key is read to score (an oracle, or the observed-mass update)
         prev = self.prev_sel.get(layer)

@@ -148,17 +148,44 @@ def plot_speed(rows, path):
     plt.close(fig)
 
 
+#: SmolLM2-135M attention shape (KV heads, head dim) and the fp32 cache of the study
+SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM, CACHE_ITEMSIZE = 3, 64, 4
+
+
+def site_bytes_share(policy: str, ctx: int, budget: int, page_size: int, candidate_factor: int = 1,
+                     bounds_dtype: str = "float32", n_kv_heads: int = SMOLLM2_KV_HEADS,
+                     head_dim: int = SMOLLM2_HEAD_DIM, itemsize: int = CACHE_ITEMSIZE) -> float:
+    """Bytes one sparse layer reads per decode step, as a share of dense K+V at context ``ctx``.
+
+    ``query_aware``: :func:`tinyserve_compile.cost.sparse_site_bytes` (the backend's cost model; bounds of
+    ``bounds_dtype``). ``oracle`` and ``h2o``: every key (to score) and the kept values. Others: the kept K+V.
+    """
+    from tinyserve_compile.cost import sparse_site_bytes
+
+    dense = 2 * n_kv_heads * ctx * head_dim * itemsize
+    kept = min(budget, ctx) / ctx
+    if policy == "query_aware":
+        bi = 2 if bounds_dtype == "bfloat16" else 4
+        return sparse_site_bytes(ctx, n_kv_heads, head_dim, itemsize, page_size, budget, candidate_factor, bi) / dense
+    if policy in ("oracle", "h2o"):
+        return 0.5 + kept / 2
+    try:
+        from .prototypes import HIER, HIER_SKETCH, SKETCH, proto_site_bytes
+    except ImportError:
+        from prototypes import HIER, HIER_SKETCH, SKETCH, proto_site_bytes
+    if policy in HIER or policy in SKETCH or policy in HIER_SKETCH:
+        bi = 2 if bounds_dtype == "bfloat16" else 4
+        return proto_site_bytes(policy, ctx, n_kv_heads, head_dim, itemsize, page_size, budget, candidate_factor,
+                                bi) / dense
+    if policy == "full":
+        return 1.0
+    return kept
+
+
 def bytes_fraction(r) -> float:
-    """Bytes one sparse layer reads per step, as a fraction of dense K+V (fp32 cache, D=64), from the
-    configuration: selected K+V, plus for the bound the page bounds (2 fp32 vectors per page) and for
-    two-stage the candidates' keys; oracle and h2o read every key to score."""
-    L, B, S, c = r["ctx"], r["budget"], r["page_size"], r.get("candidate_factor", 1)
-    kv = min(B, L) / L
-    if r["policy"] == "query_aware":
-        return kv + 1.0 / S + (min(c * B, L) / (2 * L) if c > 1 else 0.0)
-    if r["policy"] in ("oracle", "h2o"):
-        return kv + 0.5
-    return kv
+    """:func:`site_bytes_share` of a result row (rows without ``bounds_dtype`` were measured with fp32 bounds)."""
+    return site_bytes_share(r["policy"], r["ctx"], r["budget"], r["page_size"], r.get("candidate_factor", 1),
+                            r.get("bounds_dtype") or "float32")
 
 
 def plot_frontier(rows, path, budget_key="budget"):
@@ -231,13 +258,15 @@ def report(results_dir="results", img_dir="docs/img") -> str:
             parts.append(f"| {lab} | " + " | ".join(
                 f"{100 * sum(acc[(t, lab)]) / len(acc[(t, lab)]):.1f}%" if acc[(t, lab)] else "-" for t in tasks) + " |")
     for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
-        if name.startswith("study_") and name.endswith(".json"):
+        if name.startswith("study_") and name.endswith(".json"):  # issue 6 (one window); issue 10: study10_*
             rows = _load(os.path.join(results_dir, name))
             for r in rows:
                 r.setdefault("series", r.get("variant", r["label"]))
             parts += ["", f"### Selection study `{name}`", study_table(rows), "", stats_table(rows)]
             if any("stat_bytes_fraction" in r for r in rows):
                 plot_frontier(rows, os.path.join(img_dir, name.replace(".json", "_frontier.png")))
+    if os.path.exists(os.path.join(results_dir, "study10_tune.json")):
+        parts += ["", "### Selection study (issue 10)", study10_report(results_dir, img_dir)]
     # decode rows at batch 1 (batch 8 is in decode.json) and the op rows
     sp = [r for r in _load(os.path.join(results_dir, "speed.json")) or [] if r.get("batch", 1) == 1]
     if sp:
@@ -259,3 +288,203 @@ def report(results_dir="results", img_dir="docs/img") -> str:
     with open(os.path.join(results_dir, "report.md"), "w") as f:
         f.write(text)
     return text
+
+
+# ---------------------------------------------------------------------------------------------- issue 10
+#: issue 10's targets (held-out text, 8K, mean over windows; bytes per sparse layer and step, budget 2048)
+TARGETS = dict(ppl_2048=0.005, ppl_512=0.03, top1_2048=0.98, bytes_8k=0.35, bytes_32k=0.12)
+
+
+def _stats(xs: List[float]) -> dict:
+    n = len(xs)
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else float("nan")
+    return dict(mean=mean, std=std, min=min(xs), max=max(xs), n=n)
+
+
+def study_summary(rows: List[dict]) -> List[dict]:
+    """One entry per (variant, budget) over the windows of a multi-window study: ``ppl_rel``, ``top1`` and
+    ``gap`` (perplexity over the oracle's, same window) as mean/std/min/max/n, and bytes at 8K and 32K."""
+    oracle = {(r["offset"], r["budget"]): r["ppl"] for r in rows if r["policy"] == "oracle"}
+    groups = defaultdict(list)
+    for r in rows:
+        if r["policy"] != "full":
+            groups[(r["variant"], r["budget"])].append(r)
+    out = []
+    for (v, b), rs in groups.items():
+        r0 = rs[0]
+        gaps = [r["ppl"] / oracle[(r["offset"], b)] - 1 for r in rs if (r["offset"], b) in oracle]
+        bd = r0.get("bounds_dtype") or "float32"
+        e = dict(variant=v, budget=b, policy=r0["policy"], page_size=r0["page_size"], sink_pages=r0["sink_pages"],
+                 candidate_factor=r0["candidate_factor"], bounds_dtype=bd, half=r0["half"], ctx=r0["ctx"],
+                 steps=r0["steps"], ppl_rel=_stats([r["ppl_rel"] for r in rs]), top1=_stats([r["top1"] for r in rs]),
+                 gap=_stats(gaps) if gaps else None)
+        for ctx in (8192, 32768):
+            e[f"bytes_{ctx // 1024}k"] = site_bytes_share(r0["policy"], ctx, b, r0["page_size"], r0["candidate_factor"], bd)
+        out.append(e)
+    return out
+
+
+def _pm(s: dict, pct=True, signed=True) -> str:
+    k = 100 if pct else 1
+    f = "{:+.2f}" if signed else "{:.1f}"
+    return (f.format(k * s["mean"]) + "% ± " + "{:.2f}".format(k * s["std"]) + " [" + f.format(k * s["min"]) + ", "
+            + f.format(k * s["max"]) + "]")
+
+
+def study10_table(summary: List[dict], mark: str = "") -> str:
+    """Markdown: per variant, +ppl and top-1 at each budget (mean ± std [min, max] over windows), the gap to
+    the oracle, and bytes per sparse layer and step at budget 2048 (share of dense K+V) at 8K and 32K."""
+    budgets = sorted({e["budget"] for e in summary})
+    head = ["variant"] + [f"{x} @ {b}" for b in budgets for x in ("+ppl", "top-1")] + \
+        ["gap to oracle @ " + " / ".join(map(str, budgets)), "bytes 8K / 32K @ 2048", "windows"]
+    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for v in dict.fromkeys(e["variant"] for e in summary):
+        cells, gaps, byts, n = [], [], "-", set()
+        for b in budgets:
+            e = next((x for x in summary if x["variant"] == v and x["budget"] == b), None)
+            if e is None:
+                cells += ["-", "-"]
+                gaps.append("-")
+                continue
+            n.add(e["ppl_rel"]["n"])
+            cells += [_pm(e["ppl_rel"]), _pm(e["top1"], signed=False).replace("% ±", "% ±")]
+            gaps.append("-" if e["gap"] is None or e["policy"] == "oracle" else f"{100 * e['gap']['mean']:+.2f}%")
+            if b == 2048 or (byts == "-" and b == budgets[-1]):
+                byts = f"{100 * e['bytes_8k']:.1f}% / {100 * e['bytes_32k']:.1f}%"
+        name = f"**{v}**" if v == mark else v
+        out.append(f"| {name} | " + " | ".join(cells) + " | " + " / ".join(gaps) + f" | {byts} | "
+                   + "/".join(map(str, sorted(n))) + " |")
+    return "\n".join(out)
+
+
+def targets_check(summary: List[dict]) -> List[dict]:
+    """Per variant, each issue-10 target met or missed (quality from ``summary``, bytes from the cost model)."""
+    out = []
+    for v in dict.fromkeys(e["variant"] for e in summary):
+        e = {e["budget"]: e for e in summary if e["variant"] == v}
+        if 512 not in e or 2048 not in e:
+            continue
+        b = e[2048]
+        vals = dict(ppl_2048=b["ppl_rel"]["mean"], ppl_512=e[512]["ppl_rel"]["mean"], top1_2048=b["top1"]["mean"],
+                    bytes_8k=b["bytes_8k"], bytes_32k=b["bytes_32k"])
+        met = {k: (vals[k] >= TARGETS[k]) if k == "top1_2048" else (vals[k] <= TARGETS[k]) for k in TARGETS}
+        out.append(dict(variant=v, values=vals, met=met, n=b["ppl_rel"]["n"]))
+    return out
+
+
+def targets_table(summary: List[dict]) -> str:
+    rows = targets_check(summary)
+    head = ["variant", "+ppl @ 2048 (<= 0.5%)", "+ppl @ 512 (<= 3%)", "top-1 @ 2048 (>= 98%)",
+            "bytes 8K (<= 35%)", "bytes 32K (<= 12%)", "misses"]
+    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        v, m = r["values"], r["met"]
+        cell = lambda k, f: f.format(100 * v[k]) + ("" if m[k] else " ✗")  # noqa: E731
+        miss = [k for k in TARGETS if not m[k]]
+        out.append(f"| {r['variant']} | {cell('ppl_2048', '{:+.2f}%')} | {cell('ppl_512', '{:+.2f}%')} | "
+                   f"{cell('top1_2048', '{:.1f}%')} | {cell('bytes_8k', '{:.1f}%')} | {cell('bytes_32k', '{:.1f}%')} | "
+                   f"{', '.join(miss) if miss else 'none'} |")
+    return "\n".join(out)
+
+
+def _short(v: str) -> str:
+    return (v.replace("pages ", "p").replace(", sink ", " s").replace(", c=", " c").replace(", fp32 bounds", " fp32")
+            .replace("oracle (pages of 8)", "oracle").replace("hierarchical", "hier").replace(" from bounds", "")
+            .replace("superpages of 8 pages, 4x, ", "").replace(",", ""))
+
+
+def plot_frontier10(summary: List[dict], path: str, title: str = ""):
+    """Quality against bytes per sparse layer and step at 8K, one column per budget: +ppl (top row) and
+    top-1 agreement (bottom row), mean with min..max over windows as error bars; issue 10's targets dashed."""
+    plt = _plt()
+    budgets = sorted({e["budget"] for e in summary})
+    fig, axes = plt.subplots(2, len(budgets), figsize=(7.5 * len(budgets), 9), squeeze=False)
+    lim = {512: TARGETS["ppl_512"], 2048: TARGETS["ppl_2048"]}
+    for j, b in enumerate(budgets):
+        for i, key in enumerate(("ppl_rel", "top1")):
+            ax = axes[i][j]
+            for e in (x for x in summary if x["budget"] == b):
+                s = e[key]
+                x, y = 100 * e["bytes_8k"], 100 * s["mean"]
+                c = {1: "C0", 2: "C1", 4: "C2"}.get(e["candidate_factor"], "C4") if e["policy"] == "query_aware" \
+                    else ("C3" if e["policy"] == "oracle" else "C5")
+                mk = {16: "s", 12: "D"}.get(e["page_size"], "o")
+                if e["bounds_dtype"] == "float32" and e["policy"] == "query_aware":
+                    mk = "x"
+                if e["policy"] not in ("query_aware", "oracle"):
+                    mk = "*"
+                ax.errorbar(x, y, yerr=[[y - 100 * s["min"]], [100 * s["max"] - y]], fmt=mk, color=c, ms=6, capsize=2,
+                            mfc="none" if e["sink_pages"] == 0 else c, alpha=0.85)
+                ax.annotate(_short(e["variant"]), (x, y), fontsize=6.5, xytext=(4, -3 if i else 2),
+                            textcoords="offset points")
+            if key == "ppl_rel":
+                if b in lim:
+                    ax.axhline(100 * lim[b], color="k", ls="--", lw=0.7)
+                ax.set_yscale("symlog", linthresh=1.0)
+                ax.axhline(0, color="k", lw=0.4)
+                ax.set_ylabel("+perplexity vs full (%)")
+            else:
+                if b == 2048:
+                    ax.axhline(100 * TARGETS["top1_2048"], color="k", ls="--", lw=0.7)
+                ax.set_ylabel("top-1 agreement with full (%)")
+            if b == 2048:
+                ax.axvline(100 * TARGETS["bytes_8k"], color="k", ls=":", lw=0.7)
+            ax.set_title(f"{title} budget {b}: mean, bars min..max over windows", fontsize=9)
+            ax.set_xlabel("bytes read per sparse layer and step at 8K (% of dense K+V)", fontsize=8)
+            ax.grid(alpha=0.3)
+    fig.text(0.01, 0.005, "colour: c=1 blue, c=2 orange, c=4 green, oracle red, prototypes brown (*); marker: pages "
+             "8 o, 12 D, 16 s, fp32 bounds x; hollow: no sink; dashed: quality target, dotted: 8K bytes target "
+             "(budget 2048)", fontsize=7.5)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def bytes_table(summary: List[dict]) -> str:
+    """Markdown: bytes per sparse layer and step (share of dense K+V) of every variant of ``summary`` at
+    8K and 32K, budgets 512 and 2048 (cost model; SmolLM2's 3 KV heads, D=64, fp32 cache)."""
+    out = ["| variant | 8K @ 512 | 8K @ 2048 | 32K @ 512 | 32K @ 2048 |", "|---|---|---|---|---|"]
+    for v in dict.fromkeys(e["variant"] for e in summary):
+        e = next(x for x in summary if x["variant"] == v)
+        cells = [f"{100 * site_bytes_share(e['policy'], c, b, e['page_size'], e['candidate_factor'], e['bounds_dtype']):.1f}%"
+                 for c in (8192, 32768) for b in (512, 2048)]
+        out.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def study10_report(results_dir: str = "results", img_dir: str = "docs/img", prefix: str = "study10") -> str:
+    """Tables (markdown) and frontier PNGs of the issue-10 study from ``results/<prefix>_{tune,heldout}.json``;
+    the summaries go to ``<img_dir>/<prefix>_summary.json`` and the per-window rows next to them."""
+    os.makedirs(img_dir, exist_ok=True)
+    parts, dump = [], {}
+    for half in ("tune", "heldout"):
+        rows = _load(os.path.join(results_dir, f"{prefix}_{half}.json"))
+        if not rows:
+            continue
+        summ = study_summary(rows)
+        dump[half] = summ
+        with open(os.path.join(img_dir, f"{prefix}_{half}_rows.json"), "w") as f:
+            json.dump(rows, f, indent=0)
+        full = [r for r in rows if r["policy"] == "full"]
+        offs = sorted({r["offset"] for r in full})
+        fulls = ", ".join(f"{r['ppl']:.2f}" for r in sorted(full, key=lambda r: r["offset"]))
+        if half == "tune":
+            parts += ["### Bytes read per sparse layer and step (share of dense K+V, `tinyserve_compile.cost`; "
+                      "prototypes: `bench.prototypes.proto_site_bytes`)", "", bytes_table(summ), ""]
+        parts += [f"### {'Tuning' if half == 'tune' else 'Held-out'} text: {len(offs)} windows at token offsets "
+                  f"{', '.join(map(str, offs))} (full-attention ppl {fulls}; {full[0]['steps']} teacher-forced "
+                  f"predictions each, context {full[0]['ctx']})", "",
+                  "Cells: mean ± std [min, max] over windows.", "", study10_table(summ), "",
+                  "Targets (issue 10), on the means:", "", targets_table(summ), ""]
+        plot_frontier10(summ, os.path.join(img_dir, f"{prefix}_{half}_frontier.png"),
+                        "tuning text," if half == "tune" else "held-out text,")
+    with open(os.path.join(img_dir, f"{prefix}_summary.json"), "w") as f:
+        json.dump(dump, f, indent=1)
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(study10_report(*sys.argv[1:]))

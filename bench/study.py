@@ -1,69 +1,135 @@
-"""Issue 6: selection-quality variants at one context (teacher-forced perplexity, top-1 agreement, stats).
+"""Selection study (issues 6 and 10): quality of page-selection variants against the bytes they read.
 
-``python -m bench.study --ctx 8192 --half tune --out results/study_tune_8k.json``
+Every cell is measured on several *windows* (non-overlapping stretches of the tuning or held-out
+text, see :func:`window_offsets`): per window, ``ctx - steps`` tokens are prefilled densely (the
+prefill is cached on disk) and ``steps`` tokens are teacher-forced through the decode path
+(:func:`bench.accuracy.perplexity`). Rows are written after every window, and ``--resume`` skips
+the (window, configuration) pairs already in ``--out``. Aggregate with :func:`bench.report.study_summary`.
+
+``python -m bench.study --half tune --windows 4 --steps 64 --out results/study10_tune.json``
+``python -m bench.study --half heldout --grid heldout --windows 4 --steps 64 --out results/study10_heldout.json``
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
+from typing import Dict, List
 
 try:
-    from .accuracy import perplexity
+    from .accuracy import load_model, perplexity, topic_text
     from .harness import Sparse
 except ImportError:
-    from accuracy import perplexity
+    from accuracy import load_model, perplexity, topic_text
     from harness import Sparse
 
 
-def variants(budget: int):
-    b = dict(token_budget=budget)
-    return {
-        "bound (paper)": Sparse(**b),
-        "bound + sink 1": Sparse(**b, sink_pages=1),
-        "bound + sink 2": Sparse(**b, sink_pages=2),
-        "bound, pages of 8": Sparse(**b, page_size=8),
-        "bound, pages of 8 + sink 1": Sparse(**b, page_size=8, sink_pages=1),
-        "bound + sink 1 + 4 dense layers": Sparse(**b, sink_pages=1, dense_layers=4),
-        "two-stage c=2 + sink 1": Sparse(**b, sink_pages=1, candidate_factor=2),
-        "two-stage c=4 + sink 1": Sparse(**b, sink_pages=1, candidate_factor=4),
-        "two-stage c=4 + sink 1, pages of 8": Sparse(**b, sink_pages=1, candidate_factor=4, page_size=8),
-        "two-stage c=4 + sink 1 + 4 dense layers": Sparse(**b, sink_pages=1, candidate_factor=4, dense_layers=4),
-        "oracle": Sparse(**b, policy="oracle"),
-        "streaming": Sparse(**b, policy="streaming"),
-        "h2o": Sparse(**b, policy="h2o"),
-    }
+def variant_name(cfg: Sparse) -> str:
+    """Readable name of a configuration (the same for every budget)."""
+    if cfg.policy == "oracle":
+        return f"oracle (pages of {cfg.page_size})"
+    if cfg.policy != "query_aware":
+        return f"{cfg.policy} (pages of {cfg.page_size})"
+    s = f"pages {cfg.page_size}, sink {cfg.sink_pages}, c={cfg.candidate_factor}"
+    if cfg.dense_layers != 2:
+        s += f", {cfg.dense_layers} dense layers"
+    if cfg.bounds_dtype != "bfloat16":
+        s += ", fp32 bounds"
+    return s
+
+
+def grid(name: str, budget: int) -> List[Sparse]:
+    """The configurations of one grid at one budget, most important first.
+
+    ``frontier`` (tuning text): the one-stage bound (the only kind whose bytes can meet issue 10's
+    targets) with pages of 8/12/16 and a sink, pages of 8/16 without one, fp32 bounds for pages of 8/16
+    with a sink, two-stage c=2/4 with a sink, and the oracle (pages of 8, sink). ``tail``: the rest of
+    pages 8/16 x sinks 0/1 x c 1/2/4 (two-stage without a sink). ``heldout``: the candidates for the
+    defaults (one stage, pages of 8/12/16, a sink), today's defaults (pages of 8, sink, c=4), the oracle,
+    and the tuning text's best two-stage compromise (pages of 8, sink, c=2).
+    ``none``: nothing (with ``--extra``: only the extra configurations).
+    """
+    b = dict(token_budget=budget, dense_layers=2)
+    one = [Sparse(**b, page_size=S, sink_pages=1) for S in (8, 12, 16)]
+    oracle = Sparse(**b, policy="oracle", page_size=8, sink_pages=1)
+    if name == "frontier":
+        return one + [Sparse(**b, page_size=S) for S in (8, 16)] + \
+            [Sparse(**b, page_size=S, sink_pages=1, bounds_dtype="float32") for S in (8, 16)] + \
+            [Sparse(**b, page_size=S, sink_pages=1, candidate_factor=c) for c in (4, 2) for S in (8, 16)] + [oracle]
+    if name == "tail":
+        return [Sparse(**b, page_size=S, candidate_factor=c) for c in (2, 4) for S in (8, 16)]
+    if name == "heldout":
+        return one + [Sparse(**b, page_size=8, sink_pages=1, candidate_factor=4), oracle,
+                      Sparse(**b, page_size=8, sink_pages=1, candidate_factor=2)]
+    if name == "none":  # only --extra
+        return []
+    raise ValueError(f"unknown grid {name!r}")
+
+
+def window_offsets(half: str, ctx: int, n: int) -> List[int]:
+    """``n`` token offsets spread evenly over the text of ``half`` (first at 0, last at its end);
+    the windows of ``ctx + 1`` tokens do not overlap when the text holds ``n * (ctx + 1)`` tokens."""
+    _, tok = load_model()
+    total = len(tok(topic_text(half)).input_ids)
+    room = total - (ctx + 1)
+    if room < 0 or n < 1:
+        raise ValueError(f"text {half!r} ({total} tokens) too short for ctx={ctx}")
+    if n == 1:
+        return [0]
+    return [i * room // (n - 1) for i in range(n)]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--half", default="tune")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--half", default="tune", choices=("tune", "heldout"))
+    ap.add_argument("--grid", default="frontier", choices=("frontier", "tail", "heldout", "none"))
+    ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--budgets", default="512,2048")
-    ap.add_argument("--only", default="", help="semicolon-separated variant names (default: all)")
-    ap.add_argument("--collect", default="bound (paper);two-stage c=4 + sink 1;oracle")
+    ap.add_argument("--only", default="", help="semicolon-separated variant names (default: the whole grid)")
+    ap.add_argument("--extra", default="", help="module whose VARIANTS(budget) adds configurations (prototypes)")
+    ap.add_argument("--resume", action="store_true", help="keep the rows in --out and skip what they cover")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    cfgs, names, collect = [], {}, []
+    cfgs: List[Sparse] = []
+    names: Dict[str, str] = {}
     only = [s for s in a.only.split(";") if s]
+    extra = __import__(a.extra, fromlist=["VARIANTS"]).VARIANTS if a.extra else None
     for budget in map(int, a.budgets.split(",")):
-        for name, cfg in variants(budget).items():
+        pairs = [(variant_name(c), c) for c in grid(a.grid, budget)]
+        if extra is not None:
+            pairs += list(extra(budget).items())
+        for name, cfg in pairs:
             if only and name not in only:
                 continue
             cfgs.append(cfg)
             names[cfg.label()] = name
-            if name in a.collect.split(";"):
-                collect.append(cfg)
-    rows = perplexity(a.ctx, cfgs, steps=a.steps, half=a.half, collect=collect)
-    for r in rows:
-        r["variant"] = names.get(r["label"], "full")
+    rows = json.load(open(a.out)) if a.resume and os.path.exists(a.out) else []
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    for r in rows:
-        print(f"{r['variant']:42s} B={r['budget']:5d} ppl={r['ppl']:.3f} ({100 * r['ppl_rel']:+.2f}%) "
-              f"top1={100 * r['top1']:.1f}% s/step={r['s_per_step']:.3f}")
+    offsets = window_offsets(a.half, a.ctx, a.windows)
+    t0 = time.time()
+    for w, off in enumerate(offsets):
+        done = {r["label"] for r in rows if r["offset"] == off and r["steps"] == a.steps}
+        todo = [c for c in cfgs if c.label() not in done]
+        if not todo:
+            continue
+
+        def keep(r, w=w, done=done, todo=todo):
+            r["variant"] = names.get(r["label"], "full")
+            r["window"] = w
+            r["bounds_dtype"] = next((c.bounds_dtype for c in todo if c.label() == r["label"]), None)
+            print(f"  w{w} {r['variant']:40s} B={r['budget']:5d} {100 * r['ppl_rel']:+7.2f}% "
+                  f"top1={100 * r['top1']:.1f}% {time.time() - t0:.0f} s", flush=True)
+            if r["label"] in done:  # full attention reruns as the reference of every call
+                return
+            rows.append(r)
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
+
+        perplexity(a.ctx, todo, steps=a.steps, half=a.half, offset=off, quiet=True, on_row=keep)
+        print(f"window {w} (offset {off}) done: {len(todo)} configurations, {time.time() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

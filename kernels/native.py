@@ -176,4 +176,35 @@ def _load(verbose: bool) -> bool:
     from . import native_sparse_decode
 
     native_sparse_decode._register_fakes()
+    problem = _self_check()
+    if problem:
+        _state["reason"] = f"native kernel self-check failed ({isa} build in {build_dir}): {problem}"
+        return False
     return True
+
+
+def _self_check() -> Optional[str]:
+    """Run the freshly loaded kernel on small cases against :mod:`.reference`; a description of the first
+    mismatch, or None. Covers both bound dtypes, fp32 and bf16 caches, one and two stages, a mask (a few ms)."""
+    from . import reference as ref
+
+    gen = torch.Generator().manual_seed(1234)
+    B, Hkv, G, L, D, S = 2, 1, 3, 131, 64, 8
+    for dtype, bdt, cf, masked in ((torch.float32, torch.float32, 1, False), (torch.bfloat16, torch.bfloat16, 4, True)):
+        q = torch.randn(B, Hkv * G, 1, D, generator=gen).to(dtype)
+        k = torch.randn(B, Hkv, L, D, generator=gen).to(dtype)
+        v = torch.randn(B, Hkv, L, D, generator=gen).to(dtype)
+        mask = (torch.rand(B, 1, 1, L, generator=gen) < 0.8) if masked else None
+        vl = torch.tensor([L, 100])
+        kmax = torch.empty(B, Hkv, ref.num_pages(L, S), D, dtype=bdt)
+        kmin, kabs = torch.empty_like(kmax), torch.empty(B, Hkv, kmax.shape[2])
+        torch.ops.tinyserve_native.rebuild_bounds(k, kmax, kmin, kabs, S)
+        b = ref.page_bounds(k, S, dtype=bdt)
+        if not (torch.equal(kmax, b.kmax) and torch.equal(kmin, b.kmin) and torch.equal(kabs, b.kabs)):
+            return f"rebuild_bounds differs from reference.page_bounds ({dtype}, bounds {bdt})"
+        out = torch.ops.tinyserve_native.sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, 0.125, S, 32, 1, cf, None)
+        want = ref.sparse_decode_reference(q, k, v, vl, mask, 0.125, S, 32, 1, cf, bounds=b)
+        err = float((out.float() - want.float()).abs().max())
+        if not err <= (1e-4 if dtype == torch.float32 else 2e-2):
+            return f"sparse_decode differs from the reference by {err:.3g} ({dtype}, bounds {bdt}, c={cf})"
+    return None

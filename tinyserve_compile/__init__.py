@@ -11,6 +11,15 @@ from .config import TinyServeConfig
 from .explain import counters, explain, reset
 
 __version__ = "0.1.0"
-__all__ = ["tinyserve_backend", "TinyServeConfig", "counters", "explain", "reset"]
+__all__ = ["tinyserve_backend", "TinyServeConfig", "counters", "explain", "reset", "export_onnx"]
+
+
+def __getattr__(name):
+    # the ONNX export is loaded on first use: importing the package stays free of onnx/onnxscript
+    if name == "export_onnx":
+        from .export import export_onnx
+
+        return export_onnx
+    raise AttributeError(f"module 'tinyserve_compile' has no attribute {name!r}")
 
 _register()

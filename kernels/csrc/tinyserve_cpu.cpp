@@ -26,7 +26,10 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <atomic>
 #include <limits>
+#include <memory>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -43,7 +46,7 @@ constexpr int VS = Vec::size();
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float POS_INF = std::numeric_limits<float>::infinity();
 // prefetch distance, in blocks of VS tokens
-constexpr int PF_BLOCKS = 2;
+constexpr int PF_BLOCKS = 6;
 
 // ------------------------------------------------------------------------------------------------------------
 // small vector helpers
@@ -211,6 +214,12 @@ struct Prof {
     return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
   }
   void start() { t = now(); }
+  std::atomic<int64_t> task_ns[16] = {};
+  const char* task_names[16] = {nullptr};
+  void add(int kind, const char* name, double us) {
+    task_ns[8 + kind].fetch_add(static_cast<int64_t>(us * 1000), std::memory_order_relaxed);
+    task_names[8 + kind] = name;
+  }
   void mark(int i, const char* name) {
     const double n = now(), d = n - t;
     acc[i] += d;
@@ -222,6 +231,9 @@ struct Prof {
     if (++calls % 500) return;
     for (int i = 0; i < 16; ++i)
       if (names[i]) std::fprintf(stderr, "%s %.1f/%.1fus  ", names[i], acc[i] / calls, lo[i]);
+    std::fprintf(stderr, "| tasks (thread cpu, summed over threads):");
+    for (int i = 0; i < 16; ++i)
+      if (task_names[i]) std::fprintf(stderr, " %s %.1fus", task_names[i], task_ns[i].load() * 1e-3 / calls);
     std::fprintf(stderr, "\n");
   }
 };
@@ -413,6 +425,120 @@ Vec bound_block(const float* M, const float* m, const float* qp, const float* qn
   return reduce_rows(acc);
 }
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define TS_BF16_PAIRS 1
+// bfloat16 pairs: one 32-bit lane holds channels 2i (low half) and 2i+1 (high half), so a shift and a mask give
+// both as fp32 without shuffles; the query is stored in the same even/odd order (see permute_pairs)
+#if defined(CPU_CAPABILITY_AVX512)
+inline void bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
+  const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#else
+inline void bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+
+// bound_block for bfloat16 bounds read in place: rows of D = NC * 2 * VS channels, q in even/odd order
+template <int NC>
+Vec bound_block_bf16(const c10::BFloat16* M, const c10::BFloat16* m, const float* qp, const float* qn,
+                     int64_t nc_rt) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  Vec acc[VS];
+  for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+  for (int64_t c = 0; c < nc; ++c) {
+    const Vec ae = Vec::loadu(qp + 2 * c * VS), ao = Vec::loadu(qp + (2 * c + 1) * VS);
+    const Vec ze = Vec::loadu(qn + 2 * c * VS), zo = Vec::loadu(qn + (2 * c + 1) * VS);
+    for (int j = 0; j < VS; ++j) {
+      Vec e, o;
+      bf16_pairs(M + j * D + c * 2 * VS, e, o);
+      acc[j] = at::vec::fmadd(ae, e, acc[j]);
+      acc[j] = at::vec::fmadd(ao, o, acc[j]);
+      bf16_pairs(m + j * D + c * 2 * VS, e, o);
+      acc[j] = at::vec::fmadd(ze, e, acc[j]);
+      acc[j] = at::vec::fmadd(zo, o, acc[j]);
+    }
+  }
+  return reduce_rows(acc);
+}
+// dot_block for bfloat16 rows read in place (VS rows of D = NC * 2 * VS channels, contiguous), q in pair order
+template <int NC>
+void dot_block_bf16(const c10::BFloat16* rows, int n, const float* q, int64_t G, int64_t nc_rt, float* out,
+                    int64_t ld) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec acc[VS];
+    for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+    const float* qg = q + g * D;
+    for (int64_t c = 0; c < nc; ++c) {
+      const Vec qe = Vec::loadu(qg + 2 * c * VS), qo = Vec::loadu(qg + (2 * c + 1) * VS);
+      for (int j = 0; j < VS; ++j) {
+        Vec e, o;
+        bf16_pairs(rows + j * D + c * 2 * VS, e, o);
+        acc[j] = at::vec::fmadd(qe, e, acc[j]);
+        acc[j] = at::vec::fmadd(qo, o, acc[j]);
+      }
+    }
+    reduce_rows(acc).store(out + g * ld, n);
+  }
+}
+
+// v_accum for n bfloat16 rows read in place; acc[g] in pair order
+template <int NC>
+void v_accum_bf16(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nc_rt, const c10::BFloat16* rows,
+                  int n) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = p + g * ldp;
+    float* ag = acc + g * D;
+    if constexpr (NC > 0 && NC <= 4) {
+      Vec a[2 * NC];
+      for (int i = 0; i < 2 * NC; ++i) a[i] = Vec::loadu(ag + i * VS);
+      for (int j = 0; j < n; ++j) {
+        const Vec pj(pg[j]);
+        for (int cc = 0; cc < NC; ++cc) {
+          Vec e, o;
+          bf16_pairs(rows + j * D + cc * 2 * VS, e, o);
+          a[2 * cc] = at::vec::fmadd(pj, e, a[2 * cc]);
+          a[2 * cc + 1] = at::vec::fmadd(pj, o, a[2 * cc + 1]);
+        }
+      }
+      for (int i = 0; i < 2 * NC; ++i) a[i].store(ag + i * VS);
+    } else {
+      for (int64_t cc = 0; cc < nc; ++cc) {
+        Vec ae = Vec::loadu(ag + 2 * cc * VS), ao = Vec::loadu(ag + (2 * cc + 1) * VS);
+        for (int j = 0; j < n; ++j) {
+          Vec e, o;
+          bf16_pairs(rows + j * D + cc * 2 * VS, e, o);
+          ae = at::vec::fmadd(Vec(pg[j]), e, ae);
+          ao = at::vec::fmadd(Vec(pg[j]), o, ao);
+        }
+        ae.store(ag + 2 * cc * VS);
+        ao.store(ag + (2 * cc + 1) * VS);
+      }
+    }
+  }
+}
+#else
+#define TS_BF16_PAIRS 0
+#endif
+
+// even/odd order of D = nc * 2 * VS channels: chunk c holds channels 2*VS*c + {0, 2, ..} then {1, 3, ..}
+inline void permute_pairs(float* x, int64_t D) {
+  float tmp[2 * VS];
+  for (int64_t c = 0; c + 2 * VS <= D; c += 2 * VS) {
+    for (int l = 0; l < VS; ++l) {
+      tmp[l] = x[c + 2 * l];
+      tmp[VS + l] = x[c + 2 * l + 1];
+    }
+    std::memcpy(x + c, tmp, 2 * VS * sizeof(float));
+  }
+}
+
 // acc[g, :] += sum_{j < n} p[g * ldp + j] * row_j
 template <int NV>
 void v_accum(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv_rt, const float* rows, int n) {
@@ -446,17 +572,68 @@ struct Kern {
   decltype(&dot_block<0>) dot;
   decltype(&bound_block<0>) bound;
   decltype(&v_accum<0>) vacc;
+#if TS_BF16_PAIRS
+  // bfloat16 pair kernels, set when D is a multiple of 2 * VS
+  decltype(&bound_block_bf16<0>) bound16 = nullptr;
+  decltype(&dot_block_bf16<0>) dot16 = nullptr;
+  decltype(&v_accum_bf16<0>) vacc16 = nullptr;
+#endif
   static Kern pick(int64_t nv) {
+    Kern k;
     switch (nv) {
-      case 1: return {&dot_block<1>, &bound_block<1>, &v_accum<1>};
-      case 2: return {&dot_block<2>, &bound_block<2>, &v_accum<2>};
-      case 4: return {&dot_block<4>, &bound_block<4>, &v_accum<4>};
-      case 8: return {&dot_block<8>, &bound_block<8>, &v_accum<8>};
-      case 16: return {&dot_block<16>, &bound_block<16>, &v_accum<16>};
-      default: return {&dot_block<0>, &bound_block<0>, &v_accum<0>};
+      case 1: k = {&dot_block<1>, &bound_block<1>, &v_accum<1>}; break;
+      case 2: k = {&dot_block<2>, &bound_block<2>, &v_accum<2>}; break;
+      case 4: k = {&dot_block<4>, &bound_block<4>, &v_accum<4>}; break;
+      case 8: k = {&dot_block<8>, &bound_block<8>, &v_accum<8>}; break;
+      case 16: k = {&dot_block<16>, &bound_block<16>, &v_accum<16>}; break;
+      default: k = {&dot_block<0>, &bound_block<0>, &v_accum<0>}; break;
     }
+#if TS_BF16_PAIRS
+    switch (nv) {
+      case 2: k.bound16 = &bound_block_bf16<1>; k.dot16 = &dot_block_bf16<1>; k.vacc16 = &v_accum_bf16<1>; break;
+      case 4: k.bound16 = &bound_block_bf16<2>; k.dot16 = &dot_block_bf16<2>; k.vacc16 = &v_accum_bf16<2>; break;
+      case 8: k.bound16 = &bound_block_bf16<4>; k.dot16 = &dot_block_bf16<4>; k.vacc16 = &v_accum_bf16<4>; break;
+      case 16: k.bound16 = &bound_block_bf16<8>; k.dot16 = &dot_block_bf16<8>; k.vacc16 = &v_accum_bf16<8>; break;
+      default:
+        if (nv % 2 == 0) {
+          k.bound16 = &bound_block_bf16<0>;
+          k.dot16 = &dot_block_bf16<0>;
+          k.vacc16 = &v_accum_bf16<0>;
+        }
+        break;
+    }
+#endif
+    return k;
   }
 };
+
+// whether bf16 keys and values are read in place as even/odd pairs (then q*scale and the value accumulators are
+// in that order)
+template <typename T>
+inline bool kv_pairs_used(int64_t D) {
+  return TS_BF16_PAIRS && std::is_same_v<T, c10::BFloat16> && D % (2 * VS) == 0;
+}
+
+
+// whether bf16 bounds are read in place as even/odd pairs (then qp/qn are stored in that order)
+template <typename BT>
+inline bool bf16_pairs_used(int64_t D) {
+  return TS_BF16_PAIRS && std::is_same_v<BT, c10::BFloat16> && D % (2 * VS) == 0;
+}
+
+// A block of n <= VS bfloat16 token rows as VS contiguous rows of D: in place when the tokens are consecutive and
+// the rows contiguous, else copied raw into scr (zero rows after n when pad)
+inline const c10::BFloat16* token_block_raw(const c10::BFloat16* base, int64_t stride, const int64_t* tok, int n,
+                                            int64_t D, c10::BFloat16* scr, bool pad) {
+  if (n == VS && stride == D && tok[VS - 1] == tok[0] + VS - 1) {
+    bool run = true;
+    for (int j = 1; j < VS - 1; ++j) run &= tok[j] == tok[0] + j;
+    if (run) return base + tok[0] * stride;
+  }
+  for (int j = 0; j < n; ++j) std::memcpy(scr + j * D, base + tok[j] * stride, D * sizeof(c10::BFloat16));
+  if (pad) std::memset(static_cast<void*>(scr + n * D), 0, (VS - n) * D * sizeof(c10::BFloat16));
+  return scr;
+}
 
 // A block of n <= VS token rows (tokens tok[0..n), row t at base + t * stride) as VS contiguous fp32 rows of Dp:
 // the cache itself when that is already the layout (fp32, Dp == D == stride, consecutive tokens, full block),
@@ -476,6 +653,41 @@ inline const float* token_block(const T* base, int64_t stride, const int64_t* to
   rows_to_f32<T>(src, n, D, Dp, scr);
   if (pad) std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
   return scr;
+}
+
+// Logits of a block of n <= VS tokens (rows at base + tok[j] * stride) for G heads: out[g * ld + j].
+// bf16 rows are read in place as even/odd pairs when `pairs` (q in pair order), else through fp32 rows.
+template <typename T>
+inline void key_dots(const Kern& kern, const T* base, int64_t stride, const int64_t* tok, int n, int64_t D,
+                     int64_t Dp, float* scr, const float* q, int64_t G, float* out, int64_t ld, bool pairs) {
+#if TS_BF16_PAIRS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pairs) {
+      const c10::BFloat16* rows = token_block_raw(base, stride, tok, n, D, reinterpret_cast<c10::BFloat16*>(scr), true);
+      kern.dot16(rows, n, q, G, Dp / (2 * VS), out, ld);
+      return;
+    }
+  }
+#endif
+  const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, true);
+  kern.dot(rows, n, q, G, Dp / VS, out, ld);
+}
+
+// acc[g] += sum_j p[g * ldp + j] * v_j over a block of n <= VS tokens (acc in pair order when `pairs`)
+template <typename T>
+inline void value_accum(const Kern& kern, const T* base, int64_t stride, const int64_t* tok, int n, int64_t D,
+                        int64_t Dp, float* scr, float* acc, const float* p, int64_t ldp, int64_t G, bool pairs) {
+#if TS_BF16_PAIRS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pairs) {
+      const c10::BFloat16* rows = token_block_raw(base, stride, tok, n, D, reinterpret_cast<c10::BFloat16*>(scr), false);
+      kern.vacc16(acc, p, ldp, G, Dp / (2 * VS), rows, n);
+      return;
+    }
+  }
+#endif
+  const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, false);
+  kern.vacc(acc, p, ldp, G, Dp / VS, rows, n);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -499,6 +711,43 @@ void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, 
     // ---- the block's bounds as contiguous fp32 rows (in place for fp32 bounds and full blocks)
     const float* Mb;
     const float* mb;
+    const bool pairs = bf16_pairs_used<BT>(D);
+    if (pairs) {
+#if TS_BF16_PAIRS
+      // ---- bf16 bounds in place (a partial block is copied, zero padded)
+      const c10::BFloat16* Mh = reinterpret_cast<const c10::BFloat16*>(M + p * D);
+      const c10::BFloat16* mh = reinterpret_cast<const c10::BFloat16*>(m + p * D);
+      if (n < VS) {
+        c10::BFloat16* h16 = reinterpret_cast<c10::BFloat16*>(scr);
+        std::memset(h16, 0, 2 * VS * D * sizeof(c10::BFloat16));
+        std::memcpy(h16, Mh, n * D * sizeof(c10::BFloat16));
+        std::memcpy(h16 + VS * D, mh, n * D * sizeof(c10::BFloat16));
+        Mh = h16;
+        mh = h16 + VS * D;
+      }
+      for (int j = 0; j < VS; ++j) kb[j] = j < n ? kab[p + j] : 0.f;
+      const Vec kbv = Vec::loadu(kb);
+      Vec best(NEG_INF);
+      for (int64_t g = 0; g < G; ++g) {
+        const Vec r = kern.bound16(Mh, mh, qp + g * Dp, qn + g * Dp, c.nv / 2);
+        const Vec slack = at::vec::fmadd(Vec(qa[g]), kbv, Vec(c.base));
+        Vec sc = at::vec::fmadd(Vec(c.factor), slack, r) * Vec(c.scale);
+        if (c.mask.kind != 0) {
+          if (g == 0 || c.mask.per_head) {
+            const int64_t hq = h * G + g;
+            for (int j = 0; j < VS; ++j) {
+              const int64_t pj = p + std::min(j, n - 1);
+              mm[j] = c.mask.range_max(b, hq, pj * S, std::min((pj + 1) * S, c.L));
+            }
+          }
+          sc = sc + Vec::loadu(mm);
+        }
+        best = at::vec::maximum(best, sc);
+      }
+      best.store(out + p, n);
+#endif
+      continue;
+    }
     if (std::is_same_v<BT, float> && Dp == D && n == VS) {
       Mb = reinterpret_cast<const float*>(M + p * D);
       mb = reinterpret_cast<const float*>(m + p * D);
@@ -627,14 +876,6 @@ inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* k
 // work lists
 // ------------------------------------------------------------------------------------------------------------
 
-struct Item {
-  int64_t bh, begin, end;
-};
-
-inline void add_chunks(std::vector<Item>& items, int64_t bh, int64_t n, int64_t chunk) {
-  for (int64_t s = 0; s < n; s += chunk) items.push_back({bh, s, std::min(n, s + chunk)});
-}
-
 inline int64_t chunk_size(int64_t total, int64_t min_chunk, int64_t align) {
   const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
   int64_t ch = std::max<int64_t>(min_chunk, (total + 4 * nt - 1) / (4 * nt));
@@ -665,6 +906,7 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
   const T* kb = c.kbase(bh);
   const T* vb = c.vbase(bh);
   const int64_t ksl = c.ksl, vsl = c.vsl;
+  const bool pairs = kv_pairs_used<T>(D);
   // ---- logits from the keys, VS tokens at a time; prefetch keys ahead and this block's values into L2
   if (!lg_given) {
     const float* qs = c.qs + bh * G * Dp;
@@ -673,8 +915,7 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
       const int64_t tp = t0 + PF_BLOCKS * VS;
       for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(kb + tok[t] * ksl, row_bytes, 3);
       for (int j = 0; j < n; ++j) prefetch_row(vb + tok[t0 + j] * vsl, row_bytes, 1);
-      const float* rows = token_block<T>(kb, ksl, tok + t0, n, D, Dp, scr, true);
-      kern.dot(rows, n, qs, G, nv, lg + t0, ldl);
+      key_dots<T>(kern, kb, ksl, tok + t0, n, D, Dp, scr, qs, G, lg + t0, ldl, pairs);
     }
     if (c.mask.kind != 0) {
       for (int64_t g = 0; g < G; ++g) {
@@ -704,8 +945,7 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
     const int n = static_cast<int>(std::min<int64_t>(VS, T_ - t0));
     const int64_t tp = t0 + PF_BLOCKS * VS;
     for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(vb + tok[t] * vsl, row_bytes, 3);
-    const float* rows = token_block<T>(vb, vsl, tok + t0, n, D, Dp, scr, false);
-    kern.vacc(acc, lg + t0, ldl, G, nv, rows, n);
+    value_accum<T>(kern, vb, vsl, tok + t0, n, D, Dp, scr, acc, lg + t0, ldl, G, pairs);
   }
   for (int64_t g = 0; g < G; ++g) std::memcpy(part + g * (Dp + 2) + 2, acc + g * Dp, Dp * sizeof(float));
 }
@@ -713,6 +953,13 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
 // ------------------------------------------------------------------------------------------------------------
 // the op
 // ------------------------------------------------------------------------------------------------------------
+
+enum TaskKind : int { T_SCORE = 0, T_SELECT, T_CAND, T_RANK, T_ATTEND, T_COMBINE, T_KINDS };
+
+struct Task {
+  int kind;
+  int64_t bh, begin, end, aux;  // aux: ATTEND: its partial-result slot; COMBINE: first slot of the row
+};
 
 struct Plan {
   // selection outputs, per (batch, KV head)
@@ -722,6 +969,9 @@ struct Plan {
   std::vector<int64_t> keptcnt;  // [BH]
   // work buffers, grow-only (one Plan per calling thread)
   std::vector<float> qbuf, scores, lgc, plse, parts;
+  std::vector<struct Task> tasks;
+  std::unique_ptr<std::atomic<int64_t>[]> sync;  // 5 counters per (batch, KV head)
+  int64_t sync_size = 0;
 };
 
 inline Plan& thread_plan() {
@@ -785,6 +1035,14 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
       }
       qa[b * c.Hq + hq] = s;
     }
+  if (kv_pairs_used<T>(D))
+    for (int64_t r = 0; r < BH * G; ++r) permute_pairs(qs + r * Dp, D);
+  if (bf16_pairs_used<BT>(D)) {
+    for (int64_t r = 0; r < BH * G; ++r) {
+      permute_pairs(qp + r * Dp, D);
+      permute_pairs(qn + r * Dp, D);
+    }
+  }
   c.qs = qs;
   c.qp = qp;
   c.qn = qn;
@@ -815,100 +1073,244 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
   }
 }
 
-// Selection stages (bound scan, top-K or top-cK, two-stage logits and ranking). Fills plan.kept/keptcnt and,
-// for two-stage rows, the candidates' logits lgc [BH, G, N1*S] (mask included, -inf at invalid slots).
+// ------------------------------------------------------------------------------------------------------------
+// one call = one parallel region over a task list in dependency order, dispatched dynamically:
+//   SCORE chunks -> SELECT per (batch, KV head) -> CAND chunks -> RANK -> ATTEND chunks -> COMBINE
+// A thread that takes a task whose inputs are still being produced by another thread waits for them; tasks are
+// taken in list order, so what it waits for is already running (no deadlock, also with one thread).
+// ------------------------------------------------------------------------------------------------------------
+
+#ifdef TS_PROFILE
+const char* const kTaskNames[T_KINDS] = {"scores", "select", "cand_logits", "rank", "attend", "combine"};
+#endif
+
+inline void spin_wait(const std::atomic<int64_t>& x, int64_t want) {
+  int spins = 0;
+  while (x.load(std::memory_order_acquire) != want) {
+#if defined(__x86_64__) || defined(_M_X64)
+    _mm_pause();
+#endif
+    if (++spins > 2000) {  // the producer may be descheduled (busy machine): give the core away
+      std::this_thread::yield();
+      spins = 0;
+    }
+  }
+}
+
 template <typename T, typename BT>
-void select_stages(const Ctx<T, BT>& c, Plan& pl, int64_t& ld_lgc) {
-  const Kern kern = Kern::pick(c.nv);
-  const int64_t BH = c.B * c.Hkv, G = c.G, S = c.S, K = c.K;
-  const int64_t N1 = c.cf > 1 ? std::min(c.K * c.cf, c.P) : c.K;
-  pl.sel.assign(BH * std::max<int64_t>(N1, 1), 0);
-  pl.selcnt.assign(BH, 0);
-  pl.kept.assign(BH * std::max<int64_t>(K, 1), 0);
-  pl.keptcnt.assign(BH, 0);
-  bool any_scores = false, any_two = false;
-  for (const Row& r : c.rows) {
-    any_scores |= r.mode == ONE_STAGE || r.mode == TWO_TOPK;
-    any_two |= r.mode == TWO_ALL || r.mode == TWO_TOPK;
+struct Pipeline {
+  const Ctx<T, BT>& c;
+  Plan& pl;
+  Kern kern;
+  int64_t BH, G, S, K, N1, Dp, ld_lgc = 0;
+  float* scores = nullptr;
+  float* lgc = nullptr;
+  float* plse = nullptr;
+  float* parts = nullptr;
+  T* out = nullptr;
+  std::vector<Task>& tasks;
+  // per (batch, KV head): chunks still running, and stage flags (0/1)
+  std::atomic<int64_t>* score_left = nullptr;
+  std::atomic<int64_t>* cand_left = nullptr;
+  std::atomic<int64_t>* attend_left = nullptr;
+  std::atomic<int64_t>* selected = nullptr;
+  std::atomic<int64_t>* ranked = nullptr;
+
+  Pipeline(const Ctx<T, BT>& c_, Plan& pl_) : c(c_), pl(pl_), kern(Kern::pick(c_.nv)), tasks(pl_.tasks) {
+    BH = c.B * c.Hkv;
+    G = c.G;
+    S = c.S;
+    K = c.K;
+    N1 = c.cf > 1 ? std::min(c.K * c.cf, c.P) : c.K;
+    Dp = c.Dp;
   }
-  // ---- stage 1: bound scan over the valid pages of the rows that need it
-  if (any_scores) {
-    float* scores = grow(pl.scores, BH * c.P);
-    std::vector<Item> items;
+
+  int mode(int64_t bh) const { return c.rows[bh / c.Hkv].mode; }
+  static bool scored(int m) { return m == ONE_STAGE || m == TWO_TOPK; }
+  static bool two(int m) { return m == TWO_ALL || m == TWO_TOPK; }
+
+  // ---- the task list and buffers; with_attend = false stops after the selection (kept_pages)
+  void plan(bool with_attend) {
+    pl.sel.assign(BH * std::max<int64_t>(N1, 1), 0);
+    pl.selcnt.assign(BH, 0);
+    pl.kept.assign(BH * std::max<int64_t>(K, 1), 0);
+    pl.keptcnt.assign(BH, 0);
+    if (pl.sync_size < 5 * BH) {
+      pl.sync.reset(new std::atomic<int64_t>[5 * BH]);
+      pl.sync_size = 5 * BH;
+    }
+    score_left = pl.sync.get();
+    cand_left = score_left + BH;
+    attend_left = cand_left + BH;
+    selected = attend_left + BH;
+    ranked = selected + BH;
+    for (int64_t i = 0; i < 5 * BH; ++i) score_left[i].store(0, std::memory_order_relaxed);
+    tasks.clear();
+    auto chunks = [&](int kind, int64_t bh, int64_t n, int64_t ch, std::atomic<int64_t>* left) {
+      for (int64_t s0 = 0; s0 < n; s0 += ch) {
+        tasks.push_back({kind, bh, s0, std::min(n, s0 + ch), 0});
+        if (left) left[bh].fetch_add(1, std::memory_order_relaxed);
+      }
+    };
+    // ---- stage 1: bound scan of the valid pages; stage 2: top-K (one stage) or top-cK candidates
     int64_t total = 0;
+    bool any_scores = false, any_two = false;
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      const int m = mode(bh);
+      any_scores |= scored(m);
+      any_two |= two(m);
+      if (scored(m)) total += c.rows[bh / c.Hkv].nvalid;
+    }
+    if (any_scores) {
+      scores = grow(pl.scores, BH * c.P);
+      const int64_t ch = chunk_size(total, 64, VS);
+      for (int64_t bh = 0; bh < BH; ++bh)
+        if (scored(mode(bh))) chunks(T_SCORE, bh, c.rows[bh / c.Hkv].nvalid, ch, score_left);
+      for (int64_t bh = 0; bh < BH; ++bh)
+        if (scored(mode(bh))) tasks.push_back({T_SELECT, bh, 0, 0, 0});
+    }
+    // ---- stage 3: candidates' logits and page log-sum-exp, then the ranking by softmax mass
+    if (any_two) {
+      ld_lgc = N1 * S;
+      lgc = grow(pl.lgc, BH * G * ld_lgc);
+      plse = grow(pl.plse, BH * G * N1);
+      total = 0;
+      for (int64_t bh = 0; bh < BH; ++bh) {
+        const Row& r = c.rows[bh / c.Hkv];
+        if (r.mode == TWO_ALL) {  // every valid page is a candidate: no bound scan
+          for (int64_t p = 0; p < r.nvalid; ++p) pl.sel[bh * N1 + p] = static_cast<int32_t>(p);
+          pl.selcnt[bh] = r.nvalid;
+          total += r.nvalid;
+        } else if (r.mode == TWO_TOPK) {
+          total += N1;
+        }
+      }
+      const int64_t ch = chunk_size(total, 16, VS);
+      for (int64_t bh = 0; bh < BH; ++bh) {
+        const Row& r = c.rows[bh / c.Hkv];
+        if (two(r.mode)) chunks(T_CAND, bh, r.mode == TWO_ALL ? r.nvalid : N1, ch, cand_left);
+      }
+      for (int64_t bh = 0; bh < BH; ++bh)
+        if (two(mode(bh))) tasks.push_back({T_RANK, bh, 0, 0, 0});
+    }
+    if (!with_attend) return;
+    // ---- stage 4: attention over chunks of the kept pages (every valid page of a dense row), then combine
+    total = 0;
     for (int64_t bh = 0; bh < BH; ++bh) {
       const Row& r = c.rows[bh / c.Hkv];
-      if (r.mode == ONE_STAGE || r.mode == TWO_TOPK) total += r.nvalid;
+      if (r.mode == DENSE) total += r.nvalid;
+      else if (r.mode != EMPTY) total += K;
     }
-    const int64_t ch = chunk_size(total, 64, VS);
+    const int64_t ch = chunk_size(total, std::max<int64_t>(1, 64 / S), 1);
+    std::vector<int64_t> first(BH, 0), count(BH, 0);
+    int64_t slot = 0;
     for (int64_t bh = 0; bh < BH; ++bh) {
       const Row& r = c.rows[bh / c.Hkv];
-      if (r.mode == ONE_STAGE || r.mode == TWO_TOPK) add_chunks(items, bh, r.nvalid, ch);
+      first[bh] = slot;
+      if (r.mode == EMPTY) continue;
+      const int64_t n = r.mode == DENSE ? r.nvalid : K;
+      for (int64_t s0 = 0; s0 < n; s0 += ch, ++slot) {
+        tasks.push_back({T_ATTEND, bh, s0, std::min(n, s0 + ch), slot});
+        attend_left[bh].fetch_add(1, std::memory_order_relaxed);
+      }
+      count[bh] = slot - first[bh];
     }
-    run_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
-      const Item& it = items[i];
-      score_pages(c, kern, it.bh, it.begin, it.end, scores + it.bh * c.P);
-    });
-    TS_MARK(1, "scores");
-    // ---- stage 2: forced pages at +inf, partial top-N (ascending, -inf dropped)
-    run_items(BH, [&](int64_t bh) {
-      const Row& r = c.rows[bh / c.Hkv];
-      if (!(r.mode == ONE_STAGE || r.mode == TWO_TOPK)) return;
-      float* w = scores + bh * c.P;
-      for (int64_t p = 0; p < std::min(c.sinks, r.nvalid); ++p) w[p] = POS_INF;
-      if (r.newest >= 0) w[r.newest] = POS_INF;
-      const int64_t n_keep = r.mode == ONE_STAGE ? K : N1;
-      uint32_t* tmp = reinterpret_cast<uint32_t*>(scratch_f<3>(2 * r.nvalid));
-      int32_t* out = (r.mode == ONE_STAGE ? pl.kept.data() + bh * K : pl.sel.data() + bh * N1);
-      const int64_t cnt = select_top(w, r.nvalid, n_keep, tmp, out);
-      (r.mode == ONE_STAGE ? pl.keptcnt : pl.selcnt)[bh] = cnt;
-    });
-    TS_MARK(2, "select");
+    parts = grow(pl.parts, std::max<int64_t>(slot, 1) * G * (Dp + 2));
+    for (int64_t bh = 0; bh < BH; ++bh) tasks.push_back({T_COMBINE, bh, first[bh], first[bh] + count[bh], 0});
   }
-  if (!any_two) return;
-  // ---- two-stage candidates: every valid page when they number at most c*K
-  for (int64_t bh = 0; bh < BH; ++bh) {
+
+  // ---- run: one parallel region, tasks pulled in order
+  void run() {
+    const int64_t n = static_cast<int64_t>(tasks.size());
+    if (n == 0) return;
+    std::atomic<int64_t> next{0};
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+    at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
+      for (;;) {
+        const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= n) break;
+        const Task& t = tasks[i];
+#ifdef TS_PROFILE
+        const double t0 = Prof::now();
+#endif
+        execute(t);
+#ifdef TS_PROFILE
+        prof().add(t.kind, kTaskNames[t.kind], Prof::now() - t0);
+#endif
+      }
+    });
+  }
+
+  void execute(const Task& t) {
+    const int64_t bh = t.bh;
+    const int m = mode(bh);
+    switch (t.kind) {
+      case T_SCORE:
+        score_pages(c, kern, bh, t.begin, t.end, scores + bh * c.P);
+        score_left[bh].fetch_sub(1, std::memory_order_acq_rel);
+        break;
+      case T_SELECT:
+        spin_wait(score_left[bh], 0);
+        select(bh);
+        selected[bh].store(1, std::memory_order_release);
+        break;
+      case T_CAND:
+        if (m == TWO_TOPK) spin_wait(selected[bh], 1);
+        cand(bh, t.begin, std::min(t.end, pl.selcnt[bh]));
+        cand_left[bh].fetch_sub(1, std::memory_order_acq_rel);
+        break;
+      case T_RANK:
+        spin_wait(cand_left[bh], 0);
+        rank(bh);
+        ranked[bh].store(1, std::memory_order_release);
+        break;
+      case T_ATTEND:
+        if (m == ONE_STAGE) spin_wait(selected[bh], 1);
+        if (two(m)) spin_wait(ranked[bh], 1);
+        attend(bh, t.begin, m == DENSE ? t.end : std::min(t.end, pl.keptcnt[bh]), parts + t.aux * G * (Dp + 2));
+        attend_left[bh].fetch_sub(1, std::memory_order_acq_rel);
+        break;
+      case T_COMBINE:
+        spin_wait(attend_left[bh], 0);
+        combine(bh, t.begin, t.end);
+        break;
+    }
+  }
+
+  // stage 2: forced pages at +inf, partial top-N (ascending, -inf dropped)
+  void select(int64_t bh) {
     const Row& r = c.rows[bh / c.Hkv];
-    if (r.mode == TWO_ALL) {
-      for (int64_t p = 0; p < r.nvalid; ++p) pl.sel[bh * N1 + p] = static_cast<int32_t>(p);
-      pl.selcnt[bh] = r.nvalid;
-    }
+    float* w = scores + bh * c.P;
+    for (int64_t p = 0; p < std::min(c.sinks, r.nvalid); ++p) w[p] = POS_INF;
+    if (r.newest >= 0) w[r.newest] = POS_INF;
+    const int64_t n_keep = r.mode == ONE_STAGE ? K : N1;
+    uint32_t* tmp = reinterpret_cast<uint32_t*>(scratch_f<3>(2 * r.nvalid));
+    int32_t* o = r.mode == ONE_STAGE ? pl.kept.data() + bh * K : pl.sel.data() + bh * N1;
+    const int64_t cnt = select_top(w, r.nvalid, n_keep, tmp, o);
+    (r.mode == ONE_STAGE ? pl.keptcnt : pl.selcnt)[bh] = cnt;
   }
-  // ---- stage 3a: exact logits of the candidates' tokens, page log-sum-exp per query head
-  ld_lgc = N1 * S;
-  float* lg_all = grow(pl.lgc, BH * G * ld_lgc);
-  float* plse = grow(pl.plse, BH * G * N1);
-  std::vector<Item> items;
-  int64_t total = 0;
-  for (int64_t bh = 0; bh < BH; ++bh) {
-    const int m = c.rows[bh / c.Hkv].mode;
-    if (m == TWO_ALL || m == TWO_TOPK) total += pl.selcnt[bh];
-  }
-  const int64_t ch = chunk_size(total, 16, VS);
-  for (int64_t bh = 0; bh < BH; ++bh) {
-    const int m = c.rows[bh / c.Hkv].mode;
-    if (m == TWO_ALL || m == TWO_TOPK) add_chunks(items, bh, pl.selcnt[bh], ch);
-  }
-  const int64_t Dp = c.Dp, nv = c.nv, D = c.D;
-  run_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
-    const Item& it = items[i];
-    const int64_t bh = it.bh, b = bh / c.Hkv, h = bh % c.Hkv;
+
+  // stage 3a: exact logits of candidates [j0, j1) (mask included, -inf past the valid tokens), page lse per head
+  void cand(int64_t bh, int64_t j0, int64_t j1) {
+    if (j1 <= j0) return;
+    const int64_t b = bh / c.Hkv, h = bh % c.Hkv, D = c.D, nv = c.nv;
     const Row& r = c.rows[b];
-    const int32_t* cand = pl.sel.data() + bh * N1;
-    const int64_t s0 = it.begin * S, ns = (it.end - it.begin) * S;  // the chunk's candidate slots
+    const int32_t* cd = pl.sel.data() + bh * N1;
+    const int64_t s0 = j0 * S, ns = (j1 - j0) * S;  // the chunk's candidate slots
     float* scr = scratch_f<1>(VS * Dp);
     const float* qs = c.qs + bh * G * Dp;
     const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
     const T* kb = c.kbase(bh);
+    const bool pairs = kv_pairs_used<T>(D);
     // token of every slot of the chunk (-1 past the valid tokens)
     int64_t* tok = reinterpret_cast<int64_t*>(scratch_f<4>(2 * ns + 2));
-    for (int64_t j = it.begin; j < it.end; ++j) {
-      const int64_t t0 = static_cast<int64_t>(cand[j]) * S;
-      int64_t* tj = tok + (j - it.begin) * S;
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t t0 = static_cast<int64_t>(cd[j]) * S;
+      int64_t* tj = tok + (j - j0) * S;
       for (int64_t u = 0; u < S; ++u) tj[u] = t0 + u < r.ntok ? t0 + u : -1;
     }
     // logits straight into the slots, VS slots at a time (a slot past the valid tokens reads a zero row)
-    float* xb = lg_all + bh * G * ld_lgc + s0;
+    float* xb = lgc + bh * G * ld_lgc + s0;
     int64_t tk[VS];
     for (int64_t s1 = 0; s1 < ns; s1 += VS) {
       const int n = static_cast<int>(std::min<int64_t>(VS, ns - s1));
@@ -917,22 +1319,21 @@ void select_stages(const Ctx<T, BT>& c, Plan& pl, int64_t& ld_lgc) {
         if (tok[sl] >= 0) prefetch_row(kb + tok[sl] * c.ksl, row_bytes, 3);
       int nvld = 0;
       while (nvld < n && tok[s1 + nvld] >= 0) ++nvld;  // invalid slots only at the end (newest page)
-      const float* rows;
       if (nvld == n) {
-        rows = token_block<T>(kb, c.ksl, tok + s1, n, D, Dp, scr, true);
+        key_dots<T>(kern, kb, c.ksl, tok + s1, n, D, Dp, scr, qs, G, xb + s1, ld_lgc, pairs);
       } else {
         for (int j = 0; j < nvld; ++j) tk[j] = tok[s1 + j];
-        rows = token_block<T>(kb, c.ksl, tk, nvld, D, Dp, scr, true);
+        // rows past nvld are zero (padding): their logits are set to -inf below
+        key_dots<T>(kern, kb, c.ksl, tk, nvld, D, Dp, scr, qs, G, xb + s1, ld_lgc, pairs);
       }
-      kern.dot(rows, n, qs, G, nv, xb + s1, ld_lgc);
     }
     for (int64_t g = 0; g < G; ++g) {
-      float* x = lg_all + (bh * G + g) * ld_lgc;
+      float* x = lgc + (bh * G + g) * ld_lgc;
       const int64_t hq = h * G + (c.mask.per_head ? g : 0);
       if (c.mask.kind != 0) {
         for (int64_t sl = 0; sl < ns; ++sl)
           x[s0 + sl] = tok[sl] < 0 ? NEG_INF : x[s0 + sl] + c.mask.at(b, hq, tok[sl]);
-      } else if (r.ntok < (static_cast<int64_t>(cand[it.end - 1]) + 1) * S) {  // only the newest page is partial
+      } else if (r.ntok < (static_cast<int64_t>(cd[j1 - 1]) + 1) * S) {  // only the newest page is partial
         for (int64_t sl = ns - S; sl < ns; ++sl)
           if (tok[sl] < 0) x[s0 + sl] = NEG_INF;
       }
@@ -940,31 +1341,31 @@ void select_stages(const Ctx<T, BT>& c, Plan& pl, int64_t& ld_lgc) {
       float* lse = plse + (bh * G + g) * N1;
       const float mc = hmax(x + s0, ns);
       if (mc == NEG_INF || std::isnan(mc)) {
-        std::fill(lse + it.begin, lse + it.end, NEG_INF);
+        std::fill(lse + j0, lse + j1, NEG_INF);
         continue;
       }
       float* e = scratch_f<6>(ns + VS);
       exp_sub_to(x + s0, e, ns, mc);
-      float* sums = lse + it.begin;
-      const int64_t np = it.end - it.begin;
+      float* sums = lse + j0;
+      const int64_t np = j1 - j0;
+      int64_t j = 0;
       if (S == VS) {
-        int64_t j = 0;
         for (; j + VS <= np; j += VS) {
           Vec pv[VS];
           for (int u = 0; u < VS; ++u) pv[u] = Vec::loadu(e + (j + u) * S);
           reduce_rows(pv).store(sums + j);
         }
-        for (; j < np; ++j) sums[j] = hsum(e + j * S, S);
-      } else {
-        for (int64_t j = 0; j < np; ++j) sums[j] = hsum(e + j * S, S);
       }
-      int64_t j = 0;
-      for (; j + VS <= np; j += VS) (Vec::loadu(sums + j).log() + Vec(mc)).store(sums + j);
-      if (j < np) (Vec::loadu(sums + j, static_cast<int>(np - j)).log() + Vec(mc)).store(sums + j, static_cast<int>(np - j));
+      for (; j < np; ++j) sums[j] = hsum(e + j * S, S);
+      for (j = 0; j + VS <= np; j += VS) (Vec::loadu(sums + j).log() + Vec(mc)).store(sums + j);
+      if (j < np) {
+        const int rem = static_cast<int>(np - j);
+        (Vec::loadu(sums + j, rem).log() + Vec(mc)).store(sums + j, rem);
+      }
       for (j = 0; j < np; ++j) {
         if (sums[j] > NEG_INF) continue;
         // zero sum: the page is -inf throughout, or it underflowed against the chunk max (exact value then)
-        const float* xj = x + (it.begin + j) * S;
+        const float* xj = x + (j0 + j) * S;
         float pm = NEG_INF;
         for (int64_t u = 0; u < S; ++u) pm = std::max(pm, xj[u]);
         if (pm == NEG_INF) continue;
@@ -973,14 +1374,13 @@ void select_stages(const Ctx<T, BT>& c, Plan& pl, int64_t& ld_lgc) {
         sums[j] = pm + std::log(s2);
       }
     }
-  });
-  TS_MARK(3, "cand_logits");
-  // ---- stage 3b: share of softmax mass per candidate page (max over the group), forced pages, top K
-  run_items(BH, [&](int64_t bh) {
+  }
+
+  // stage 3b: share of softmax mass per candidate page (max over the group), forced pages, top K
+  void rank(int64_t bh) {
     const Row& r = c.rows[bh / c.Hkv];
-    if (!(r.mode == TWO_ALL || r.mode == TWO_TOPK)) return;
     const int64_t kc = pl.selcnt[bh];
-    const int32_t* cand = pl.sel.data() + bh * N1;
+    const int32_t* cd = pl.sel.data() + bh * N1;
     float* share = scratch_f<7>(3 * kc + 1);
     uint32_t* tmp = reinterpret_cast<uint32_t*>(share + kc);
     std::fill(share, share + kc, NEG_INF);
@@ -998,91 +1398,56 @@ void select_stages(const Ctx<T, BT>& c, Plan& pl, int64_t& ld_lgc) {
       }
     }
     for (int64_t j = 0; j < kc; ++j) {
-      const int64_t p = cand[j];
+      const int64_t p = cd[j];
       if (p == r.newest || p < c.sinks) share[j] = POS_INF;
     }
     pl.keptcnt[bh] = select_top(share, kc, K, tmp, pl.kept.data() + bh * K);
-  });
-  TS_MARK(4, "rank");
-}
+  }
 
-template <typename T, typename BT>
-at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
-                               const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
-                               const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
-                               int64_t sinks, int64_t cf, bool force_dense) {
-  TS_START();
-  Ctx<T, BT> c;
-  Plan& pl = thread_plan();
-  build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, pl.qbuf);
-  TS_MARK(0, "setup");
-  const int64_t BH = c.B * c.Hkv, G = c.G, Dp = c.Dp, K = c.K;
-  const int64_t N1 = cf > 1 ? std::min(c.K * cf, c.P) : c.K;
-  int64_t ld_lgc = 0;
-  select_stages(c, pl, ld_lgc);
-  const float* lgc = pl.lgc.data();
-  const Kern kern = Kern::pick(c.nv);
-  // ---- attention work items: chunks of kept pages (or of all valid pages for dense rows)
-  std::vector<Item> items;
-  int64_t total = 0;
-  for (int64_t bh = 0; bh < BH; ++bh) {
+  // stage 4: exact attention over kept entries [j0, j1) of a row (pages of a dense row)
+  void attend(int64_t bh, int64_t j0, int64_t j1, float* part) {
+    if (j1 <= j0) {
+      for (int64_t g = 0; g < G; ++g) {
+        part[g * (Dp + 2)] = NEG_INF;
+        part[g * (Dp + 2) + 1] = 0.f;
+      }
+      return;
+    }
     const Row& r = c.rows[bh / c.Hkv];
-    if (r.mode == DENSE) total += r.nvalid;
-    else if (r.mode != EMPTY) total += pl.keptcnt[bh];
-  }
-  const int64_t ch = chunk_size(total, std::max<int64_t>(1, 64 / S), 1);
-  for (int64_t bh = 0; bh < BH; ++bh) {
-    const Row& r = c.rows[bh / c.Hkv];
-    if (r.mode == DENSE) add_chunks(items, bh, r.nvalid, ch);
-    else if (r.mode != EMPTY) add_chunks(items, bh, pl.keptcnt[bh], ch);
-  }
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  float* parts = grow(pl.parts, n_items * G * (Dp + 2));
-  run_items(n_items, [&](int64_t i) {
-    const Item& it = items[i];
-    const int64_t bh = it.bh;
-    const Row& r = c.rows[bh / c.Hkv];
-    const int64_t cap = (it.end - it.begin) * S;
+    const int64_t cap = (j1 - j0) * S;
     int64_t* tok = reinterpret_cast<int64_t*>(scratch_f<4>(2 * cap + 2));
     const int64_t ldl = cap + VS;
     float* lg = scratch_f<5>(G * ldl);
     int64_t nt = 0;
-    const bool two = r.mode == TWO_ALL || r.mode == TWO_TOPK;
-    for (int64_t j = it.begin; j < it.end; ++j) {
+    const bool is_two = two(r.mode);
+    for (int64_t j = j0; j < j1; ++j) {
       int64_t page;
-      if (r.mode == DENSE) {
+      if (r.mode == DENSE)
         page = j;
-      } else if (two) {
+      else if (is_two)
         page = pl.sel[bh * N1 + pl.kept[bh * K + j]];
-      } else {
+      else
         page = pl.kept[bh * K + j];
-      }
       const int64_t t0 = page * S, t1 = std::min(t0 + S, r.ntok);
-      if (two) {  // reuse the candidates' logits
-        const int64_t slot = pl.kept[bh * K + j];
+      if (is_two) {  // reuse the candidates' logits
+        const int64_t sl = pl.kept[bh * K + j];
         for (int64_t g = 0; g < G; ++g) {
-          const float* src = lgc + (bh * G + g) * ld_lgc + slot * S;
+          const float* src = lgc + (bh * G + g) * ld_lgc + sl * S;
           std::memcpy(lg + g * ldl + nt, src, std::max<int64_t>(0, t1 - t0) * sizeof(float));
         }
       }
       for (int64_t t = t0; t < t1; ++t) tok[nt++] = t;
     }
-    attend_tokens(c, kern, bh, tok, nt, two, lg, ldl, parts + i * G * (Dp + 2));
-  });
-  TS_MARK(5, "attend");
-  // ---- combine the chunks of each (batch, KV head): log-sum-exp merge, normalise, cast
-  at::Tensor out = at::empty({c.B, c.Hq, 1, c.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  T* o = out.data_ptr<T>();
-  std::vector<int64_t> first(BH + 1, n_items);
-  for (int64_t i = n_items - 1; i >= 0; --i) first[items[i].bh] = i;
-  run_items(BH, [&](int64_t bh) {
-    int64_t i0 = first[bh], i1 = i0;
-    while (i1 < n_items && items[i1].bh == bh) ++i1;
-    std::vector<float> acc(Dp);
+    attend_tokens(c, kern, bh, tok, nt, is_two, lg, ldl, part);
+  }
+
+  // log-sum-exp merge of a row's chunks [i0, i1), normalised, cast to the output dtype
+  void combine(int64_t bh, int64_t i0, int64_t i1) {
+    float* acc = scratch_f<8>(Dp);
     for (int64_t g = 0; g < G; ++g) {
       float M = NEG_INF;
       for (int64_t i = i0; i < i1; ++i) M = std::max(M, parts[(i * G + g) * (Dp + 2)]);
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc, acc + Dp, 0.f);
       float l = 0.f;
       if (M > NEG_INF) {
         for (int64_t i = i0; i < i1; ++i) {
@@ -1094,11 +1459,36 @@ at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const a
         }
       }
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      T* od = o + bh * G * c.D + g * c.D;  // [B, Hq, 1, D] with hq = h*G + g
-      for (int64_t d = 0; d < c.D; ++d) od[d] = static_cast<T>(acc[d] * inv);
+      T* od = out + (bh * G + g) * c.D;  // [B, Hq, 1, D] with hq = h*G + g
+      if (kv_pairs_used<T>(c.D)) {  // accumulators in pair order: channel 2*VS*cc + 2l (+1) at 2*VS*cc + l (+VS)
+        for (int64_t cc = 0; cc < c.D; cc += 2 * VS)
+          for (int l2 = 0; l2 < VS; ++l2) {
+            od[cc + 2 * l2] = static_cast<T>(acc[cc + l2] * inv);
+            od[cc + 2 * l2 + 1] = static_cast<T>(acc[cc + VS + l2] * inv);
+          }
+      } else {
+        for (int64_t d = 0; d < c.D; ++d) od[d] = static_cast<T>(acc[d] * inv);
+      }
     }
-  });
-  TS_MARK(6, "combine");
+  }
+};
+
+template <typename T, typename BT>
+at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
+                               const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
+                               const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
+                               int64_t sinks, int64_t cf, bool force_dense) {
+  TS_START();
+  Ctx<T, BT> c;
+  Plan& pl = thread_plan();
+  build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, pl.qbuf);
+  at::Tensor out = at::empty({c.B, c.Hq, 1, c.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  Pipeline<T, BT> pipe(c, pl);
+  pipe.out = out.data_ptr<T>();
+  pipe.plan(true);
+  TS_MARK(0, "setup");
+  pipe.run();
+  TS_MARK(1, "run");
   TS_DONE();
   return out;
 }
@@ -1111,10 +1501,10 @@ at::Tensor kept_pages_typed(const at::Tensor& q, const at::Tensor& k, const at::
   Ctx<T, BT> c;
   Plan& pl = thread_plan();
   build_ctx(c, q, k, k, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, pl.qbuf);
-  int64_t ld_lgc = 0;
-  select_stages(c, pl, ld_lgc);
-  const int64_t BH = c.B * c.Hkv, K = c.K;
-  const int64_t N1 = cf > 1 ? std::min(c.K * cf, c.P) : c.K;
+  Pipeline<T, BT> pipe(c, pl);
+  pipe.plan(false);
+  pipe.run();
+  const int64_t BH = c.B * c.Hkv, K = c.K, N1 = pipe.N1;
   at::Tensor out = at::zeros({c.B, c.Hkv, c.P}, q.options().dtype(at::kBool));
   bool* o = out.data_ptr<bool>();
   for (int64_t bh = 0; bh < BH; ++bh) {

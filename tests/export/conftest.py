@@ -1,0 +1,53 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "backend"))  # models.py, helpers.py
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_state():
+    import tinyserve_compile as tc
+
+    torch._dynamo.reset()
+    tc.reset()
+    yield
+    torch._dynamo.reset()
+
+
+L = 192  #: static cache length of the tiny-model exports
+SPARSE = {"token_budget": 32, "page_size": 16, "bounds_dtype": "float32"}  # K = 2 pages, 4x candidates = 8 of 12
+EXPORTS = {
+    "llama_sparse": ("llama", SPARSE, 1),
+    "llama_one_stage": ("llama", {**SPARSE, "candidate_factor": 1, "bounds_dtype": "bfloat16"}, 1),
+    "gpt2_sparse": ("gpt2", SPARSE, 1),
+    "llama_dense": ("llama", {"policy": "full"}, 1),
+    "llama_batch2": ("llama", SPARSE, 2),
+}
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory):
+    """The tiny-model exports, made once per session on first use: ``{name: ExportInfo}``."""
+    from models import hf_model
+
+    from tinyserve_compile.export import export_onnx
+
+    root = tmp_path_factory.mktemp("onnx")
+    made = {}
+
+    class Lazy(dict):
+        def __missing__(self, name):
+            family, options, batch = EXPORTS[name]
+            info = export_onnx(hf_model(family), root / f"{name}.onnx", max_cache_len=L, options=options,
+                               batch_size=batch)
+            self[name] = info
+            return info
+
+    return Lazy(made)

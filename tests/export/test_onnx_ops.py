@@ -1,0 +1,131 @@
+"""The ONNX lowerings of the export-only ops against their PyTorch implementations (the reference)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from export_helpers import export_module, ort_run, worst
+from tinyserve_compile import onnx_ops  # noqa: F401  (registers the ops)
+from tinyserve_compile.kernels.reference import page_bounds, sparse_decode_reference, store_bounds
+
+ns = torch.ops.tinyserve_export
+
+
+class Step(torch.nn.Module):
+    """Write the new K/V, update the bounds, attend: the three ops in the order of the exported step."""
+
+    def __init__(self, page_size, token_budget, sink_pages, candidate_factor, scale=0.3):
+        super().__init__()
+        self.a = (page_size, token_budget, sink_pages, candidate_factor)
+        self.scale = scale
+
+    def forward(self, q, k, v, kmax, kmin, kabs, pos, k_new, v_new):
+        S, budget, sinks, cf = self.a
+        k2, v2 = ns.cache_write(k, pos, k_new), ns.cache_write(v, pos, v_new)
+        b = ns.bounds_write(k2, kmax, kmin, kabs, pos, S)
+        out = ns.sparse_attention(q, k2, v2, *b, pos, self.scale, S, budget, sinks, cf)
+        return (out, k2, v2, *b)
+
+
+def make_inputs(B, Hq, Hkv, L, D, S, positions, bounds_dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, Hkv, L, D, generator=g)
+    v = torch.randn(B, Hkv, L, D, generator=g)
+    for b, p in enumerate(positions):  # slots past the row's tokens are empty, as in a static cache
+        k[b, :, p:] = 0
+        v[b, :, p:] = 0
+    bd = page_bounds(k, S, dtype=bounds_dtype)
+    q = torch.randn(B, Hq, 1, D, generator=g) * 2
+    return (q, k, v, bd.kmax, bd.kmin, bd.kabs, torch.tensor(positions), torch.randn(B, Hkv, 1, D, generator=g),
+            torch.randn(B, Hkv, 1, D, generator=g))
+
+
+def check_step(tmp_path, B=2, Hq=4, Hkv=2, L=128, D=16, S=8, budget=32, sinks=1, cf=2, positions=(100, 61),
+               bounds_dtype=torch.float32, seed=0):
+    args = make_inputs(B, Hq, Hkv, L, D, S, positions, bounds_dtype, seed)
+    module = Step(S, budget, sinks, cf)
+    want = module(*args)
+    got = ort_run(export_module(module, args, tmp_path / "step.onnx"), args)
+    assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5), worst(got[0], want[0])
+    for name, g, w in zip(("k", "v", "kmax", "kmin", "kabs"), got[1:], want[1:]):
+        assert g.dtype == w.dtype and torch.equal(g, w), (name, worst(g, w))
+    # the maintained bounds equal a rebuild of the written cache
+    fresh = page_bounds(want[1], S, dtype=bounds_dtype)
+    assert torch.equal(got[3], fresh.kmax) and torch.equal(got[4], fresh.kmin) and torch.equal(got[5], fresh.kabs)
+    # dense attention over the valid tokens, for the "selection dropped pages" checks
+    q, k2, v2 = args[0], want[1], want[2]
+    dense = sparse_decode_reference(q, k2, v2, torch.tensor(positions) + 1, None, 0.3, S, L, 0, 1)
+    return got[0], dense
+
+
+@pytest.mark.parametrize("budget,cf", [(32, 1), (16, 2), (32, 2), (32, 8)],
+                         ids=["one-stage", "two-stage-gathered", "two-stage-full-logits", "two-stage-all-candidates"])
+def test_sparse_step_matches_reference_and_drops_pages(tmp_path, budget, cf):
+    # P = 16 pages: 2 x 4 candidates gathered; 2 x 8 >= 16 logits over every key; 4 x 8 >= 16 no bound scan
+    out, dense = check_step(tmp_path, budget=budget, cf=cf)
+    # row 0 holds 101 tokens = 13 pages > K: pages were dropped, the output differs from dense
+    assert (out[0] - dense[0]).abs().max() > 1e-3, worst(out[0], dense[0])
+
+
+def test_budget_covering_the_cache_is_dense(tmp_path):
+    out, dense = check_step(tmp_path, budget=128, cf=4)
+    assert torch.allclose(out, dense, atol=1e-5), worst(out, dense)
+
+
+def test_row_that_fits_its_budget_is_dense_inside_a_sparse_batch(tmp_path):
+    # row 1 holds 20 tokens = 3 pages <= K = 4: every valid page is kept although row 0 is sparse
+    out, dense = check_step(tmp_path, positions=(120, 19), cf=1)
+    assert torch.allclose(out[1], dense[1], atol=1e-5), worst(out[1], dense[1])
+    assert (out[0] - dense[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("cf", [1, 4])
+def test_bf16_bounds(tmp_path, cf):
+    check_step(tmp_path, bounds_dtype=torch.bfloat16, cf=cf, sinks=0)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3]), S=st.sampled_from([4, 8]),
+       K=st.integers(2, 6), sinks=st.integers(0, 1), cf=st.integers(1, 3), seed=st.integers(0, 2**16),
+       fill=st.floats(0.05, 1.0), bf16=st.booleans())
+def test_random_configurations(tmp_path, B, Hkv, G, S, K, sinks, cf, seed, fill, bf16):
+    L = 12 * S
+    rng = np.random.default_rng(seed)
+    positions = tuple(int(x) for x in rng.integers(max(1, int(fill * (L - 1)) // 2), int(fill * (L - 1)) + 1, B))
+    check_step(tmp_path, B=B, Hq=Hkv * G, Hkv=Hkv, L=L, D=8, S=S, budget=K * S, sinks=min(sinks, K - 1), cf=cf,
+               positions=positions, bounds_dtype=torch.bfloat16 if bf16 else torch.float32, seed=seed)
+
+
+def test_bf16_outward_rounding_matches_reference_bit_for_bit(tmp_path):
+    """``bounds_write`` rounds the page max up and the min down exactly as ``reference.store_bounds``.
+
+    Pages of one token, one channel per value: 200k random fp32 bit patterns plus
+    powers of two, their neighbours, subnormals and values near the bf16 maximum.
+    """
+    g = np.random.default_rng(0)
+    x = g.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    pw = np.ldexp(np.float32(1.0), np.arange(-149, 128)).astype(np.float32)
+    near = [np.nextafter(pw, np.float32(0)), np.nextafter(pw, np.float32(np.inf))]
+    special = np.array([0.0, 1.0, 2.0**-126, 2.0**-133 * 1.5, 1e-40, 3.3e38, 1.0000001, 0.9999999], np.float32)
+    x = np.concatenate([x, pw, *near, special])
+    x = np.concatenate([x, -x])
+    x = x[np.isfinite(x)].astype(np.float32)
+    N = x.size
+    k = torch.from_numpy(x).reshape(1, 1, 1, N)
+
+    class Write(torch.nn.Module):
+        def forward(self, k, kmax, kmin, kabs, pos):
+            return ns.bounds_write(k, kmax, kmin, kabs, pos, 1)
+
+    z = torch.zeros(1, 1, 1, N, dtype=torch.bfloat16)
+    args = (k, z, z.clone(), torch.zeros(1, 1, 1), torch.tensor([0]))
+    got = ort_run(export_module(Write(), args, tmp_path / "round.onnx"), args)
+    want = store_bounds(k[0, 0], k[0, 0], torch.bfloat16)
+    for name, g_, w in zip(("kmax", "kmin", "kabs"), got, want):
+        g_ = g_.reshape(w.shape)
+        bad = g_.float() != w.float()  # value equality (the sign of a zero does not matter to a bound)
+        assert not bad.any(), (name, int(bad.sum()), x[bad.reshape(-1).numpy()][:5] if name != "kabs" else "")
+    assert bool((got[0].float().reshape(-1) >= k.reshape(-1)).all()) and bool((got[1].float().reshape(-1) <= k.reshape(-1)).all())

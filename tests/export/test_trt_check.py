@@ -1,0 +1,61 @@
+"""Every node of the exported steps is an op TensorRT's ONNX parser supports, within its restrictions."""
+from __future__ import annotations
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from tinyserve_compile.onnx_check import TRT_MAX_TOPK, trt_problems
+
+
+@pytest.mark.parametrize("name", ["llama_sparse", "llama_one_stage", "gpt2_sparse", "llama_dense"])
+def test_exported_steps_pass_the_tensorrt_check(exports, name):
+    info = exports[name]
+    m = onnx.load(info.path, load_external_data=False)
+    onnx.checker.check_model(m)
+    assert trt_problems(m) == []
+    assert max(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")) >= 18
+    assert {n.domain for n in m.graph.node} <= {""} and not m.functions
+    ops = {n.op_type for n in m.graph.node}
+    if info.sparse_layers:
+        assert {"TopK", "ScatterND", "Gather"} <= ops
+        inits = {i.name: i for i in m.graph.initializer}
+        ks = sorted(int(onnx.numpy_helper.to_array(inits[n.input[1]]).reshape(-1)[0])
+                    for n in m.graph.node if n.op_type == "TopK")
+        assert ks and all(k < TRT_MAX_TOPK for k in ks), ks
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=18):
+    g = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _vi(name, shape, t=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, t, shape)
+
+
+def test_the_check_rejects_what_tensorrt_rejects():
+    x, y = _vi("x", [4, 8]), _vi("y", [4, 2])
+    k_in = _vi("k", [1], TensorProto.INT64)
+    i64 = lambda name, v: helper.make_tensor(name, TensorProto.INT64, [len(v)], v)  # noqa: E731
+    cases = [  # (graph, what the problem line must say)
+        (_model([helper.make_node("TopK", ["x", "k"], ["y", "i"], name="t")], [x, k_in],
+                [y, _vi("i", [4, 2], TensorProto.INT64)]), "input 1 ('k') is not a constant"),
+        (_model([helper.make_node("TopK", ["x", "kc"], ["y", "i"], name="t")], [x],
+                [y, _vi("i", [4, 2], TensorProto.INT64)], [i64("kc", [TRT_MAX_TOPK + 256])]), "not below"),
+        (_model([helper.make_node("ScatterND", ["x", "idx", "u"], ["z"], name="s", reduction="add")],
+                [x, _vi("idx", [1, 1], TensorProto.INT64), _vi("u", [1, 8])], [_vi("z", [4, 8])]), "reduction"),
+        (_model([helper.make_node("ReduceMax", ["x", "ax"], ["z"], name="r")],
+                [x, _vi("ax", [1], TensorProto.INT64)], [_vi("z", [4])]), "input 1 ('ax') is not a constant"),
+        (_model([helper.make_node("Unique", ["x"], ["z"], name="u")], [x], [_vi("z", [None])]), "support matrix"),
+        (_model([helper.make_node("SparseAttention", ["x"], ["z"], name="c", domain="tinyserve")], [x],
+                [_vi("z", [4, 8])]), "custom domain"),
+        (_model([helper.make_node("Relu", ["x"], ["z"], name="r")], [x], [_vi("z", [4, 8])], opset=23), "opset 23"),
+    ]
+    for m, what in cases:
+        found = trt_problems(m)
+        assert any(what in p for p in found), (what, found)
+    # and a clean graph passes
+    ok = _model([helper.make_node("TopK", ["x", "kc"], ["y", "i"], name="t")], [x],
+                [y, _vi("i", [4, 2], TensorProto.INT64)], [i64("kc", [2])])
+    assert trt_problems(ok) == []

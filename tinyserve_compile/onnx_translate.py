@@ -1,0 +1,280 @@
+"""ONNX lowerings of the export-only ops (:mod:`tinyserve_compile.onnx_ops`), standard ops only.
+
+Each function is handed to ``torch.onnx.export(..., custom_translation_table=...)``
+and traced by onnxscript: Python runs at export time with static shapes, so every
+size, ``K`` of ``TopK`` and reduction axis becomes a constant. The ops used are
+among those TensorRT's ONNX parser supports (``TopK`` with a constant ``K``,
+``Gather``/``GatherElements``, ``MatMul``, ``Softmax``, ``Where``, ``ScatterND``
+without reduction, ``ReduceMax``/``ReduceMin``/``ReduceSum`` with constant axes,
+elementwise arithmetic and comparisons); no custom domain.
+
+The selection is :func:`tinyserve_compile.kernels.reference.choose_pages` written
+for a static graph. Where the reference branches on the data (``None`` = dense
+when every valid page fits, the candidates covering every valid page), the graph
+takes the sparse path with pages past ``valid_len`` scored ``-inf`` and marked
+invalid: ``TopK`` then keeps every valid page, so the attended token set is the
+one the reference attends.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnxscript import opset18 as op
+
+from .kernels.reference import score_slack_factor, score_underflow_slack
+
+__all__ = ["TRANSLATIONS", "translation_table"]
+
+_INF = float("inf")
+_FLOAT = onnx.TensorProto.FLOAT
+
+
+# ---------------------------------------------------------------------------------------------- constants
+def _ints(*v):
+    return op.Constant(value_ints=[int(x) for x in v])
+
+
+def _int(v):
+    return op.Constant(value_int=int(v))
+
+
+def _f(v):
+    return op.Constant(value_float=float(v))
+
+
+def _const(arr: np.ndarray):
+    return op.Constant(value=onnx.numpy_helper.from_array(np.ascontiguousarray(arr)))
+
+
+def _dims(x):
+    shape = x.shape
+    dims = [d if isinstance(d, int) else getattr(d, "value", d) for d in shape]
+    if not all(isinstance(d, int) for d in dims):
+        raise ValueError(f"tinyserve ONNX export needs static shapes, got {shape}")
+    return dims
+
+
+def _bh_index(B: int, H: int) -> np.ndarray:
+    """int64 ``[B, H, 2]`` holding ``(b, h)``."""
+    b, h = np.meshgrid(np.arange(B), np.arange(H), indexing="ij")
+    return np.stack([b, h], -1).astype(np.int64)
+
+
+def _row_base(B: int, H: int, P: int) -> np.ndarray:
+    """int64 ``[B, H, 1]``: ``(b*H + h) * P``, the first page row of ``(b, h)`` in a ``[B*H*P, ...]`` view."""
+    return (np.arange(B * H, dtype=np.int64) * P).reshape(B, H, 1)
+
+
+def _gather_pages(cache, idx, dims, S: int, K: int):
+    """Whole pages of ``cache`` ``[B, H, L, D]`` at page indices ``idx`` int64 ``[B, H, K]`` -> ``[B, H, K*S, D]``.
+
+    One ``Gather`` of rows of the ``[B*H*P, S*D]`` view (each row a page).
+    """
+    B, H, L, D = dims
+    P = L // S
+    rows = op.Add(idx, _const(_row_base(B, H, P)))  # [B,H,K]
+    pages = op.Gather(op.Reshape(cache, _ints(B * H * P, S * D)), op.Reshape(rows, _ints(B * H * K)), axis=0)
+    return op.Reshape(pages, _ints(B, H, K * S, D))  # [B,H,K*S,D]
+
+
+def _lse(x, axis: int):
+    """``logsumexp`` over ``axis`` (dropped), ``-inf`` for a slice of ``-inf`` (as torch)."""
+    m = op.ReduceMax(x, _ints(axis), keepdims=1)
+    m = op.Where(op.Greater(m, _f(-_INF)), m, _f(0.0))
+    s = op.ReduceSum(op.Exp(op.Sub(x, m)), _ints(axis), keepdims=1)
+    return op.Squeeze(op.Add(op.Log(s), m), _ints(axis))
+
+
+# ---------------------------------------------------------------------------------------------- bf16 rounding
+def _trunc_ulp(y):
+    """For fp32 ``y >= 0``: the bf16 value at or below ``y``, the bf16 step there, and ``y`` off the grid.
+
+    The exponent comes from ``Floor(log2 y)`` corrected by one step either way
+    (``Pow(2, e)`` is exact), so every division and product below is exact.
+    """
+    ys = op.Where(op.Greater(y, _f(0.0)), y, _f(1.0))
+    e = op.Floor(op.Mul(op.Log(ys), _f(1.0 / math.log(2.0))))
+    e = op.Max(e, _f(-126.0))  # subnormals share the grid of the lowest binade
+    e = op.Where(op.Greater(op.Pow(_f(2.0), e), ys), op.Sub(e, _f(1.0)), e)
+    e = op.Max(e, _f(-126.0))
+    e = op.Where(op.LessOrEqual(op.Mul(op.Pow(_f(2.0), e), _f(2.0)), ys), op.Add(e, _f(1.0)), e)
+    ulp = op.Pow(_f(2.0), op.Sub(e, _f(7.0)))  # bf16 keeps 8 significant bits
+    q = op.Div(ys, ulp)
+    fl = op.Floor(q)
+    return op.Mul(fl, ulp), ulp, op.Greater(q, fl)
+
+
+def _round_up_bf16(x):
+    """The smallest bf16 value ``>= x`` (fp32 in, fp32 on the bf16 grid out), as ``reference.round_up_bf16``."""
+    t, ulp, off = _trunc_ulp(op.Abs(x))
+    up = op.Where(op.Greater(x, _f(0.0)), op.Where(off, op.Add(t, ulp), t), op.Neg(t))
+    return op.Where(op.Equal(x, _f(0.0)), x, up)
+
+
+def _round_outward_bf16(hi, lo, n: int):
+    """``(round_up_bf16(hi), round_down_bf16(lo))`` for ``[n]``-element tensors, one pass over both.
+
+    ``round_down(lo) = -round_up(-lo)``, so both halves are rounded up together.
+    """
+    both = _round_up_bf16(op.Concat(op.Reshape(hi, _ints(n)), op.Neg(op.Reshape(lo, _ints(n))), axis=0))
+    up = op.Slice(both, _ints(0), _ints(n), _ints(0))
+    neg_down = op.Slice(both, _ints(n), _ints(2 * n), _ints(0))
+    return up, op.Neg(neg_down)
+
+
+# ---------------------------------------------------------------------------------------------- the ops
+def cache_write(cache, position, src):
+    """ScatterND of ``src`` ``[B, H, 1, D]`` into ``cache`` ``[B, H, L, D]`` at ``(b, h, position[b])``."""
+    B, H, L, D = _dims(cache)
+    idx = op.Concat(_const(_bh_index(B, H)), op.Expand(op.Reshape(position, _ints(B, 1, 1)), _ints(B, H, 1)),
+                    axis=-1)  # [B,H,3]
+    return op.ScatterND(cache, idx, op.Reshape(src, _ints(B, H, D)))
+
+
+def bounds_write(k_cache, kmax, kmin, kabs, position, page_size):
+    """Recompute the page holding ``position[b]``: Gather it, ReduceMax/Min, ScatterND into the bounds."""
+    B, H, L, D = _dims(k_cache)
+    S, P = int(page_size), _dims(kmax)[2]
+    page = op.Div(position, _int(S))  # [B] int64
+    row = op.Reshape(page, _ints(B, 1, 1))
+    keys = _gather_pages(k_cache, row, [B, H, L, D], S, 1)  # [B,H,S,D]
+    hi = op.ReduceMax(keys, _ints(2), keepdims=0)  # [B,H,D]
+    lo = op.ReduceMin(keys, _ints(2), keepdims=0)
+    bdtype = kmax.dtype
+    if bdtype is not None and int(bdtype) == onnx.TensorProto.BFLOAT16:  # exact on the bf16 grid: the Cast is exact
+        hi, lo = _round_outward_bf16(hi, lo, B * H * D)
+        hi, lo = op.Reshape(hi, _ints(B, H, D)), op.Reshape(lo, _ints(B, H, D))
+    new_abs = op.ReduceMax(op.Max(op.Abs(hi), op.Abs(lo)), _ints(-1), keepdims=0)  # [B,H]
+    idx = op.Concat(_const(_bh_index(B, H)), op.Expand(row, _ints(B, H, 1)), axis=-1)  # [B,H,3]
+    if bdtype is not None and int(bdtype) != _FLOAT:
+        hi, lo = op.Cast(hi, to=int(bdtype)), op.Cast(lo, to=int(bdtype))
+    return op.ScatterND(kmax, idx, hi), op.ScatterND(kmin, idx, lo), op.ScatterND(kabs, idx, new_abs)
+
+
+def _as_float(x):
+    if x.dtype is not None and int(x.dtype) != _FLOAT:
+        return op.Cast(x, to=_FLOAT)
+    return x
+
+
+def _page_scores(qg, kmax, kmin, kabs, scale: float, D: int):
+    """``reference.page_scores`` without a mask: ``[B, Hkv, G, P]`` per query head (fp32)."""
+    factor = score_slack_factor(D)
+    base = score_underflow_slack(D) / (scale * factor)
+    qp, qn = op.Relu(qg), op.Min(qg, _f(0.0))  # [B,Hkv,G,D]
+    q1 = op.ReduceSum(op.Abs(qg), _ints(-1), keepdims=1)  # [B,Hkv,G,1]
+    slack = op.Add(op.Mul(q1, op.Unsqueeze(kabs, _ints(2))), _f(base))  # [B,Hkv,G,P]
+    kmin_t = op.Transpose(_as_float(kmin), perm=[0, 1, 3, 2])  # [B,Hkv,D,P]
+    kmax_t = op.Transpose(_as_float(kmax), perm=[0, 1, 3, 2])
+    r = op.Add(op.Mul(slack, _f(factor)), op.MatMul(qn, kmin_t))
+    r = op.Add(r, op.MatMul(qp, kmax_t))
+    return op.Mul(r, _f(scale))
+
+
+def _softmax_attend(logits, v):
+    """``softmax(logits) @ v``: ``[B, Hkv, G, T]`` x ``[B, Hkv, T, D]`` -> ``[B, Hkv, G, D]``."""
+    return op.MatMul(op.Softmax(logits, axis=-1), v)
+
+
+def sparse_attention(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, page_size, token_budget, sink_pages,
+                     candidate_factor):
+    """Static-graph ``choose_pages`` + exact attention over the kept pages."""
+    B, Hq, _, D = _dims(q)
+    _, Hkv, L, _ = _dims(k_cache)
+    G, S = Hq // Hkv, int(page_size)
+    P, K = L // S, int(token_budget) // S
+    scale, cf, sinks = float(scale), int(candidate_factor), int(sink_pages)
+    qg = op.Reshape(q, _ints(B, Hkv, G, D))  # [B,Hkv,G,D]: query head h reads KV head h // G
+    vl = op.Add(position, _int(1))  # [B] valid length
+    vl3 = op.Reshape(vl, _ints(B, 1, 1))
+    neg_inf, pos_inf = _f(-_INF), _f(_INF)
+
+    def out(o):  # [B,Hkv,G,D] -> [B,Hq,1,D]
+        return op.Reshape(o, _ints(B, Hq, 1, D))
+
+    def all_logits():  # exact logits over every slot, invalid ones -inf: [B,Hkv,G,L]
+        logits = op.Mul(op.MatMul(qg, op.Transpose(k_cache, perm=[0, 1, 3, 2])), _f(scale))
+        ok = op.Less(_const(np.arange(L, dtype=np.int64).reshape(1, 1, 1, L)), op.Reshape(vl, _ints(B, 1, 1, 1)))
+        return op.Where(ok, logits, neg_inf)
+
+    if P <= K:  # every page fits the budget: dense over the valid tokens
+        return out(_softmax_attend(all_logits(), v_cache))
+
+    # ---- page bookkeeping: valid pages, forced pages (newest, sinks)
+    page = _const(np.arange(P, dtype=np.int64).reshape(1, 1, P))
+    n_valid = op.Div(op.Add(vl3, _int(S - 1)), _int(S))  # [B,1,1]
+    newest = op.Div(op.Reshape(position, _ints(B, 1, 1)), _int(S))
+    valid = op.Less(page, n_valid)  # [B,1,P]
+    forced = op.Or(op.Equal(page, newest), op.Less(page, _int(sinks)))  # [B,1,P]
+
+    def bound_topk(n):  # stage 1: the n pages of highest bound, per KV head
+        s = op.ReduceMax(_page_scores(qg, kmax, kmin, kabs, scale, D), _ints(2), keepdims=0)  # [B,Hkv,P]
+        s = op.Where(valid, op.Where(forced, pos_inf, s), neg_inf)
+        top, idx = op.TopK(s, _ints(n), axis=-1, largest=1, sorted=1)  # [B,Hkv,n]
+        ok = op.And(op.Greater(top, neg_inf), op.Less(idx, n_valid))
+        return idx, ok
+
+    def tokens_ok(idx, ok, n):  # [B,Hkv,1,n*S]: slot validity of the gathered pages
+        tok = op.Add(op.Mul(op.Unsqueeze(idx, _ints(-1)), _int(S)), _const(np.arange(S, dtype=np.int64)))
+        tok_ok = op.And(op.Unsqueeze(ok, _ints(-1)), op.Less(tok, op.Unsqueeze(vl3, _ints(-1))))  # [B,Hkv,n,S]
+        return op.Reshape(tok_ok, _ints(B, Hkv, 1, n * S))
+
+    if cf <= 1:  # ---- one stage: the bound alone keeps K pages
+        idx, ok = bound_topk(K)
+        kg, vg = _gather_pages(k_cache, idx, [B, Hkv, L, D], S, K), _gather_pages(v_cache, idx, [B, Hkv, L, D], S, K)
+        logits = op.Mul(op.MatMul(qg, op.Transpose(kg, perm=[0, 1, 3, 2])), _f(scale))  # [B,Hkv,G,K*S]
+        logits = op.Where(tokens_ok(idx, ok, K), logits, neg_inf)
+        return out(_softmax_attend(logits, vg))
+
+    # ---- two stages: candidates by the bound (or every page), then their exact page mass keeps K
+    Kc = K * cf
+    if Kc >= P:  # the candidates are every page: no bound scan, logits over the whole cache
+        Kc = P
+        cand, cand_ok = None, op.Expand(valid, _ints(B, Hkv, P))
+        logits = all_logits()  # [B,Hkv,G,P*S]
+        forced_c = op.Expand(forced, _ints(B, Hkv, P))
+    else:
+        cand, cand_ok = bound_topk(Kc)  # [B,Hkv,Kc]
+        if 2 * Kc >= P:  # most pages are candidates: one pass over every key beats copying most of them
+            full = op.Reshape(all_logits(), _ints(B, Hkv, G, P, S))
+            sel_c = op.Expand(op.Reshape(cand, _ints(B, Hkv, 1, Kc, 1)), _ints(B, Hkv, G, Kc, S))
+            logits = op.Reshape(op.GatherElements(full, sel_c, axis=3), _ints(B, Hkv, G, Kc * S))
+        else:
+            kc = _gather_pages(k_cache, cand, [B, Hkv, L, D], S, Kc)  # [B,Hkv,Kc*S,D]
+            logits = op.Mul(op.MatMul(qg, op.Transpose(kc, perm=[0, 1, 3, 2])), _f(scale))  # [B,Hkv,G,Kc*S]
+        logits = op.Where(tokens_ok(cand, cand_ok, Kc), logits, neg_inf)
+        forced_c = op.Or(op.Equal(cand, newest), op.Less(cand, _int(sinks)))
+    logits5 = op.Reshape(logits, _ints(B, Hkv, G, Kc, S))
+    page_lse = _lse(logits5, 4)  # [B,Hkv,G,Kc]
+    total = op.Unsqueeze(_lse(page_lse, 3), _ints(3))  # [B,Hkv,G,1]
+    share = op.Where(op.Greater(page_lse, neg_inf), op.Sub(page_lse, total), neg_inf)
+    share = op.ReduceMax(share, _ints(2), keepdims=0)  # [B,Hkv,Kc]: max over the GQA group
+    share = op.Where(cand_ok, op.Where(forced_c, pos_inf, share), neg_inf)
+    top, pos = op.TopK(share, _ints(K), axis=-1, largest=1, sorted=1)  # [B,Hkv,K] candidate slots
+    ok = op.And(op.GatherElements(cand_ok, pos, axis=2), op.Greater(top, neg_inf))
+    chosen = pos if cand is None else op.GatherElements(cand, pos, axis=2)  # [B,Hkv,K] page indices
+    # ---- attend: the kept pages' logits are taken from the candidates' (no second key read)
+    sel = op.Expand(op.Reshape(pos, _ints(B, Hkv, 1, K, 1)), _ints(B, Hkv, G, K, S))
+    sel_logits = op.GatherElements(logits5, sel, axis=3)  # [B,Hkv,G,K,S]
+    sel_logits = op.Where(op.Reshape(ok, _ints(B, Hkv, 1, K, 1)), sel_logits, neg_inf)
+    vg = _gather_pages(v_cache, chosen, [B, Hkv, L, D], S, K)  # [B,Hkv,K*S,D]
+    return out(_softmax_attend(op.Reshape(sel_logits, _ints(B, Hkv, G, K * S)), vg))
+
+
+def translation_table() -> dict:
+    """``{torch op overload: onnxscript function}`` for ``torch.onnx.export(custom_translation_table=...)``."""
+    import torch
+
+    from . import onnx_ops  # noqa: F401  (registers the ops)
+
+    ns = torch.ops.tinyserve_export
+    return {
+        ns.cache_write.default: cache_write,
+        ns.bounds_write.default: bounds_write,
+        ns.sparse_attention.default: sparse_attention,
+    }
+
+
+TRANSLATIONS = ("cache_write", "bounds_write", "sparse_attention")
