@@ -51,7 +51,7 @@ SIZES = dict(
     shared_expert_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
     moe_num_experts=4, moe_topk=2,
     # multi-head latent attention
-    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=16,
+    rotary_dim=8, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=16,
     # windows, linear attention and state-space layers of hybrids
     sliding_window=32, attention_window_size=32, linear_num_key_heads=2, linear_num_value_heads=2,
     linear_key_head_dim=16, linear_value_head_dim=16, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=32,
@@ -78,7 +78,8 @@ def _tiny_kwargs(cls, default) -> dict:
     kw = {}
     for name, value in SIZES.items():
         cur = _attr_default(default, name)
-        derived = name in ("head_dim", "num_key_value_heads") and hasattr(default, name)  # None: derived later
+        # None: derived later, or read as is by the model
+        derived = name in ("head_dim", "num_key_value_heads", "num_experts_per_tok") and hasattr(default, name)
         if (cur is None and not derived) or isinstance(cur, bool) or isinstance(cur, (list, tuple)):
             continue
         kw[name] = value
@@ -110,7 +111,7 @@ def tiny_config(model_type: str):
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     if getattr(default, "is_encoder_decoder", False):
-        raise ValueError("encoder-decoder")
+        raise ValueError("an encoder-decoder model, not decoder-only")
     kw = _tiny_kwargs(cls, default)
     for _ in range(4):  # drop what a config rejects (a read-only property, a derived list) and retry
         try:
