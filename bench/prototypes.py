@@ -29,6 +29,8 @@ import torch
 
 from tinyserve_compile.kernels.reference import (PageBounds, Selection, page_scores, rank_candidates,
                                                  select_pages)
+from tinyserve_compile.kernels.reference import refine_by_page_mass
+from tinyserve_compile.kernels.sparse_decode import attend_selection
 from tinyserve_compile.policies import DecodeContext, PagePolicy, register_policy
 
 try:
@@ -170,6 +172,111 @@ SKETCH = {_register(f"sketch{b}", SketchPolicy, bits=b): b for b in (4, 8)}
 HIER_SKETCH = {_register("hier8x4sketch4", SketchPolicy, bits=4, pages_per_super=8, factor=4): (8, 4, 4)}
 
 
+# ---------------------------------------------------------------------------------------------- two-level
+def quantize_bounds(bounds: PageBounds, kind: str) -> PageBounds:
+    """Bounds rounded outward to one byte per channel, decoded to fp32: ``"int8"`` on a per-page grid of
+    ``kabs / 127`` (``kabs`` = the page's max ``|k|``, already stored), ``"fp8"`` to float8 e4m3 values."""
+    kmax, kmin, kabs = bounds.kmax.float(), bounds.kmin.float(), bounds.kabs.float()
+    if kind == "int8":
+        step = (kabs / 127).clamp(min=1e-30)[..., None]
+        hi = torch.ceil(kmax / step).clamp(-127, 127) * step
+        lo = torch.floor(kmin / step).clamp(-127, 127) * step
+        hi = torch.where(hi < kmax, hi + step, hi)
+        lo = torch.where(lo > kmin, lo - step, lo)
+    elif kind == "fp8":
+        vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        vals = vals[vals.isfinite()].unique()  # sorted
+        hi = vals[torch.searchsorted(vals, kmax.contiguous()).clamp(max=len(vals) - 1)]
+        lo = vals[(torch.searchsorted(vals, kmin.contiguous(), right=True) - 1).clamp(min=0)]
+        assert bool((hi >= kmax).all()) and bool((lo <= kmin).all()), "keys outside the fp8 range"
+    else:
+        raise ValueError(kind)
+    return PageBounds(hi, lo, kabs)
+
+
+def two_level_candidates(ctx: DecodeContext, coarse: int, extra: int, bq: str = "") -> Optional[Selection]:
+    """First stage on *coarse pages* of ``coarse`` pages: the bounds of ``coarse * S`` tokens (what storing
+    the bounds at that page size gives: the max/min of outward-rounded bounds are those of the union) rank
+    them, and the ``(token_budget + extra) // (coarse * S)`` best (plus the forced ones) are kept. Returns
+    their pages of ``S``, ``[B, Hkv, Kc * coarse]``, or None when every page fits in the budget."""
+    B = ctx.q.shape[0]
+    S, R = ctx.page_size, coarse
+    K = ctx.token_budget // S
+    vl = ctx.valid_len.reshape(-1).expand(B)
+    n_valid = (vl + S - 1) // S
+    if int(n_valid.max()) <= K:
+        return None
+    cb = superpage_bounds(quantize_bounds(ctx.bounds, bq) if bq else ctx.bounds, R)
+    scores = page_scores(ctx.q, cb, ctx.scale, None)  # [B,Hkv,P/R]
+    n_cand = max(1, (ctx.token_budget + extra) // (S * R))
+    cand = select_pages(scores, vl, S * R, ctx.token_budget, -(-ctx.sink_pages // R), n_select=n_cand)
+    Hkv = scores.shape[1]
+    if cand is None:  # every coarse page is a candidate
+        Pc = scores.shape[-1]
+        idx = torch.arange(Pc, device=scores.device).expand(B, Hkv, Pc).contiguous()
+        cand = Selection(idx, idx < ((vl + S * R - 1) // (S * R)).reshape(B, 1, 1))
+    fine = (cand.idx[..., None] * R + torch.arange(R, device=cand.idx.device)).flatten(2)
+    ok = cand.ok.repeat_interleave(R, dim=-1) & (fine < n_valid.reshape(B, 1, 1))
+    return Selection(fine, ok)
+
+
+class TwoLevelPolicy(PagePolicy):
+    """Bounds on coarse pages of ``coarse * S`` tokens pick ``token_budget + extra`` candidate tokens; exact
+    logits over them rank the pages of ``S`` (``token=False``) or the single tokens (``token=True``) by
+    their share of softmax mass (max over the GQA group), and the best ``token_budget`` tokens' worth are
+    attended. The candidates' logits are reused, so the reads are: the coarse bounds, the candidates' keys,
+    the kept values."""
+
+    coarse = 2
+    extra = 1024
+    token = False
+    bq = ""
+
+    def select(self, ctx: DecodeContext) -> Optional[Selection]:
+        cand = two_level_candidates(ctx, self.coarse, self.extra, self.bq)
+        if cand is None:
+            return None
+        B = ctx.q.shape[0]
+        vl = ctx.valid_len.reshape(-1).expand(B)
+        return refine_by_page_mass(ctx.q, ctx.k_cache, cand, vl, None, ctx.scale, ctx.page_size,
+                                   ctx.token_budget // ctx.page_size, ctx.sink_pages)
+
+    def select_tokens(self, ctx: DecodeContext) -> Optional[Selection]:
+        """The kept *tokens* ``[B, Hkv, token_budget]`` (pages of one token)."""
+        cand = two_level_candidates(ctx, self.coarse, self.extra, self.bq)
+        if cand is None:
+            return None
+        B, Hq, _, D = ctx.q.shape
+        S = ctx.page_size
+        Hkv, L = ctx.k_cache.shape[1], ctx.k_cache.shape[2]
+        vl = ctx.valid_len.reshape(-1).expand(B)
+        Kc = cand.idx.shape[-1]
+        tok = (cand.idx[..., None] * S + torch.arange(S, device=cand.idx.device)).flatten(2)  # [B,Hkv,Kc*S]
+        ok = cand.ok.repeat_interleave(S, dim=-1) & (tok < vl.reshape(B, 1, 1))
+        tok = tok.clamp(max=L - 1)
+        kg = ctx.k_cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
+        lg = (ctx.q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * ctx.scale
+        lg = lg.masked_fill(~ok[:, :, None, :], float("-inf"))
+        share = (lg - lg.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,Kc*S]
+        forced = (tok // S == ((vl - 1) // S).reshape(B, 1, 1)) | (tok < ctx.sink_pages * S)
+        share = share.masked_fill(forced & ok, float("inf")).masked_fill(~ok, float("-inf"))
+        top, pos = share.topk(min(ctx.token_budget, Kc * S), dim=-1)
+        return Selection(tok.gather(-1, pos), ok.gather(-1, pos) & (top > float("-inf")))
+
+    def __call__(self, ctx: DecodeContext) -> torch.Tensor:
+        if not self.token:
+            return super().__call__(ctx)
+        sel = self.select_tokens(ctx)
+        return attend_selection(ctx.q, ctx.k_cache, ctx.v_cache, sel, ctx.valid_len, None, ctx.scale,
+                                ctx.page_size if sel is None else 1)
+
+
+TWO_LEVEL = {_register(f"tl{R}e{E}{'tok' if t else ''}", TwoLevelPolicy, coarse=R, extra=E, token=t): (R, E, t)
+             for R in (1, 2, 4) for E in (512, 1024, 1536) for t in (False, True)}
+TWO_LEVEL_Q = {_register(f"tl1e{E}tok{q}", TwoLevelPolicy, coarse=1, extra=E, token=True, bq=q): (1, E, q)
+               for E in (512, 1024, 1536) for q in ("int8", "fp8")}
+
+
 def proto_site_bytes(policy: str, ctx: int, n_kv_heads: int, head_dim: int, itemsize: int, page_size: int,
                      token_budget: int, candidate_factor: int = 1, bounds_itemsize: int = 2) -> int:
     """Bytes a prototype reads per decode step and attention site, all KV heads (cf.
@@ -197,12 +304,24 @@ def proto_site_bytes(policy: str, ctx: int, n_kv_heads: int, head_dim: int, item
         cand = min(ctx, candidate_factor * B)
         # bounds, the candidates' sketch, then the kept keys (their exact logits) and values
         return h * pages * page_b + h * cand * d * bits // 8 + kept
+    if policy in TWO_LEVEL or policy in TWO_LEVEL_Q:
+        R, E, q = TWO_LEVEL[policy] if policy in TWO_LEVEL else TWO_LEVEL_Q[policy]
+        if policy in TWO_LEVEL_Q:  # one byte per channel and the fp32 kabs (int8: the scale)
+            page_b = d * 2 + 4
+        n_coarse = -(-ctx // (S * R))
+        cand = min(ctx, (B + E) // (S * R) * S * R)
+        # coarse bounds, the candidates' keys (their logits are reused), the kept values
+        return h * n_coarse * page_b + h * cand * d * itemsize + h * B * d * itemsize
     raise ValueError(f"not a prototype policy: {policy!r}")
 
 
 def VARIANTS(budget: int) -> Dict[str, Sparse]:  # noqa: N802 (the study's --extra hook)
     b = dict(token_budget=budget, dense_layers=2, sink_pages=1)
-    return {
+    tl = {f"two-level: bounds on pages of {8 * R}, +{E} candidates, keep {'tokens' if t else 'pages of 8'}, sink 1":
+          Sparse(**b, policy=name, page_size=8) for name, (R, E, t) in TWO_LEVEL.items()}
+    tl.update({f"two-level: {q} bounds on pages of 8, +{E} candidates, keep tokens, sink 1":
+               Sparse(**b, policy=name, page_size=8) for name, (_, E, q) in TWO_LEVEL_Q.items()})
+    return {**tl,
         "hierarchical: superpages of 8 pages, 4x, pages 8, sink 1": Sparse(**b, policy="hier8x4", page_size=8),
         "sketch int4 from bounds, pages 16, sink 1, c=4": Sparse(**b, policy="sketch4", page_size=16,
                                                                  candidate_factor=4),

@@ -12,6 +12,10 @@ The algorithm (TinyServe, arXiv 2509.12211; Quest, ICML 2024):
    page is the max over the group's query heads (the max of bounds is a bound).
 3. Keep the top ``token_budget // page_size`` pages (always the newest page and
    the ``sink_pages`` first pages), and attend exactly over their tokens.
+4. Optionally two-stage: keep ``N1 = candidate_factor * K + candidate_extra // page_size``
+   candidate pages by the bound, compute their exact logits (no values read), and keep
+   by true softmax share (max over the GQA group) either ``K`` whole pages or, with
+   ``keep_tokens``, the ``K * page_size`` single tokens of highest share.
 
 Conventions used throughout
 ---------------------------
@@ -26,6 +30,10 @@ Conventions used throughout
   rounded down): the stored box contains the true one, so a score computed from
   it is still an upper bound on every logit of the page. ``kabs`` stays fp32 and
   is taken from the stored values.
+* int8 bounds (:func:`int8_bounds_step`): one signed byte per channel on a per-page grid
+  of ``step = max(kabs / 126, 2^-126)`` with ``kabs`` the page's exact max ``|k|``;
+  the max is rounded up and the min down to the grid (codes in ``[-127, 127]``), and
+  every reader decodes ``code * step`` in fp32, the writer having checked that product.
 """
 from __future__ import annotations
 
@@ -55,6 +63,12 @@ __all__ = [
     "softmax_attend",
     "rank_candidates",
     "choose_pages",
+    "choose",
+    "candidate_pages",
+    "rank_candidate_tokens",
+    "int8_bounds_step",
+    "bounds_f32",
+    "bounds_itemsize",
 ]
 
 
@@ -119,7 +133,41 @@ def _paged(x: torch.Tensor, page_size: int, fill: float) -> torch.Tensor:
 
 
 #: storage dtypes of ``kmax``/``kmin``
-BOUNDS_DTYPES = (torch.float32, torch.bfloat16)
+BOUNDS_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+#: smallest normal fp32 number: the floor of the int8 grid step (no subnormal step, so ``code * step`` is exact
+#: to one rounding and ``kmax / step`` cannot overflow)
+_INT8_STEP_FLOOR = 2.0**-126
+
+
+def int8_bounds_step(kabs: torch.Tensor) -> torch.Tensor:
+    """Grid step of int8 bounds: ``max(kabs / 126, 2^-126)`` in fp32, elementwise.
+
+    Every reader and writer computes exactly this (one fp32 division, one max): with
+    ``|kmax|, |kmin| <= kabs`` the rounded codes stay within ``[-127, 127]``.
+    """
+    return torch.clamp_min(kabs.float() / 126.0, _INT8_STEP_FLOOR)
+
+
+def bounds_f32(bounds: PageBounds):
+    """``(kmax, kmin)`` decoded to fp32: int8 codes times their page's step, or the stored values upcast."""
+    if bounds.kmax.dtype == torch.int8:
+        step = int8_bounds_step(bounds.kabs)[..., None]
+        return bounds.kmax.float() * step, bounds.kmin.float() * step
+    return bounds.kmax.float(), bounds.kmin.float()
+
+
+def bounds_itemsize(dtype: torch.dtype) -> int:
+    """Bytes per stored channel of ``kmax``/``kmin``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _int8_codes(x: torch.Tensor, step: torch.Tensor, up: bool) -> torch.Tensor:
+    """Codes ``c`` in ``[-127, 127]`` with ``c * step >= x`` (``up``) or ``<= x``, as close as the grid allows."""
+    c = torch.ceil(x / step) if up else torch.floor(x / step)
+    dec = c * step
+    c = torch.where(dec < x, c + 1, c) if up else torch.where(dec > x, c - 1, c)  # one rounding of the division
+    return c.clamp(-127, 127).to(torch.int8)
 
 
 def round_up_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -149,10 +197,16 @@ def store_bounds(kmax: torch.Tensor, kmin: torch.Tensor, dtype: torch.dtype = to
     kmax, kmin : torch.Tensor
         ``[..., P, D]`` float32.
     dtype : torch.dtype
-        ``torch.float32`` or ``torch.bfloat16``.
+        ``torch.float32``, ``torch.bfloat16`` (rounded outward) or ``torch.int8`` (codes on the page's grid,
+        :func:`int8_bounds_step`; ``kabs`` is then the exact max ``|k|`` that sizes the grid).
     """
     if dtype not in BOUNDS_DTYPES:
         raise ValueError(f"argument 'dtype' must be one of {BOUNDS_DTYPES} (page bounds storage), got {dtype}")
+    if dtype == torch.int8:
+        kmax, kmin = kmax.float(), kmin.float()
+        kabs = torch.maximum(kmax.abs(), kmin.abs()).amax(-1)
+        step = int8_bounds_step(kabs)[..., None]
+        return PageBounds(_int8_codes(kmax, step, True), _int8_codes(kmin, step, False), kabs)
     if dtype == torch.bfloat16:
         kmax, kmin = round_up_bf16(kmax), round_down_bf16(kmin)
     kabs = torch.maximum(kmax.float().abs(), kmin.float().abs()).amax(-1)
@@ -259,8 +313,8 @@ def page_scores(
     # ---- stage 1: split the query by sign, one row per (batch, KV head)
     q32 = q.float().reshape(B * Hkv, G, D)
     qp, qn = q32.clamp(min=0), q32.clamp(max=0)  # [B*Hkv,G,D]
-    kmax = bounds.kmax.float().reshape(B * Hkv, P, D)
-    kmin = bounds.kmin.float().reshape(B * Hkv, P, D)
+    kmax, kmin = bounds_f32(bounds)
+    kmax, kmin = kmax.reshape(B * Hkv, P, D), kmin.reshape(B * Hkv, P, D)
     # ---- stage 2: slack, then the two bound matmuls accumulated onto it
     factor = score_slack_factor(D)
     base = score_underflow_slack(D) / (scale * factor)
@@ -486,31 +540,92 @@ def selected_token_mask(sel: Optional[Selection], page_size: int, length: int, v
     return out.scatter_add_(2, tok, ok.to(torch.int32)) > 0  # clamped slots add 0
 
 
-def choose_pages(
-    q, k_cache, bounds, valid_len, attn_mask, scale, page_size, token_budget, sink_pages=0, candidate_factor=1
-) -> Optional[Selection]:
-    """Full query-aware selection (bound scan, optional two-stage refinement).
+def candidate_pages(page_size: int, token_budget: int, candidate_factor: int = 1, candidate_extra: int = 0) -> int:
+    """Number of candidate pages of the first stage: ``candidate_factor * K + candidate_extra // page_size``
+    with ``K = token_budget // page_size``; two-stage when it exceeds ``K``."""
+    K = token_budget // page_size
+    return max(1, int(candidate_factor)) * K + max(0, int(candidate_extra)) // page_size
 
-    Returns None when attention is dense. Shapes as in :func:`sparse_decode_reference`.
+
+def rank_candidate_tokens(logits, cand: Selection, valid_len, page_size: int, n_select: int, sink_pages: int):
+    """Pick ``n_select`` single tokens of the candidate pages by their share of softmax mass.
+
+    A token's share for query head ``h`` is ``exp(l_ht - lse_h)`` over every candidate token; the KV-head
+    score is the max over the group. The tokens of the newest page and of the sink pages are forced.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[B, Hkv, G, Kc*S]`` fp32 masked logits of the candidates' tokens (-inf past the valid ones).
+    cand : Selection
+        ``[B, Hkv, Kc]`` candidate pages.
+    valid_len : torch.Tensor
+        int64 ``[B]``.
+
+    Returns
+    -------
+    (Selection, torch.Tensor)
+        The kept tokens ``[B, Hkv, n']`` (ascending; a :class:`Selection` with pages of one token) and their
+        slots in the candidates' token list ``[B, Hkv, n']`` int64, ``n' = min(n_select, Kc*S)``.
+    """
+    B, Hkv, G, T = logits.shape
+    S = page_size
+    tok = (cand.idx[..., None] * S + torch.arange(S, device=cand.idx.device)).reshape(B, Hkv, T)
+    ok = cand.ok.repeat_interleave(S, dim=-1) & (tok < valid_len.reshape(B, 1, 1))
+    share = (logits - logits.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,T]
+    forced = (tok // S == ((valid_len - 1) // S).reshape(B, 1, 1)) | (tok < sink_pages * S)
+    share = share.masked_fill(forced & ok, float("inf")).masked_fill(~ok, float("-inf"))
+    top, pos = share.topk(min(n_select, T), dim=-1, sorted=False)
+    pos, order = pos.sort(-1)  # slots ascending = tokens ascending (candidate pages are ascending)
+    top = top.gather(-1, order)
+    return Selection(tok.gather(-1, pos), ok.gather(-1, pos) & (top > float("-inf"))), pos
+
+
+def choose(
+    q, k_cache, bounds, valid_len, attn_mask, scale, page_size, token_budget, sink_pages=0, candidate_factor=1,
+    candidate_extra=0, keep_tokens=False,
+):
+    """Full query-aware selection: bound scan, then the optional two-stage refinement.
+
+    Returns ``(selection, unit)``: ``selection`` is None when attention is dense, else the kept pages
+    (``unit = page_size``) or, two-stage with ``keep_tokens``, the kept single tokens (``unit = 1``).
+    Shapes as in :func:`sparse_decode_reference`.
     """
     B, Hq, _, D = q.shape
     L = k_cache.shape[2]
     vl = _as_valid_len(valid_len, B, q.device)
     K = token_budget // page_size
+    n1 = candidate_pages(page_size, token_budget, candidate_factor, candidate_extra)
     mp = mask_page_max(attn_mask, B, Hq, L, page_size)
     scores = page_scores(q, bounds, scale, mp)
-    if candidate_factor <= 1:
-        return select_pages(scores, vl, page_size, token_budget, sink_pages)
-    cand = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=K * candidate_factor)
+    if n1 <= K:
+        return select_pages(scores, vl, page_size, token_budget, sink_pages), page_size
+    cand = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=n1)
     if cand is None:  # the candidates cover every valid page: rank them all
-        cand = select_pages(scores, vl, page_size, token_budget, sink_pages)
-        if cand is None:
-            return None
+        if select_pages(scores, vl, page_size, token_budget, sink_pages) is None:
+            return None, page_size  # dense when it fits
         P = scores.shape[-1]
         n_valid = (vl + page_size - 1) // page_size
         idx = torch.arange(P, device=q.device).expand(B, scores.shape[1], P)
         cand = Selection(idx.contiguous(), (idx < n_valid.reshape(B, 1, 1)))
-    return refine_by_page_mass(q, k_cache, cand, vl, attn_mask, scale, page_size, K, sink_pages)
+    if not keep_tokens:
+        return refine_by_page_mass(q, k_cache, cand, vl, attn_mask, scale, page_size, K, sink_pages), page_size
+    Hkv = k_cache.shape[1]
+    tok, tok_ok = _selected_tokens(cand, page_size, L, vl)  # [B,Hkv,Kc*S]
+    kg = k_cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
+    logits = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
+    logits = logits + _gathered_mask(attn_mask, tok, B, Hq, L)
+    logits = logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+    return rank_candidate_tokens(logits, cand, vl, page_size, K * page_size, sink_pages)[0], 1
+
+
+def choose_pages(
+    q, k_cache, bounds, valid_len, attn_mask, scale, page_size, token_budget, sink_pages=0, candidate_factor=1,
+    candidate_extra=0,
+) -> Optional[Selection]:
+    """:func:`choose` keeping whole pages: the kept pages, or None when attention is dense."""
+    return choose(q, k_cache, bounds, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
+                  candidate_factor, candidate_extra, False)[0]
 
 
 def sparse_decode_reference(
@@ -525,6 +640,8 @@ def sparse_decode_reference(
     sink_pages: int = 0,
     candidate_factor: int = 1,
     bounds: Optional[PageBounds] = None,
+    candidate_extra: int = 0,
+    keep_tokens: bool = False,
 ) -> torch.Tensor:
     """Sparse decode attention, written for clarity: dense SDPA with a token mask.
 
@@ -544,6 +661,10 @@ def sparse_decode_reference(
         Selection knobs (see :func:`select_pages`, :func:`refine_by_page_mass`).
     bounds : PageBounds, optional
         Defaults to :func:`page_bounds` over all ``L`` slots.
+    candidate_extra : int
+        Extra candidate tokens of the two-stage selection (see :func:`candidate_pages`).
+    keep_tokens : bool
+        Two-stage: keep single tokens (:func:`rank_candidate_tokens`) instead of whole pages.
 
     Returns
     -------
@@ -557,10 +678,11 @@ def sparse_decode_reference(
     vl = _as_valid_len(valid_len, B, q.device)
     if bounds is None:
         bounds = page_bounds(k_cache, page_size)
-    sel = choose_pages(q, k_cache, bounds, vl, attn_mask, scale, page_size, token_budget, sink_pages, candidate_factor)
+    sel, unit = choose(q, k_cache, bounds, vl, attn_mask, scale, page_size, token_budget, sink_pages,
+                       candidate_factor, candidate_extra, keep_tokens)
     keep = torch.arange(L, device=q.device)[None, None, :] < vl[:, None, None]  # [B,1,L]
     if sel is not None:
-        keep = keep & selected_token_mask(sel, page_size, L, vl)  # [B,Hkv,L]
+        keep = keep & selected_token_mask(sel, unit, L, vl)  # [B,Hkv,L]
     keep = keep.expand(B, Hkv, L).repeat_interleave(G, dim=1)[:, :, None, :]  # [B,Hq,1,L]
     add = torch.zeros(B, Hq, 1, L, dtype=torch.float32, device=q.device).masked_fill(~keep, float("-inf"))
     if attn_mask is not None:

@@ -16,6 +16,8 @@ __all__ = [
     "DEFAULT_DENSE_LAYERS",
     "DEFAULT_SINK_PAGES",
     "DEFAULT_CANDIDATE_FACTOR",
+    "DEFAULT_CANDIDATE_EXTRA",
+    "DEFAULT_KEEP_TOKENS",
     "DEFAULT_POLICY",
     "DEFAULT_LOWER",
     "DEFAULT_KERNEL",
@@ -35,6 +37,10 @@ DEFAULT_SINK_PAGES = 1
 #: the issue-10 study (4 windows per cell): held-out quality as 4 within one spread (+3.3% vs +3.0% ppl at budget
 #: 512, +0.35% vs +0.31% at 2048), 30% fewer bytes at 8K and 32K (docs/selection_study.md)
 DEFAULT_CANDIDATE_FACTOR = 2
+#: extra candidate tokens of the two-stage selection, on top of ``candidate_factor * token_budget``
+DEFAULT_CANDIDATE_EXTRA = 0
+#: two-stage: keep the single tokens of highest softmax share among the candidates, not whole pages
+DEFAULT_KEEP_TOKENS = False
 DEFAULT_POLICY = "query_aware"
 DEFAULT_LOWER = "inductor"
 DEFAULT_KERNEL = "auto"
@@ -43,7 +49,7 @@ DEFAULT_BOUNDS_DTYPE = "bfloat16"
 
 LOWERINGS = ("inductor", "eager", "tensorrt")
 KERNEL_CHOICES = ("auto", "native", "torch", "triton")
-BOUNDS_DTYPES = ("float32", "bfloat16")
+BOUNDS_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,13 @@ class TinyServeConfig:
     sink_pages : int
         First pages always kept (attention sinks).
     candidate_factor : int
-        Two-stage selection factor (1 = the bound alone).
+        Two-stage selection: the bound keeps ``candidate_factor * token_budget + candidate_extra``
+        tokens' worth of candidate pages, whose exact logits pick what is attended.
+    candidate_extra : int
+        Extra candidate tokens (rounded down to pages). Two-stage whenever the candidates exceed the budget.
+    keep_tokens : bool
+        Two-stage: keep the ``token_budget`` single tokens of highest softmax share (max over the GQA group)
+        among the candidates, instead of the best whole pages.
     policy : str
         Page-selection policy name (see :mod:`tinyserve_compile.policies`).
     lower : {"inductor", "eager", "tensorrt"}
@@ -69,9 +81,10 @@ class TinyServeConfig:
     kernel : {"auto", "native", "torch", "triton"}
         Sparse-attention implementation ("auto": Triton on CUDA, the native C++
         kernel on CPU when it builds, else PyTorch).
-    bounds_dtype : {"bfloat16", "float32"}
+    bounds_dtype : {"bfloat16", "float32", "int8"}
         Storage of the page max/min: bfloat16 is rounded outward (max up, min down),
-        so scores stay upper bounds at half the bytes of float32.
+        so scores stay upper bounds at half the bytes of float32; int8 holds codes on a
+        per-page grid of ``kabs / 126``, rounded outward, at a quarter of the bytes.
     strict : bool
         Raise instead of leaving a decode attention site dense.
     """
@@ -81,6 +94,8 @@ class TinyServeConfig:
     dense_layers: int = DEFAULT_DENSE_LAYERS
     sink_pages: int = DEFAULT_SINK_PAGES
     candidate_factor: int = DEFAULT_CANDIDATE_FACTOR
+    candidate_extra: int = DEFAULT_CANDIDATE_EXTRA
+    keep_tokens: bool = DEFAULT_KEEP_TOKENS
     policy: str = DEFAULT_POLICY
     lower: str = DEFAULT_LOWER
     kernel: str = DEFAULT_KERNEL
@@ -106,6 +121,11 @@ class TinyServeConfig:
         c = self.candidate_factor
         if not isinstance(c, int) or isinstance(c, bool) or c < 1:
             bad("candidate_factor", f"must be an int >= 1, got {c!r}")
+        e = self.candidate_extra
+        if not isinstance(e, int) or isinstance(e, bool) or e < 0:
+            bad("candidate_extra", f"must be an int >= 0 (tokens), got {e!r}")
+        if not isinstance(self.keep_tokens, bool):
+            bad("keep_tokens", f"must be a bool, got {self.keep_tokens!r}")
         if self.lower not in LOWERINGS:
             bad("lower", f"must be one of {LOWERINGS}, got {self.lower!r}")
         if self.kernel not in KERNEL_CHOICES:
@@ -140,6 +160,13 @@ class TinyServeConfig:
         import torch
 
         return getattr(torch, self.bounds_dtype)
+
+    @property
+    def candidate_pages(self) -> int:
+        """Candidate pages of the first stage (two-stage when more than ``token_budget // page_size``)."""
+        from .kernels.reference import candidate_pages
+
+        return candidate_pages(self.page_size, self.token_budget, self.candidate_factor, self.candidate_extra)
 
     def replace(self, **changes) -> "TinyServeConfig":
         return dataclasses.replace(self, **changes)

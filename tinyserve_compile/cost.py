@@ -9,24 +9,29 @@ __all__ = ["sparse_site_bytes", "kv_bytes_per_token"]
 
 
 def sparse_site_bytes(ctx: int, n_kv_heads: int, head_dim: int, itemsize: int, page_size: int, token_budget: int,
-                      candidate_factor: int = 1, bounds_itemsize: int = 4) -> int:
+                      candidate_factor: int = 1, bounds_itemsize: int = 4, candidate_extra: int = 0) -> int:
     """Bytes one rewritten attention site reads per decode step, all KV heads.
 
-    Dense fit (``ctx <= token_budget``): every key and value. Otherwise the page
-    bounds (``kmax``/``kmin`` of ``bounds_itemsize`` bytes each, fp32 ``kabs``;
-    skipped when ``candidate_factor * token_budget >= ctx``: every page is then a
-    candidate), the candidates' keys (two-stage), the kept keys (one stage only;
-    two-stage reuses the candidates' logits) and the kept values.
+    Dense fit (every page fits in ``token_budget // page_size``): every key and value.
+    Otherwise the page bounds (``kmax``/``kmin`` of ``bounds_itemsize`` bytes each,
+    fp32 ``kabs``; skipped when the candidates cover every page), the candidates'
+    keys (two-stage: ``candidate_pages`` pages), the kept keys (one stage only;
+    two-stage reuses the candidates' logits) and the kept values (``K * page_size``
+    tokens, whole pages or single tokens alike).
     """
-    h, d = n_kv_heads, head_dim
-    if ctx <= token_budget:
+    from .kernels.reference import candidate_pages
+
+    h, d, S = n_kv_heads, head_dim, page_size
+    pages = -(-ctx // S)
+    K = token_budget // S
+    if pages <= K:
         return h * ctx * d * 2 * itemsize
-    pages = -(-ctx // page_size)
-    cf = candidate_factor
-    bounds = h * (pages * d * 2 * bounds_itemsize + pages * 4) if cf * token_budget < ctx else 0
-    cand_keys = h * min(ctx, cf * token_budget) * d * itemsize if cf > 1 else 0
-    kept_keys = h * token_budget * d * itemsize if cf == 1 else 0
-    return bounds + cand_keys + kept_keys + h * token_budget * d * itemsize
+    n1 = candidate_pages(S, token_budget, candidate_factor, candidate_extra)
+    two = n1 > K
+    bounds = h * (pages * d * 2 * bounds_itemsize + pages * 4) if not (two and n1 >= pages) else 0
+    cand_keys = h * min(ctx, n1 * S) * d * itemsize if two else 0
+    kept_keys = 0 if two else h * K * S * d * itemsize
+    return bounds + cand_keys + kept_keys + h * K * S * d * itemsize
 
 
 def kv_bytes_per_token(hf_config, ctx: int, config: Optional[TinyServeConfig] = None, itemsize: int = 4) -> int:
@@ -39,5 +44,5 @@ def kv_bytes_per_token(hf_config, ctx: int, config: Optional[TinyServeConfig] = 
         return c.num_hidden_layers * dense
     n_dense = min(config.dense_layers, c.num_hidden_layers)
     sparse = sparse_site_bytes(ctx, h, d, itemsize, config.page_size, config.token_budget, config.candidate_factor,
-                               config.bounds_torch_dtype.itemsize)
+                               config.bounds_torch_dtype.itemsize, config.candidate_extra)
     return n_dense * dense + (c.num_hidden_layers - n_dense) * sparse
