@@ -26,7 +26,7 @@ Bounds are stored in the dtype of ``kmax``/``kmin`` exactly as :func:`.reference
 does: fp32; bf16 rounded outward (bit operations on the fp32 max/min); int8 codes on the page's grid
 ``step = max(kabs / 126, 2^-126)`` (``tl.div_rn``: IEEE division, as torch), the max rounded up and the
 min down and each code checked against ``code * step``, ``kabs`` then being the exact max ``|k|``.
-""
+"""
 from __future__ import annotations
 
 import torch
