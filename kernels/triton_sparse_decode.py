@@ -38,11 +38,22 @@ grid-wide barrier. So the work is split at that reduction:
 4. :func:`_splitk_combine_kernel` (grid ``B*Hq``): merges the split partials
    (max / rescaled sum) and writes ``[B, Hq, 1, D]`` in the dtype of ``q``.
 
-Two-stage selection (``candidate_factor > 1``) adds
+Page bounds are fp32, bf16 (upcast exactly) or int8: step 1 then decodes each code as
+``code * step`` with the page's ``step = max(kabs / 126, 2^-126)`` (``tl.div_rn``, the IEEE
+division torch does), exactly as :func:`.reference.bounds_f32`.
+
+Two-stage selection (``N1 = candidate_factor * K + candidate_extra // page_size > K``,
+:func:`.reference.candidate_pages`) takes the top-``N1`` pages by bound and adds
 :func:`_candidate_page_lse_kernel`, the attention-logit kernel without ``V``: it
 computes each candidate page's log-sum-exp of exact logits per query head; the
 share-of-mass ranking of :func:`.reference.rank_candidates` then runs on the tiny
-``[B, Hkv, G, cK]`` result in PyTorch, and step 3 attends over the K survivors.
+``[B, Hkv, G, N1]`` result in PyTorch, and step 3 attends over the K survivors.
+With ``keep_tokens`` the same kernel stores the candidates' logits themselves
+(``[B, Hkv, G, N1*S]`` fp32); :func:`.reference.rank_candidate_tokens` runs on them in
+PyTorch (share against the log-sum-exp over all candidate tokens, max over the group,
+forced newest/sink tokens, top ``K*S``), and :func:`_token_attn_splitk_kernel` attends
+over the kept tokens reusing their logits: it reads only their ``V`` rows, then step 4
+combines the splits.
 
 Precision: scores and softmax are fp32. On a GPU, fp16/bf16 ``Q.K`` and ``P.V``
 run as tensor-core dots with fp32 accumulation (``P`` rounded to the value dtype,
@@ -59,7 +70,7 @@ from typing import Optional
 
 import torch
 
-from .reference import Selection, score_slack_factor
+from .reference import Selection, candidate_pages, score_slack_factor, score_underflow_slack
 
 try:  # guarded: the package must import without triton
     import triton
@@ -87,6 +98,14 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if _HAS_TRITON:
+
+    @triton.jit
+    def _exact_f32(x):
+        """Upcast to fp32, exactly: bf16 through its bits (the interpreter's bf16 -> fp32 conversion mishandles
+        subnormals), other dtypes by conversion."""
+        if x.dtype.is_bf16():
+            return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return x.to(tl.float32)
 
     @triton.jit
     def _page_mask_max(mrow_ptr, stride_ml, offs_p, page_ok, L, S: tl.constexpr, S_PAD: tl.constexpr,
@@ -133,11 +152,15 @@ if _HAS_TRITON:
         stride_ab, stride_ah, stride_ap,
         stride_vb,
         stride_mb, stride_mh, stride_ml,
-        Hkv, P, L, scale, slack_c, sink_pages,
+        Hkv, P, L, scale, slack_c, under_c, sink_pages,
         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
-        BLOCK_P: tl.constexpr, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr,
+        BLOCK_P: tl.constexpr, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, BOUNDS_KIND: tl.constexpr,
     ):
-        """Group-max page scores with forced / invalid pages: ``score[b, kvh, p]`` fp32."""
+        """Group-max page scores with forced / invalid pages: ``score[b, kvh, p]`` fp32.
+
+        ``BOUNDS_KIND``: 0 fp32, 1 bf16 (upcast exactly), 2 int8 (``code * step`` with the page's
+        ``step = max(kabs / 126, 2^-126)``, as :func:`.reference.bounds_f32`).
+        """
         pid_bh = tl.program_id(0)
         pid_p = tl.program_id(1)
         b = pid_bh // Hkv
@@ -156,9 +179,16 @@ if _HAS_TRITON:
         # -- stage 1: the pages' bounds, read once for the whole GQA group
         x_off = b * stride_xb + kvh * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :] * stride_xd
         ld = p_ok[:, None] & d_ok[None, :]
-        kmax = tl.load(kmax_ptr + x_off, mask=ld, other=0.0).to(tl.float32)
-        kmin = tl.load(kmin_ptr + x_off, mask=ld, other=0.0).to(tl.float32)
         kabs = tl.load(kabs_ptr + b * stride_ab + kvh * stride_ah + offs_p * stride_ap, mask=p_ok, other=0.0)
+        kmax = tl.load(kmax_ptr + x_off, mask=ld, other=0)
+        kmin = tl.load(kmin_ptr + x_off, mask=ld, other=0)
+        if BOUNDS_KIND == 2:  # int8 codes on the page's grid: one fp32 division, one max, one multiply
+            step = tl.maximum(tl.div_rn(kabs, 126.0), 1.1754943508222875e-38)  # 2^-126
+            kmax = kmax.to(tl.float32) * step[:, None]
+            kmin = kmin.to(tl.float32) * step[:, None]
+        else:
+            kmax = _exact_f32(kmax)
+            kmin = _exact_f32(kmin)
         mrow = mask_ptr + b * stride_mb
         if MASK_KIND != 0:
             if not MASK_PER_HEAD:
@@ -173,7 +203,7 @@ if _HAS_TRITON:
             qp = tl.maximum(qv, 0.0)
             qn = tl.minimum(qv, 0.0)
             r = tl.sum(qp[None, :] * kmax + qn[None, :] * kmin, axis=1)
-            slack = slack_c * tl.sum(tl.abs(qv), axis=0) * kabs
+            slack = slack_c * tl.sum(tl.abs(qv), axis=0) * kabs + under_c
             s = (r + slack) * scale
             if MASK_KIND != 0:
                 if MASK_PER_HEAD:
@@ -286,6 +316,73 @@ if _HAS_TRITON:
         tl.store(l_ptr + row, l_i, mask=g_ok)
 
     @triton.jit
+    def _token_attn_splitk_kernel(
+        v_ptr, tok_ptr, logit_ptr, acc_ptr, m_ptr, l_ptr,
+        stride_vb_, stride_vh, stride_vl_, stride_vd,
+        stride_tb, stride_th,
+        Hkv, n_tok, tok_per_split, n_splits,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """One split of flash-decoding over a list of kept tokens of one KV head, all G query heads.
+
+        The logits come from the candidate stage (``logit[b, kvh, g, t]`` fp32, masked and scaled); only
+        ``V`` rows are read here. ``tok[b, kvh, t]`` int64 is the token's position, -1 for an empty slot.
+        Writes the unnormalised partial ``acc[b, h, split, :]`` fp32 with its running max ``m`` and
+        denominator ``l``, as :func:`_sparse_attn_splitk_kernel`.
+        """
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = pid_bh // Hkv
+        kvh = pid_bh % Hkv
+
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        offs_t = tl.arange(0, BLOCK_T)
+        g_ok = offs_g < G
+        d_ok = offs_d < D
+        heads = kvh * G + offs_g
+        lrow = ((b * Hkv + kvh) * G + offs_g) * n_tok  # [G_PAD]
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+
+        start = pid_s * tok_per_split
+        end = tl.minimum(start + tok_per_split, n_tok)
+        v_base = v_ptr + b * stride_vb_ + kvh * stride_vh
+        for t0 in range(start, end, BLOCK_T):
+            # -- stage 1: positions and logits of BLOCK_T kept tokens
+            t = t0 + offs_t
+            t_in = t < end
+            pos = tl.load(tok_ptr + b * stride_tb + kvh * stride_th + t, mask=t_in, other=-1).to(tl.int64)
+            tok_ok = t_in & (pos >= 0)
+            qk = tl.load(logit_ptr + lrow[:, None] + t[None, :], mask=g_ok[:, None] & tok_ok[None, :],
+                         other=float("-inf"))
+
+            # -- stage 2: online softmax (rows with no finite logit stay at zero)
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+
+            # -- stage 3: P.V over the gathered value rows
+            v = tl.load(v_base + pos[:, None] * stride_vl_ + offs_d[None, :] * stride_vd,
+                        mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        # -- stage 4: unnormalised partials for the combine kernel
+        row = (b * Hkv * G + heads) * n_splits + pid_s  # [G_PAD]
+        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(m_ptr + row, m_i, mask=g_ok)
+        tl.store(l_ptr + row, l_i, mask=g_ok)
+
+    @triton.jit
     def _splitk_combine_kernel(
         acc_ptr, m_ptr, l_ptr, out_ptr, n_splits,
         D: tl.constexpr, D_PAD: tl.constexpr, NS_PAD: tl.constexpr,
@@ -323,9 +420,10 @@ if _HAS_TRITON:
         Hkv, L, n_cand, scale,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         S: tl.constexpr, S_PAD: tl.constexpr,
-        MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
+        MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, UPCAST: tl.constexpr, STORE_LOGITS: tl.constexpr,
     ):
-        """Log-sum-exp of the exact logits of one candidate page: ``lse[b, kvh, g, c]`` fp32 (no V read)."""
+        """Exact logits of one candidate page, no V read: their log-sum-exp ``lse[b, kvh, g, c]`` fp32 or, with
+        ``STORE_LOGITS``, the logits themselves ``lse[b, kvh, g, c * S + s]`` fp32 (-inf past ``valid_len``)."""
         pid_bh = tl.program_id(0)
         c = tl.program_id(1)
         b = pid_bh // Hkv
@@ -358,11 +456,16 @@ if _HAS_TRITON:
                          MASK_KIND, MASK_PER_HEAD)
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
 
-        # -- stage 3: per-head log-sum-exp over the page (-inf when nothing is attended)
-        mx = tl.max(qk, axis=1)
-        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-        lse = mx_safe + tl.log(tl.sum(tl.exp(qk - mx_safe[:, None]), axis=1))
-        tl.store(lse_ptr + ((b * Hkv + kvh) * G + offs_g) * n_cand + c, lse, mask=g_ok)
+        if STORE_LOGITS:
+            # -- stage 3': the masked logits of the page's S slots (token-level ranking)
+            row = ((b * Hkv + kvh) * G + offs_g) * (n_cand * S) + c * S  # [G_PAD]
+            tl.store(lse_ptr + row[:, None] + offs_s[None, :], qk, mask=g_ok[:, None] & (offs_s < S)[None, :])
+        else:
+            # -- stage 3: per-head log-sum-exp over the page (-inf when nothing is attended)
+            mx = tl.max(qk, axis=1)
+            mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+            lse = mx_safe + tl.log(tl.sum(tl.exp(qk - mx_safe[:, None]), axis=1))
+            tl.store(lse_ptr + ((b * Hkv + kvh) * G + offs_g) * n_cand + c, lse, mask=g_ok)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -426,9 +529,18 @@ def _n_splits(bh: int, n_pages: int, pages_per_block: int, device, n_splits: Opt
     return triton.cdiv(n_pages, pps), pps
 
 
+#: ``BOUNDS_KIND`` of :func:`_page_scores_kernel` for each storage dtype of ``kmax``/``kmin``
+_BOUNDS_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
 def _page_scores(q, kmax, kmin, kabs, vl, vl_stride, mask, mstr, mkind, mper, scale, page_size, sink_pages, L):
     B, Hq, _, D = q.shape
     Hkv, P = kmax.shape[1], kmax.shape[2]
+    if kmax.dtype not in _BOUNDS_KINDS or kmin.dtype != kmax.dtype:
+        raise ValueError(f"sparse_decode_triton: arguments 'kmax'/'kmin' must both be float32, bfloat16 or int8, "
+                         f"got {kmax.dtype}/{kmin.dtype}")
+    if kabs.dtype != torch.float32:
+        raise ValueError(f"sparse_decode_triton: argument 'kabs' must be float32, got {kabs.dtype}")
     if kmin.stride() != kmax.stride():
         kmin = kmin.contiguous()
         kmax = kmax.contiguous()
@@ -442,21 +554,24 @@ def _page_scores(q, kmax, kmin, kabs, vl, vl_stride, mask, mstr, mkind, mper, sc
         *kabs.stride(),
         vl_stride,
         *mstr,
-        Hkv, P, L, float(scale), score_slack_factor(D), int(sink_pages),
+        Hkv, P, L, float(scale), score_slack_factor(D), score_underflow_slack(D) / float(scale), int(sink_pages),
         G=Hq // Hkv, D=D, D_PAD=_pow2(D), S=page_size, S_PAD=_pow2(page_size),
-        BLOCK_P=BLOCK_P, MASK_KIND=mkind, MASK_PER_HEAD=mper,
+        BLOCK_P=BLOCK_P, MASK_KIND=mkind, MASK_PER_HEAD=mper, BOUNDS_KIND=_BOUNDS_KINDS[kmax.dtype],
     )
     return scores
 
 
-def _candidate_page_lse(q, k_cache, cand, vl, vl_stride, mask, mstr, mkind, mper, scale, page_size):
+def _candidate_page_lse(q, k_cache, cand, vl, vl_stride, mask, mstr, mkind, mper, scale, page_size,
+                        store_logits=False):
+    """Per candidate page and query head: log-sum-exp ``[B, Hkv, G, Kc]`` fp32 of the exact logits or, with
+    ``store_logits``, the logits ``[B, Hkv, G, Kc * S]`` fp32 (token ``cand[c] * S + s`` at ``c * S + s``)."""
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     Kc = cand.shape[-1]
-    lse = torch.empty(B, Hkv, G, Kc, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, Hkv, G, Kc * page_size if store_logits else Kc, dtype=torch.float32, device=q.device)
     _candidate_page_lse_kernel[(B * Hkv, Kc)](
-        q, k_cache, cand, vl, mask, lse,
+        q, k_cache, cand, vl, mask, out,
         q.stride(0), q.stride(1), q.stride(3),
         *k_cache.stride(),
         cand.stride(0), cand.stride(1),
@@ -464,47 +579,87 @@ def _candidate_page_lse(q, k_cache, cand, vl, vl_stride, mask, mstr, mkind, mper
         *mstr,
         Hkv, L, Kc, float(scale),
         G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), S=page_size, S_PAD=_pow2(page_size, 16),
-        MASK_KIND=mkind, MASK_PER_HEAD=mper, UPCAST=_upcast(q.dtype),
+        MASK_KIND=mkind, MASK_PER_HEAD=mper, UPCAST=_upcast(q.dtype), STORE_LOGITS=bool(store_logits),
     )
-    return lse
+    return out
+
+
+def _check_selection_args(candidate_extra, keep_tokens):
+    # bools are ints in Python: reject them, so that arguments shifted by one position do not pass silently
+    if isinstance(candidate_extra, bool) or not isinstance(candidate_extra, int) or candidate_extra < 0:
+        raise ValueError(f"sparse_decode_triton: argument 'candidate_extra' must be an int >= 0, "
+                         f"got {candidate_extra!r}")
+    if not isinstance(keep_tokens, bool):
+        raise ValueError(f"sparse_decode_triton: argument 'keep_tokens' must be a bool, got {keep_tokens!r}")
 
 
 def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-            candidate_factor):
-    """Page indices ``[B, Hkv, K]`` (unsorted) and their scores, or ``(None, None)`` when dense from the shapes."""
+            candidate_factor, candidate_extra=0, keep_tokens=False):
+    """What the attention kernels read, ``(idx, top, logits)``.
+
+    * ``(None, None, None)`` when dense from the shapes (``P <= K``);
+    * pages: ``idx`` ``[B, Hkv, K]`` int64 page indices (unsorted), ``top`` their fp32 scores
+      (``-inf``: contributes nothing), ``logits`` None;
+    * tokens (two-stage with ``keep_tokens``): ``idx`` ``[B, Hkv, n]`` int64 token positions (unsorted, -1 for
+      an empty slot), ``top`` their fp32 ranking scores, ``logits`` ``[B, Hkv, G, n]`` fp32 their masked
+      logits from the candidate stage (-inf for an empty slot).
+    """
+    _check_selection_args(candidate_extra, keep_tokens)
     B, Hq, _, D = q.shape
-    L = k_cache.shape[2]
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
     P = kmax.shape[2]
-    K = token_budget // page_size
+    S = page_size
+    K = token_budget // S
     if P <= K:  # every page fits whatever valid_len is: dense
-        return None, None
+        return None, None, None
     vl, vls = _valid_len_view(valid_len, B, q.device)
     mask, mstr, mkind, mper = _mask_view(attn_mask, B, Hq, L, q.device)
-    scores = _page_scores(q, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, scale, page_size, sink_pages, L)
-    if candidate_factor <= 1:
+    scores = _page_scores(q, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, scale, S, sink_pages, L)
+    n1 = candidate_pages(S, token_budget, candidate_factor, candidate_extra)
+    if n1 <= K:  # one stage
         top, idx = scores.topk(K, dim=-1, sorted=False)
-        return idx, top
-    # ---- two-stage: top-cK candidates, then K of them by share of exact softmax mass
-    ctop, cand = scores.topk(min(K * candidate_factor, P), dim=-1, sorted=False)
-    lse = _candidate_page_lse(q, k_cache, cand, vl, vls, mask, mstr, mkind, mper, scale, page_size)
-    share = (lse - lse.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,Kc]
-    vlb = vl.expand(B).reshape(B, 1, 1)
-    newest = torch.where(vlb > 0, (vlb - 1) // page_size, -1)
+        return idx, top, None
+    # ---- two-stage: top-N1 candidates by bound (all valid pages when N1 covers them; the rest score -inf)
+    ctop, cand = scores.topk(min(n1, P), dim=-1, sorted=False)  # [B,Hkv,Kc]
     cand_ok = ctop > float("-inf")
+    vlb = vl.expand(B).reshape(B, 1, 1)
+    newest = torch.where(vlb > 0, (vlb - 1) // S, -1)
+    if not keep_tokens:
+        # ---- K of the candidate pages by share of exact softmax mass (reference.rank_candidates)
+        lse = _candidate_page_lse(q, k_cache, cand, vl, vls, mask, mstr, mkind, mper, scale, S)  # [B,Hkv,G,Kc]
+        share = (lse - lse.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,Kc]
+        forced = (cand == newest) | (cand < sink_pages)
+        share = share.masked_fill(forced & cand_ok, float("inf")).masked_fill(~cand_ok, float("-inf"))
+        top, slot = share.topk(min(K, cand.shape[-1]), dim=-1, sorted=False)
+        return cand.gather(-1, slot), top, None
+    # ---- K*S of the candidate tokens by share of exact softmax mass (reference.rank_candidate_tokens)
+    logits = _candidate_page_lse(q, k_cache, cand, vl, vls, mask, mstr, mkind, mper, scale, S,
+                                 store_logits=True)  # [B,Hkv,G,Kc*S]
+    T = logits.shape[-1]
+    tok = (cand[..., None] * S + torch.arange(S, device=q.device)).reshape(B, Hkv, T)  # [B,Hkv,T]
+    tok_ok = cand_ok.repeat_interleave(S, dim=-1) & (tok < vlb) & (tok < L)
+    share = (logits - logits.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,T]
     forced = (cand == newest) | (cand < sink_pages)
-    share = share.masked_fill(forced & cand_ok, float("inf")).masked_fill(~cand_ok, float("-inf"))
-    top, slot = share.topk(min(K, cand.shape[-1]), dim=-1, sorted=False)
-    return cand.gather(-1, slot), top
+    forced = forced.repeat_interleave(S, dim=-1)
+    share = share.masked_fill(forced & tok_ok, float("inf")).masked_fill(~tok_ok, float("-inf"))
+    top, slot = share.topk(min(K * S, T), dim=-1, sorted=False)  # [B,Hkv,n]
+    kept = top > float("-inf")
+    idx = tok.gather(-1, slot).masked_fill(~kept, -1)
+    kept_logits = logits.gather(3, slot[:, :, None, :].expand(B, Hkv, G, slot.shape[-1]))  # [B,Hkv,G,n]
+    kept_logits = kept_logits.masked_fill(~kept[:, :, None, :], float("-inf"))
+    return idx, top, kept_logits
 
 
 def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
-                        sink_pages=0, candidate_factor=1) -> Optional[Selection]:
-    """Pages the Triton path attends, for checks against :func:`.reference.choose_pages`.
+                        sink_pages=0, candidate_factor=1, candidate_extra: int = 0,
+                        keep_tokens: bool = False) -> Optional[Selection]:
+    """What the Triton path attends, for checks against :func:`.reference.choose`.
 
     Parameters
     ----------
     q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-    candidate_factor
+    candidate_factor, candidate_extra, keep_tokens
         As in :func:`sparse_decode_triton`.
 
     Returns
@@ -512,14 +667,18 @@ def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scal
     Selection or None
         ``idx`` ``[B, Hkv, K]`` int64 ascending and ``ok`` (False for a slot whose page
         scored ``-inf``: past ``valid_len`` or fully masked, so it contributes nothing).
-        None when ``P <= K`` (dense from the shapes alone).
+        Two-stage with ``keep_tokens`` (``candidate_pages(...) > K``), the kept single tokens instead:
+        ``idx`` ``[B, Hkv, n]`` token positions, ascending (pages of one token, as the reference's
+        ``choose`` returns with ``unit = 1``). None when ``P <= K`` (dense from the shapes alone).
     """
-    idx, top = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
-                       sink_pages, candidate_factor)
+    idx, top, logits = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
+                               sink_pages, candidate_factor, candidate_extra, keep_tokens)
     if idx is None:
         return None
+    ok = top > float("-inf")
+    idx = idx.clamp(min=0)
     idx, order = idx.sort(-1)
-    return Selection(idx, top.gather(-1, order) > float("-inf"))
+    return Selection(idx, ok.gather(-1, order))
 
 
 def sparse_decode_triton(
@@ -537,6 +696,8 @@ def sparse_decode_triton(
     sink_pages: int = 0,
     candidate_factor: int = 1,
     n_splits: Optional[int] = None,
+    candidate_extra: int = 0,
+    keep_tokens: bool = False,
 ) -> torch.Tensor:
     """Query-aware paged sparse decode attention with Triton kernels.
 
@@ -547,7 +708,8 @@ def sparse_decode_triton(
     k_cache, v_cache : torch.Tensor
         ``[B, Hkv, L, D]``, dtype of ``q``, ``Hq % Hkv == 0``; read in place.
     kmax, kmin : torch.Tensor
-        ``[B, Hkv, P, D]`` float32 page bounds, ``P = ceil(L / page_size)``.
+        ``[B, Hkv, P, D]`` page bounds, ``P = ceil(L / page_size)``: float32, bfloat16 (rounded
+        outward) or int8 (codes on the page's grid, :func:`.reference.int8_bounds_step`).
     kabs : torch.Tensor
         ``[B, Hkv, P]`` float32.
     valid_len : torch.Tensor
@@ -561,6 +723,12 @@ def sparse_decode_triton(
         Selection knobs, as in :func:`.reference.sparse_decode_reference`.
     n_splits : int, optional
         Split-K programs per KV head (default: enough to fill the device twice).
+    candidate_extra : int
+        Extra candidate tokens: ``N1 = candidate_factor * K + candidate_extra // page_size`` candidate
+        pages, two-stage iff ``N1 > K`` (:func:`.reference.candidate_pages`). Pass by keyword.
+    keep_tokens : bool
+        Two-stage only: keep the ``K * page_size`` candidate tokens of highest softmax share instead of
+        ``K`` whole pages (:func:`.reference.rank_candidate_tokens`). Pass by keyword.
 
     Returns
     -------
@@ -570,8 +738,10 @@ def sparse_decode_triton(
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    idx, _ = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-                     candidate_factor)
+    idx, _, tok_logits = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
+                                 sink_pages, candidate_factor, candidate_extra, keep_tokens)
+    if tok_logits is not None:
+        return _attend_tokens(q, v_cache, idx, tok_logits, n_splits)
     dense = idx is None
     n_pages = kmax.shape[2] if dense else idx.shape[-1]
     vl, vls = _valid_len_view(valid_len, B, q.device)
@@ -596,6 +766,33 @@ def sparse_decode_triton(
         Hkv, L, n_pages, pps, ns, float(scale),
         G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), S=page_size, S_PAD=S_PAD, PAGES_PER_BLOCK=ppb,
         MASK_KIND=mkind, MASK_PER_HEAD=mper, DENSE=dense, UPCAST=_upcast(q.dtype),
+    )
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+    _splitk_combine_kernel[(B * Hq,)](acc, m, l, out, ns, D=D, D_PAD=_pow2(D), NS_PAD=_pow2(ns))
+    return out
+
+
+def _attend_tokens(q, v_cache, tok, logits, n_splits):
+    """Split-K attention over kept tokens with their candidate-stage logits, then the combine kernel.
+
+    ``tok`` ``[B, Hkv, n]`` int64 positions (-1: empty), ``logits`` ``[B, Hkv, G, n]`` fp32 contiguous.
+    """
+    B, Hq, _, D = q.shape
+    Hkv = v_cache.shape[1]
+    G = Hq // Hkv
+    n = tok.shape[-1]
+    BLOCK_T = 64 if D <= 128 else 32
+    ns, tps = _n_splits(B * Hkv, n, BLOCK_T, q.device, n_splits)
+    acc = torch.empty(B, Hq, ns, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
+    l = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
+    logits = logits.contiguous()
+    _token_attn_splitk_kernel[(B * Hkv, ns)](
+        v_cache, tok, logits, acc, m, l,
+        *v_cache.stride(),
+        tok.stride(0), tok.stride(1),
+        Hkv, n, tps, ns,
+        G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), BLOCK_T=BLOCK_T, UPCAST=_upcast(q.dtype),
     )
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
     _splitk_combine_kernel[(B * Hq,)](acc, m, l, out, ns, D=D, D_PAD=_pow2(D), NS_PAD=_pow2(ns))

@@ -9,6 +9,7 @@ bf16 is upcast after ``tl.load`` (the interpreter has no bf16 arithmetic).
 """
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -195,3 +196,139 @@ def test_op_dispatch_kernel_triton(dname):
 
 def test_triton_available():
     assert tsd.triton_available()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Issue 10 phase 3: int8 / bf16 bounds, additive candidates (candidate_extra), token-level keep (keep_tokens)
+# ---------------------------------------------------------------------------------------------------------------------
+
+BOUNDS = {"b32": torch.float32, "b16": torch.bfloat16, "b8": torch.int8}
+
+
+def _ref_token_shares(q, k, bounds, vl, mask, scale, S, budget, sink, cf, extra):
+    """``[B, Hkv, L]`` fp32: the reference's token ranking score over its candidates (-inf elsewhere)."""
+    B, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    vl = vl.reshape(-1).expand(B)
+    n1 = ref.candidate_pages(S, budget, cf, extra)
+    scores = ref.page_scores(q, bounds, scale, ref.mask_page_max(mask, B, Hq, L, S))
+    cand = ref.select_pages(scores, vl, S, budget, sink, n_select=n1)
+    if cand is None:
+        P = scores.shape[-1]
+        idx = torch.arange(P).expand(B, Hkv, P).contiguous()
+        cand = ref.Selection(idx, idx < ((vl + S - 1) // S).reshape(B, 1, 1))
+    tok, tok_ok = ref._selected_tokens(cand, S, L, vl)
+    kg = k.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
+    logits = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * scale
+    logits = (logits + ref._gathered_mask(mask, tok, B, Hq, L)).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+    share = (logits - logits.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)
+    out = torch.full((B, Hkv, L), float("-inf"))
+    return out.scatter_(2, tok, share.masked_fill(~tok_ok, float("-inf"))), scores
+
+
+def _check_new_selection(q, k, bounds, vl, mask, scale, S, budget, sink, cf, extra, keep):
+    """Attended tokens of the Triton path == the reference's ``choose``, up to near-ties (reported otherwise)."""
+    B, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    sel_w, unit = ref.choose(q, k, bounds, vl, mask, scale, S, budget, sink, cf, extra, keep)
+    got = tsd.select_pages_triton(q, k, *bounds, vl, mask, scale, S, budget, sink, cf, candidate_extra=extra,
+                                  keep_tokens=keep)
+    two_stage = ref.candidate_pages(S, budget, cf, extra) > budget // S
+    unit_got = 1 if (keep and two_stage and got is not None) else S
+    a_want = _attended(sel_w, B, Hkv, G, L, unit, vl, mask)
+    a_got = _attended(got, B, Hkv, G, L, unit_got, vl, mask)
+    if torch.equal(a_want, a_got):
+        return 0
+    share, scores = _ref_token_shares(q, k, bounds, vl, mask, scale, S, budget, sink, cf, extra)
+    lines = []
+    for b, h in sorted({(b, h) for b, h, _ in (a_want != a_got).nonzero().tolist()}):
+        only_w = (a_want[b, h] & ~a_got[b, h]).nonzero().flatten()
+        only_g = (a_got[b, h] & ~a_want[b, h]).nonzero().flatten()
+        if unit == 1 and len(only_w) and len(only_g):  # token level: shares of the swapped tokens must tie
+            sw, sg = share[b, h, only_w], share[b, h, only_g]
+            gap = float(sw.max() - sg.min())
+            if math.isfinite(gap) and abs(gap) <= 1e-4:
+                continue
+            lines.append(f"b={b} kvh={h}: ref-only tokens {only_w.tolist()[:6]} share {sw.tolist()[:6]}, "
+                         f"triton-only {only_g.tolist()[:6]} share {sg.tolist()[:6]}")
+        else:
+            pw, pg = sorted({int(t) // S for t in only_w}), sorted({int(t) // S for t in only_g})
+            lines.append(f"b={b} kvh={h}: ref-only pages {pw[:6]} score {[float(scores[b, h, p]) for p in pw[:6]]}, "
+                         f"triton-only pages {pg[:6]} score {[float(scores[b, h, p]) for p in pg[:6]]}")
+    if lines:
+        raise AssertionError("selection differs beyond near-ties:\n" + "\n".join(lines[:8]))
+    return 1
+
+
+# (B, Hkv, G, L, D, S, budget, cache dtype, bounds dtype, mask, cf, extra, keep_tokens, sink, valid_len)
+NEW_CASES = [
+    (2, 2, 3, 200, 32, 16, 64, "fp32", "b8", None, 1, 0, False, 0, "ragged"),  # int8 bounds, one stage
+    (2, 3, 1, 157, 32, 16, 48, "bf16", "b8", "bool_L", 1, 0, False, 1, "full"),
+    (2, 2, 3, 200, 32, 16, 64, "fp32", "b16", "float_per_head", 1, 0, False, 0, "ragged"),  # bf16 bounds
+    (2, 2, 3, 200, 32, 16, 64, "fp32", "b8", None, 1, 32, False, 0, "ragged"),  # extra alone -> two-stage pages
+    (1, 2, 3, 256, 32, 16, 64, "bf16", "b16", "float_shared", 2, 32, False, 1, "full"),
+    (2, 2, 3, 200, 32, 16, 64, "fp32", "b8", None, 1, 32, True, 0, "ragged"),  # token keep
+    (2, 2, 3, 256, 32, 16, 64, "fp32", "b32", "float_per_head", 2, 0, True, 1, "ragged"),
+    (2, 3, 1, 260, 32, 16, 48, "bf16", "b8", "bool_per_head", 2, 32, True, 0, "one"),
+    (2, 1, 4, 180, 32, 8, 40, "bf16", "b16", "bool_padding", 1, 16, True, 1, "ragged"),
+    (2, 2, 1, 130, 24, 6, 36, "fp32", "b8", "float_shared", 2, 12, True, 0, "ragged"),  # non-power-of-2 D, S
+    (2, 1, 3, 180, 32, 16, 64, "fp32", "b8", "bool_L", 2, 32, True, 0, "ragged"),  # candidates cover every page
+    (2, 2, 3, 200, 32, 16, 64, "fp16", "b8", None, 2, 32, True, 0, "ragged"),  # fp16: the native-dtype dots
+    (2, 2, 3, 200, 32, 16, 64, "fp32", "b8", None, 1, 0, True, 0, "ragged"),  # one stage: keep_tokens ignored
+    (2, 2, 3, 200, 32, 16, 256, "bf16", "b8", None, 2, 32, True, 0, "ragged"),  # dense from the shapes
+]
+
+
+@pytest.mark.parametrize("case", NEW_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_new_selection_matches_reference(case):
+    B, Hkv, G, L, D, S, budget, dname, bname, mask_kind, cf, extra, keep, sink, vl_kind = case
+    dtype = DTYPES[dname]
+    q, k, v, vl, mask, _ = _inputs(B, Hkv, G, L, D, S, dtype, mask_kind, vl_kind,
+                                   seed=zlib.crc32(repr(case).encode()) % 1000)
+    bounds = ref.page_bounds(k, S, dtype=BOUNDS[bname])
+    scale = D ** -0.5
+    tied = _check_new_selection(q, k, bounds, vl, mask, scale, S, budget, sink, cf, extra, keep)
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, scale, S, budget, sink, cf, bounds=bounds,
+                                       candidate_extra=extra, keep_tokens=keep)
+    dense = ref.sparse_decode_reference(q, k, v, vl, mask, scale, S, 10 ** 9, 0, 1)
+    atol, rtol = TOL[dtype]
+    for n_splits in (None, 3):
+        out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, mask, scale, S, budget, sink, cf, n_splits=n_splits,
+                                       candidate_extra=extra, keep_tokens=keep)
+        assert out.dtype == dtype and out.shape == q.shape
+        err = (out.float() - want.float()).abs()
+        print(f"{case} n_splits={n_splits}: max |triton - reference| {float(err.max()):.3e}, "
+              f"max |triton - dense| {float((out.float() - dense.float()).abs().max()):.3e}, near-ties {tied}")
+        if not tied:
+            assert_close_report(out.float(), want.float(), atol, rtol, f"triton (n_splits={n_splits}) vs reference")
+
+
+def test_int8_scores_match_reference_and_bound_logits():
+    """The page-score kernel on int8 bounds: the reference's scores, and upper bounds on every exact logit."""
+    B, Hkv, G, L, D, S = 2, 2, 3, 200, 32, 16
+    q, k, v, vl, mask, _ = _inputs(B, Hkv, G, L, D, S, torch.float32, "float_per_head", "full", seed=3)
+    bounds = ref.page_bounds(k, S, dtype=torch.int8)
+    scale = D ** -0.5
+    vlv, vls = tsd._valid_len_view(vl, B, q.device)
+    m, mstr, mkind, mper = tsd._mask_view(mask, B, Hkv * G, L, q.device)
+    got = tsd._page_scores(q, *bounds, vlv, vls, m, mstr, mkind, mper, scale, S, 0, L)
+    want = ref.page_scores(q, bounds, scale, ref.mask_page_max(mask, B, Hkv * G, L, S))
+    newest = (L - 1) // S
+    want[:, :, newest] = float("inf")  # the kernel forces the newest page
+    assert_close_report(got, want, 1e-5, 1e-5, "int8 page scores vs reference")
+    logits = (q.float().reshape(B, Hkv, G, D) @ k.float().transpose(-1, -2)) * scale + mask.float().reshape(B, Hkv, G, L)
+    page_max = ref._paged(logits.amax(2).unsqueeze(-1), S, float("-inf")).squeeze(-1).amax(-1)  # [B,Hkv,P]
+    assert bool((got >= page_max).all()), f"score below a logit by {float((page_max - got).max()):.3e}"
+
+
+def test_new_arguments_checked():
+    q, k, v, vl, _, bounds = _inputs(1, 1, 1, 64, 16, 16, torch.float32, None, "full", seed=1)
+    with pytest.raises(ValueError, match="candidate_extra"):
+        tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, 0.25, 16, 32, 0, 1, None, True, False)
+    with pytest.raises(ValueError, match="candidate_extra"):
+        tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, 0.25, 16, 32, candidate_extra=-16)
+    with pytest.raises(ValueError, match="keep_tokens"):
+        tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, 0.25, 16, 32, candidate_extra=16, keep_tokens=1)
+    with pytest.raises(ValueError, match="kmax"):
+        tsd.sparse_decode_triton(q, k, v, bounds.kmax.half(), bounds.kmin.half(), bounds.kabs, vl, None, 0.25, 16, 32)
