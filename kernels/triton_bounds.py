@@ -100,7 +100,7 @@ if _HAS_TRITON:
         elif BOUNDS_KIND == 1:
             # -- bf16: rounded outward; kabs of the stored values
             hi_bits = _round_up_bf16_bits(hi)
-            lo_bits = _round_up_bf16_bits(-lo) ^ -0x80000000  # round down = -round_up(-x): flip the sign bit
+            lo_bits = (-_round_up_bf16_bits(-lo).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)  # -up(-x)
             tl.store(kmax_ptr + x_off + offs_d, _bf16_of_bits(hi_bits), mask=d_ok)
             tl.store(kmin_ptr + x_off + offs_d, _bf16_of_bits(lo_bits), mask=d_ok)
             hi = hi_bits.to(tl.float32, bitcast=True)
