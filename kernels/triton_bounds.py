@@ -74,7 +74,12 @@ if _HAS_TRITON:
 
     @triton.jit
     def _int8_codes(x, step, UP: tl.constexpr):
-        """Codes ``c`` in ``[-127, 127]`` with ``c * step >= x`` (``UP``) or ``<= x``: :func:`.reference._int8_codes`."""
+        """Codes ``c`` in ``[-127, 127]`` with ``c * step >= x`` (``UP``) or ``<= x``: :func:`.reference._int8_codes`.
+
+        On the GPU ``tl.ceil``/``tl.floor`` lower to ``cvt.rpi/rmi.ftz``: a subnormal quotient flushes to 0,
+        and the check then moves the code to +1 / -1, which is what ceil / floor give; so the codes still equal
+        the reference's.
+        """
         if UP:
             c = tl.ceil(tl.div_rn(x, step))
             c = tl.where(c * step < x, c + 1.0, c)  # one rounding of the division

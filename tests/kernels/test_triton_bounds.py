@@ -10,6 +10,8 @@ from __future__ import annotations
 
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 
@@ -170,3 +172,17 @@ def test_bounds_dtype_checked():
         tb.rebuild_bounds_triton(k, b.kmax.to(torch.float16), b.kmin.to(torch.float16), b.kabs, 4)
     with pytest.raises(ValueError, match="kmin"):
         tb.rebuild_bounds_triton(k, b.kmax, b.kmin.to(torch.int8), b.kabs, 4)
+
+
+@settings(max_examples=12, deadline=None)
+@given(exp=st.integers(-140, 60), seed=st.integers(0, 2 ** 16), S=st.sampled_from([3, 4, 8]),
+       bname=st.sampled_from(["b16", "b8"]), dname=st.sampled_from(["fp32", "bf16"]))
+def test_rebuild_equals_reference_any_scale(exp, seed, S, bname, dname):
+    """Property: for keys of any scale ``2^exp`` the Triton rebuild equals ``reference.page_bounds`` bit for bit."""
+    gen = make_gen(seed)
+    k = (randn((1, 2, 11, 5), gen, torch.float32) * 2.0 ** exp).to(DTYPES[dname])
+    want = ref.page_bounds(k, S, dtype=BOUNDS_DTYPES[bname])
+    got = allocate_bounds(k, S, BOUNDS_DTYPES[bname])
+    tb.rebuild_bounds_triton(k, *got, S)
+    for name, g, w in zip(("kmax", "kmin", "kabs"), got, want):
+        _assert_equal_report(g, w, f"{name} (scale 2^{exp}, {dname} keys, {bname} bounds, S={S})")
