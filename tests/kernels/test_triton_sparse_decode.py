@@ -6,6 +6,9 @@ Every case compares :func:`sparse_decode_triton` with the pure-PyTorch reference
 tokens (ties of the fp32 page score aside) and outputs within dtype tolerance.
 fp16 runs the GPU code path (native-dtype ``tl.dot`` with fp32 accumulation);
 bf16 is upcast after ``tl.load`` (the interpreter has no bf16 arithmetic).
+Issue 10 phase 3 cases add int8 / bf16 page bounds, ``candidate_extra`` and
+``keep_tokens`` (against ``reference.choose`` and ``sparse_decode_reference``; swapped
+tokens are accepted only at near-ties of the reference's share, and printed).
 """
 from __future__ import annotations
 
@@ -167,15 +170,18 @@ def test_split_counts_agree(n_splits):
     assert_close_report(out, want, *TOL[torch.float32], f"n_splits={n_splits}")
 
 
-def test_fully_masked_rows_give_zeros():
+@pytest.mark.parametrize("cf,extra,keep", [(1, 0, False), (2, 16, True)])
+def test_fully_masked_rows_give_zeros(cf, extra, keep):
     """A head with no attendable token gives zeros (as SDPA), not NaN; a row of valid_len 0 too."""
     B, Hkv, G, L, D, S = 2, 1, 3, 100, 32, 16
     q, k, v, _, _, bounds = _inputs(B, Hkv, G, L, D, S, torch.float32, None, "full", seed=7)
     vl = torch.tensor([L, 0])
     mask = torch.ones(B, Hkv * G, 1, L, dtype=torch.bool)
     mask[0, 1] = False
-    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, mask, D ** -0.5, S, 32, 0, 1)
-    want = ref.sparse_decode_reference(q, k, v, vl, mask, D ** -0.5, S, 32, 0, 1, bounds=bounds)
+    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, mask, D ** -0.5, S, 32, 0, cf, candidate_extra=extra,
+                                   keep_tokens=keep)
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, D ** -0.5, S, 32, 0, cf, bounds=bounds,
+                                       candidate_extra=extra, keep_tokens=keep)
     assert not torch.isnan(out).any()
     assert float(out[0, 1].abs().max()) == 0.0 and float(out[1].abs().max()) == 0.0
     assert_close_report(out, want, *TOL[torch.float32], "fully masked")
