@@ -12,7 +12,8 @@
 //
 // The semantics are those of kernels/reference.py (sparse_decode_reference, page_bounds, store_bounds); see there
 // for the algorithm. Page bounds are stored as float32, bfloat16 (rounded outward) or int8 codes on a per-page grid
-// of step max(kabs / 126, FLT_MIN) (kabs: the page's exact max |k|), decoded as code * step in fp32. Work is split over (batch, KV head, chunk of pages) with at::parallel_for; the chunks of one
+// of step max(kabs / 126, FLT_MIN) (kabs: the page's exact max |k|), decoded as code * step in fp32.
+// Work is split over (batch, KV head, chunk of pages or kept tokens) with at::parallel_for; the chunks of one
 // (batch, KV head) are merged with a log-sum-exp combine.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -9,6 +9,7 @@ build's reason, only where the native kernel cannot be built.
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -165,7 +166,8 @@ def test_matches_reference(dt, G, cf, sinks, S, bdt, mask_kind, rows):
     """Output equals the reference (and dense SDPA over the kept pages); kept pages equal the reference's."""
     L, D, budget = 331, 64, 6 * S  # L not a multiple of S; K = 6 pages
     valid_len = [L, 300] if rows == "both_sparse" else [L - 3, 5 * S - 1]  # second row fits the budget
-    _check_case(DT[dt], 2, 2, G, L, D, S, budget, sinks, cf, DT[bdt], valid_len, mask_kind, seed=hash((dt, G, cf, S)) % 1000)
+    _check_case(DT[dt], 2, 2, G, L, D, S, budget, sinks, cf, DT[bdt], valid_len, mask_kind,
+                seed=zlib.crc32(repr((dt, G, cf, S)).encode()) % 1000)  # stable across processes
 
 
 @pytest.mark.parametrize("cf", [1, 4])
