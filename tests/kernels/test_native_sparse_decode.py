@@ -305,6 +305,20 @@ def test_keep_tokens_one_stage_is_ignored():
     assert torch.equal(op.kept_pages(q, k, *args, 7, True), op.kept_pages(q, k, *args))
 
 
+@pytest.mark.parametrize("keep_tokens", [False, True])
+def test_valid_len_past_the_cache_counts_as_the_cache(keep_tokens):
+    """``valid_len > L``: the tokens past the cache do not exist, so the result is that of ``valid_len = L``
+    (with token keep the newest page's missing slots are not forced and take no keep slot)."""
+    q, k, v, _, mask, b = _build(torch.float32, 2, 1, 2, 50, 16, 4, torch.int8, [50, 50], "bool_shared", 23)
+    args = (b.kmax, b.kmin, b.kabs)
+    sel = (0.25, 4, 16, 1, 2)
+    out = torch.ops.tinyserve_native.sparse_decode(q, k, v, *args, torch.tensor([52, 51]), mask, *sel, None, 8,
+                                                   keep_tokens)
+    want = ref.sparse_decode_reference(q, k, v, torch.tensor([50, 50]), mask, *sel, bounds=b, candidate_extra=8,
+                                       keep_tokens=keep_tokens)
+    assert_close_report(out, want, *TOL[torch.float32], f"valid_len past the cache, keep_tokens={keep_tokens}")
+
+
 def test_candidate_extra_rejects_negative():
     q, k, v, vl, mask, b = _build(torch.float32, 1, 1, 1, 64, 16, 8, torch.float32, [64], None, 22)
     with pytest.raises(ValueError, match="candidate_extra"):
