@@ -24,8 +24,9 @@ instead: :func:`_scatter_kv_kernel` writes the rows, then
 
 Bounds are stored in the dtype of ``kmax``/``kmin`` exactly as :func:`.reference.store_bounds`
 does: fp32; bf16 rounded outward (bit operations on the fp32 max/min); int8 codes on the page's grid
-``step = max(kabs / 126, 2^-126)`` (``tl.div_rn``: IEEE division, as torch), the max rounded up and the
-min down and each code checked against ``code * step``, ``kabs`` then being the exact max ``|k|``.
+``step = max(kabs / 126, 2^-126)`` (``tl.div_rn``: IEEE division, as torch), the tightest outward codes
+(the max rounded up and the min down, each checked against ``code * step`` and its neighbour), ``kabs``
+then being the exact max ``|k|``.
 """
 from __future__ import annotations
 
@@ -74,17 +75,20 @@ if _HAS_TRITON:
 
     @triton.jit
     def _int8_codes(x, step, UP: tl.constexpr):
-        """Codes ``c`` in ``[-127, 127]`` with ``c * step >= x`` (``UP``) or ``<= x``: :func:`.reference._int8_codes`.
+        """The code nearest ``x / step`` on the outward side, clamped to ``[-127, 127]``: the smallest ``c`` with
+        ``c * step >= x`` (``UP``) or the largest with ``c * step <= x``, as :func:`.reference._int8_codes`.
 
-        On the GPU ``tl.ceil``/``tl.floor`` lower to ``cvt.rpi/rmi.ftz``: a subnormal quotient flushes to 0,
-        and the check then moves the code to +1 / -1, which is what ceil / floor give; so the codes still equal
-        the reference's.
+        ``ceil``/``floor`` of the fp32 quotient (``tl.div_rn``: IEEE, as torch) is off by at most one either way,
+        which one check of each neighbour corrects. On the GPU ``tl.ceil``/``tl.floor`` lower to
+        ``cvt.rpi/rmi.ftz``: a subnormal quotient flushes to 0, one off at most, corrected the same way.
         """
         if UP:
             c = tl.ceil(tl.div_rn(x, step))
-            c = tl.where(c * step < x, c + 1.0, c)  # one rounding of the division
+            c = tl.where((c - 1.0) * step >= x, c - 1.0, c)
+            c = tl.where(c * step < x, c + 1.0, c)
         else:
             c = tl.floor(tl.div_rn(x, step))
+            c = tl.where((c + 1.0) * step <= x, c + 1.0, c)
             c = tl.where(c * step > x, c - 1.0, c)
         return tl.minimum(tl.maximum(c, -127.0), 127.0).to(tl.int8)
 

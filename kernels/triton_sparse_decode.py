@@ -167,7 +167,7 @@ if _HAS_TRITON:
         kvh = pid_bh % Hkv
 
         # -- stage 0: valid pages of row b (pages past valid_len are never loaded)
-        vl = tl.load(vl_ptr + b * stride_vb).to(tl.int64)
+        vl = tl.minimum(tl.load(vl_ptr + b * stride_vb).to(tl.int64), L)  # valid_len past the cache counts as L
         n_valid = (vl + S - 1) // S
         newest = tl.where(vl > 0, (vl - 1) // S, -1)  # C division truncates: guard vl = 0
         offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -623,7 +623,7 @@ def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size
     # ---- two-stage: top-N1 candidates by bound (all valid pages when N1 covers them; the rest score -inf)
     ctop, cand = scores.topk(min(n1, P), dim=-1, sorted=False)  # [B,Hkv,Kc]
     cand_ok = ctop > float("-inf")
-    vlb = vl.expand(B).reshape(B, 1, 1)
+    vlb = vl.expand(B).reshape(B, 1, 1).clamp(max=L)  # valid_len past the cache counts as L
     newest = torch.where(vlb > 0, (vlb - 1) // S, -1)
     if not keep_tokens:
         # ---- K of the candidate pages by share of exact softmax mass (reference.rank_candidates)
@@ -638,7 +638,7 @@ def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size
                                  store_logits=True)  # [B,Hkv,G,Kc*S]
     T = logits.shape[-1]
     tok = (cand[..., None] * S + torch.arange(S, device=q.device)).reshape(B, Hkv, T)  # [B,Hkv,T]
-    tok_ok = cand_ok.repeat_interleave(S, dim=-1) & (tok < vlb) & (tok < L)
+    tok_ok = cand_ok.repeat_interleave(S, dim=-1) & (tok < vlb)
     share = (logits - logits.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,T]
     forced = (cand == newest) | (cand < sink_pages)
     forced = forced.repeat_interleave(S, dim=-1)
@@ -695,9 +695,9 @@ def sparse_decode_triton(
     token_budget: int,
     sink_pages: int = 0,
     candidate_factor: int = 1,
-    n_splits: Optional[int] = None,
     candidate_extra: int = 0,
     keep_tokens: bool = False,
+    n_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """Query-aware paged sparse decode attention with Triton kernels.
 
@@ -713,7 +713,7 @@ def sparse_decode_triton(
     kabs : torch.Tensor
         ``[B, Hkv, P]`` float32.
     valid_len : torch.Tensor
-        int64/int32 ``[B]`` or ``[1]``.
+        int64/int32 ``[B]`` or ``[1]``; a length past ``L`` counts as ``L``.
     attn_mask : torch.Tensor or None
         Bool (True = attend) or additive float, broadcastable to ``[B, Hq, 1, L]``
         with a head dim of 1 or ``Hq``.
@@ -721,14 +721,14 @@ def sparse_decode_triton(
         Softmax scale.
     page_size, token_budget, sink_pages, candidate_factor : int
         Selection knobs, as in :func:`.reference.sparse_decode_reference`.
-    n_splits : int, optional
-        Split-K programs per KV head (default: enough to fill the device twice).
     candidate_extra : int
         Extra candidate tokens: ``N1 = candidate_factor * K + candidate_extra // page_size`` candidate
-        pages, two-stage iff ``N1 > K`` (:func:`.reference.candidate_pages`). Pass by keyword.
+        pages, two-stage iff ``N1 > K`` (:func:`.reference.candidate_pages`).
     keep_tokens : bool
         Two-stage only: keep the ``K * page_size`` candidate tokens of highest softmax share instead of
-        ``K`` whole pages (:func:`.reference.rank_candidate_tokens`). Pass by keyword.
+        ``K`` whole pages (:func:`.reference.rank_candidate_tokens`).
+    n_splits : int, optional
+        Split-K programs per KV head (default: enough to fill the device twice). Pass by keyword.
 
     Returns
     -------

@@ -331,10 +331,23 @@ def test_int8_scores_match_reference_and_bound_logits():
 def test_new_arguments_checked():
     q, k, v, vl, _, bounds = _inputs(1, 1, 1, 64, 16, 16, torch.float32, None, "full", seed=1)
     with pytest.raises(ValueError, match="candidate_extra"):
-        tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, 0.25, 16, 32, 0, 1, None, True, False)
+        tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, 0.25, 16, 32, 0, 1, True, False)  # a bool
     with pytest.raises(ValueError, match="candidate_extra"):
         tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, 0.25, 16, 32, candidate_extra=-16)
     with pytest.raises(ValueError, match="keep_tokens"):
         tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, 0.25, 16, 32, candidate_extra=16, keep_tokens=1)
     with pytest.raises(ValueError, match="kmax"):
         tsd.sparse_decode_triton(q, k, v, bounds.kmax.half(), bounds.kmin.half(), bounds.kabs, vl, None, 0.25, 16, 32)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_valid_len_past_the_cache_counts_as_the_cache(keep):
+    """``valid_len > L``: the result is that of ``valid_len = L`` (the newest page is the last one of the cache)."""
+    B, Hkv, G, L, D, S = 2, 1, 2, 50, 16, 4
+    q, k, v, _, mask, _ = _inputs(B, Hkv, G, L, D, S, torch.float32, "bool_L", "full", seed=23)
+    bounds = ref.page_bounds(k, S, dtype=torch.int8)
+    sel = (0.25, S, 16, 1, 2)
+    out = tsd.sparse_decode_triton(q, k, v, *bounds, torch.tensor([60, 57]), mask, *sel, 8, keep)
+    want = ref.sparse_decode_reference(q, k, v, torch.tensor([L, L]), mask, *sel, bounds=bounds, candidate_extra=8,
+                                       keep_tokens=keep)
+    assert_close_report(out, want, *TOL[torch.float32], f"valid_len past the cache, keep_tokens={keep}")
