@@ -187,16 +187,18 @@ def test_fully_masked_rows_give_zeros(cf, extra, keep):
     assert_close_report(out, want, *TOL[torch.float32], "fully masked")
 
 
-@pytest.mark.parametrize("dname", ["fp32", "bf16"])
-def test_op_dispatch_kernel_triton(dname):
-    """``sparse_decode(kernel="triton")`` on CPU under the interpreter runs these kernels."""
+@pytest.mark.parametrize("dname,bname,extra,keep", [("fp32", "b32", 0, False), ("bf16", "b32", 0, False),
+                                                    ("fp32", "b8", 32, True), ("bf16", "b16", 32, False)])
+def test_op_dispatch_kernel_triton(dname, bname, extra, keep):
+    """``sparse_decode(kernel="triton")`` on CPU under the interpreter runs these kernels (new arguments too)."""
     from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_
 
     dtype = DTYPES[dname]
     q, k, v, vl, mask, _ = _inputs(2, 2, 3, 200, 32, 16, dtype, "float_per_head", "ragged", seed=11)
-    bounds = rebuild_bounds_(k, allocate_bounds(k, 16), 16)
-    out = sparse_decode(q, k, v, bounds, vl, mask, page_size=16, token_budget=64, kernel="triton")
-    want = sparse_decode(q, k, v, bounds, vl, mask, page_size=16, token_budget=64, kernel="torch")
+    bounds = rebuild_bounds_(k, allocate_bounds(k, 16, BOUNDS[bname]), 16)
+    sel = dict(page_size=16, token_budget=64, candidate_extra=extra, keep_tokens=keep)
+    out = sparse_decode(q, k, v, bounds, vl, mask, kernel="triton", **sel)
+    want = sparse_decode(q, k, v, bounds, vl, mask, kernel="torch", **sel)
     assert_close_report(out.float(), want.float(), *TOL[dtype], f"op kernel=triton vs torch ({dname})")
 
 
