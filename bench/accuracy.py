@@ -93,7 +93,7 @@ def perplexity(ctx: int, cfgs: Sequence[Sparse], steps: int = 128, half: str = "
             ref = logits
         row = dict(ctx=ctx, half=half, steps=steps, offset=offset, label=cfg.label(), policy=cfg.policy,
                    budget=cfg.token_budget, page_size=cfg.page_size, dense_layers=cfg.dense_layers,
-                   sink_pages=cfg.sink_pages, candidate_factor=cfg.candidate_factor,
+                   sink_pages=cfg.sink_pages, candidate_factor=cfg.candidate_factor, candidate_extra=cfg.candidate_extra, keep_tokens=cfg.keep_tokens,
                    per_layer=bool(cfg.layer_budgets), nll=float(nll.mean()), ppl=math.exp(float(nll.mean())),
                    top1=float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
                    s_per_step=dt / steps, prefill_s=prefill_s)

@@ -77,7 +77,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 
 #: the paper's selection rule: pages of 16, the bound alone, no sink page ("tinyserve-paper")
-PAPER = {"page_size": 16, "candidate_factor": 1, "sink_pages": 0}
+PAPER = {"page_size": 16, "candidate_factor": 1, "candidate_extra": 0, "keep_tokens": False, "sink_pages": 0,
+         "bounds_dtype": "float32"}
 STOCK = ("eager", "inductor")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: SmolLM2-135M's shape (its config.json), used for the random-init model beyond 8K

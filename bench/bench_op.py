@@ -3,8 +3,8 @@
 Shape (issue 2, section 4): B=1, 9 query heads / 3 KV heads, D=64, fp32 and bf16,
 contexts 4K/16K/64K (1K..256K with ``--full``). Two selection settings:
 
-* ``defaults``: the backend's defaults (:mod:`tinyserve_compile.config`: page 8,
-  budget 2048, 1 sink page, candidate factor 4, bf16 page bounds);
+* ``defaults``: the backend's defaults (:mod:`tinyserve_compile.config`: page size, budget, sink pages,
+  candidate factor and extra candidates, kept tokens or pages, bounds dtype);
 * ``paper``: the paper's rule (page 16, budget 2048, no sinks, one stage, fp32 bounds).
 
 Providers, timed in one interleaved loop (rotating order, median of ``--reps``):
@@ -49,8 +49,9 @@ B, HQ, HKV, D = 1, 9, 3, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SETTINGS = {
     "defaults": dict(page=C.DEFAULT_PAGE_SIZE, budget=C.DEFAULT_TOKEN_BUDGET, sink=C.DEFAULT_SINK_PAGES,
-                     cf=C.DEFAULT_CANDIDATE_FACTOR, bounds=C.DEFAULT_BOUNDS_DTYPE),
-    "paper": dict(page=16, budget=2048, sink=0, cf=1, bounds="float32"),
+                     cf=C.DEFAULT_CANDIDATE_FACTOR, bounds=C.DEFAULT_BOUNDS_DTYPE, extra=C.DEFAULT_CANDIDATE_EXTRA,
+                     tokens=C.DEFAULT_KEEP_TOKENS),
+    "paper": dict(page=16, budget=2048, sink=0, cf=1, bounds="float32", extra=0, tokens=False),
 }
 
 
@@ -80,7 +81,7 @@ def sdpa_materializes_repeat(q, k, v) -> str:
 def sparse_bytes(L: int, itemsize: int, s: dict) -> int:
     """Bytes the sparse kernel reads per call (:func:`tinyserve_compile.cost.sparse_site_bytes`)."""
     bounds_itemsize = getattr(torch, s["bounds"]).itemsize
-    return sparse_site_bytes(L, HKV, D, itemsize, s["page"], s["budget"], s["cf"], bounds_itemsize)
+    return sparse_site_bytes(L, HKV, D, itemsize, s["page"], s["budget"], s["cf"], bounds_itemsize, s["extra"])
 
 
 class _Flush:
@@ -106,6 +107,7 @@ def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool,
     vl = torch.tensor([L], dtype=torch.int64)
     scale = 1.0 / D**0.5
     sel = (s["page"], s["budget"], s["sink"], s["cf"])
+    new = (s["extra"], s["tokens"]) if s["extra"] or s["tokens"] or s["bounds"] == "int8" else ()
     flush = _Flush() if cold else (lambda: None)
 
     def dense():
@@ -113,13 +115,13 @@ def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool,
 
     if native:
         def sparse():
-            return torch.ops.tinyserve_native.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, None)
+            return torch.ops.tinyserve_native.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, None, *new)
     else:
         def sparse():
-            return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch")
+            return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch", *new)
 
     def torch_path():
-        return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch")
+        return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch", *new)
 
     fns = {"dense": dense, "sparse": sparse}
     if with_torch:
@@ -148,6 +150,8 @@ def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool,
         budget=s["budget"],
         sink_pages=s["sink"],
         candidate_factor=s["cf"],
+        candidate_extra=s["extra"],
+        keep_tokens=s["tokens"],
         bounds_dtype=s["bounds"],
         dense_ms=round(ms["dense"], 4),
         sparse_ms=round(ms["sparse"], 4),

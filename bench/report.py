@@ -154,7 +154,8 @@ SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM, CACHE_ITEMSIZE = 3, 64, 4
 
 def site_bytes_share(policy: str, ctx: int, budget: int, page_size: int, candidate_factor: int = 1,
                      bounds_dtype: str = "float32", n_kv_heads: int = SMOLLM2_KV_HEADS,
-                     head_dim: int = SMOLLM2_HEAD_DIM, itemsize: int = CACHE_ITEMSIZE) -> float:
+                     head_dim: int = SMOLLM2_HEAD_DIM, itemsize: int = CACHE_ITEMSIZE,
+                     candidate_extra: int = 0) -> float:
     """Bytes one sparse layer reads per decode step, as a share of dense K+V at context ``ctx``.
 
     ``query_aware``: :func:`tinyserve_compile.cost.sparse_site_bytes` (the backend's cost model; bounds of
@@ -165,8 +166,9 @@ def site_bytes_share(policy: str, ctx: int, budget: int, page_size: int, candida
     dense = 2 * n_kv_heads * ctx * head_dim * itemsize
     kept = min(budget, ctx) / ctx
     if policy == "query_aware":
-        bi = 2 if bounds_dtype == "bfloat16" else 4
-        return sparse_site_bytes(ctx, n_kv_heads, head_dim, itemsize, page_size, budget, candidate_factor, bi) / dense
+        bi = {"bfloat16": 2, "int8": 1}.get(bounds_dtype, 4)
+        return sparse_site_bytes(ctx, n_kv_heads, head_dim, itemsize, page_size, budget, candidate_factor, bi,
+                                 candidate_extra) / dense
     if policy in ("oracle", "h2o"):
         return 0.5 + kept / 2
     try:
@@ -300,6 +302,43 @@ def _stats(xs: List[float]) -> dict:
     mean = sum(xs) / n
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else float("nan")
     return dict(mean=mean, std=std, min=min(xs), max=max(xs), n=n)
+
+
+def _row_extra(r: dict) -> int:
+    """``candidate_extra`` of a row (older rows carry it only in their label, as ``/e<tokens>``)."""
+    if "candidate_extra" in r:
+        return int(r["candidate_extra"])
+    part = next((p for p in r["label"].split("/") if p[:1] == "e" and p[1:].isdigit()), None)
+    return int(part[1:]) if part else 0
+
+
+def phase3_table(rows: List[dict]) -> str:
+    """Markdown: per variant, +ppl (mean (sd)) and top-1 at 512 and 2048, and bytes at 8K / 32K (budget 2048,
+    :func:`site_bytes_share` with the row's ``candidate_extra`` and bounds dtype)."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r["policy"] != "full":
+            groups[(r["variant"], r["budget"])].append(r)
+    variants = list(dict.fromkeys(v for v, _ in groups))
+    head = ["variant", "+ppl @512", "top-1 @512", "+ppl @2048", "top-1 @2048", "bytes 8K / 32K @2048", "windows"]
+    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for v in variants:
+        cells, n = [], set()
+        for b in (512, 2048):
+            rs = groups.get((v, b), [])
+            n.add(len(rs))
+            if not rs:
+                cells += ["-", "-"]
+                continue
+            p, t = _stats([r["ppl_rel"] for r in rs]), _stats([r["top1"] for r in rs])
+            cells += [f"{100 * p['mean']:+.2f}% ({100 * p['std']:.2f})", f"{100 * t['mean']:.1f}%"]
+        r0 = (groups.get((v, 2048)) or groups.get((v, 512)))[0]
+        bd = r0.get("bounds_dtype") or "float32"
+        sh = [site_bytes_share(r0["policy"], c, 2048, r0["page_size"], r0.get("candidate_factor", 1), bd,
+                               candidate_extra=_row_extra(r0)) for c in (8192, 32768)]
+        out.append("| " + " | ".join([v] + cells + [f"{100 * sh[0]:.1f}% / {100 * sh[1]:.1f}%",
+                                                      "/".join(map(str, sorted(n)))]) + " |")
+    return "\n".join(out)
 
 
 def study_summary(rows: List[dict]) -> List[dict]:

@@ -32,10 +32,14 @@ def variant_name(cfg: Sparse) -> str:
     if cfg.policy != "query_aware":
         return f"{cfg.policy} (pages of {cfg.page_size})"
     s = f"pages {cfg.page_size}, sink {cfg.sink_pages}, c={cfg.candidate_factor}"
+    if cfg.candidate_extra:
+        s += f" +{cfg.candidate_extra}"
+    if cfg.keep_tokens:
+        s += ", keep tokens"
     if cfg.dense_layers != 2:
         s += f", {cfg.dense_layers} dense layers"
     if cfg.bounds_dtype != "bfloat16":
-        s += ", fp32 bounds"
+        s += f", {'fp32' if cfg.bounds_dtype == 'float32' else cfg.bounds_dtype} bounds"
     return s
 
 
@@ -48,6 +52,8 @@ def grid(name: str, budget: int) -> List[Sparse]:
     pages 8/16 x sinks 0/1 x c 1/2/4 (two-stage without a sink). ``heldout``: the candidates for the
     defaults (one stage, pages of 8/12/16, a sink), today's defaults (pages of 8, sink, c=4), the oracle,
     and the tuning text's best two-stage compromise (pages of 8, sink, c=2).
+    ``phase3`` (issue 10, the backend's own options): int8 bounds with ``candidate_extra`` 512/1024 keeping
+    tokens, int8 with 1024 extra keeping pages, bf16 with 1024 extra keeping tokens, and int8 with c=2.
     ``none``: nothing (with ``--extra``: only the extra configurations).
     """
     b = dict(token_budget=budget, dense_layers=2)
@@ -62,6 +68,13 @@ def grid(name: str, budget: int) -> List[Sparse]:
     if name == "heldout":
         return one + [Sparse(**b, page_size=8, sink_pages=1, candidate_factor=4), oracle,
                       Sparse(**b, page_size=8, sink_pages=1, candidate_factor=2)]
+    if name == "phase3":
+        p3 = dict(**b, page_size=8, sink_pages=1)
+        return [Sparse(**p3, bounds_dtype="int8", candidate_extra=1024, keep_tokens=True),
+                Sparse(**p3, bounds_dtype="int8", candidate_extra=512, keep_tokens=True),
+                Sparse(**p3, bounds_dtype="int8", candidate_extra=1024),
+                Sparse(**p3, candidate_extra=1024, keep_tokens=True),
+                Sparse(**p3, bounds_dtype="int8", candidate_factor=2)]
     if name == "none":  # only --extra
         return []
     raise ValueError(f"unknown grid {name!r}")
@@ -85,7 +98,7 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--half", default="tune", choices=("tune", "heldout"))
-    ap.add_argument("--grid", default="frontier", choices=("frontier", "tail", "heldout", "none"))
+    ap.add_argument("--grid", default="frontier", choices=("frontier", "tail", "heldout", "phase3", "none"))
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--budgets", default="512,2048")
     ap.add_argument("--only", default="", help="semicolon-separated variant names (default: the whole grid)")

@@ -513,7 +513,8 @@ def refine_by_token_mass(
     logits = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
     logits = logits + _gathered_mask(attn_mask, tok, B, Hq, L)
     logits = logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
-    return rank_candidate_tokens(logits, cand, vl, page_size, n_tokens, sink_pages)[0]
+    # a valid length past the cache means every slot of it: no token beyond L is forced or kept
+    return rank_candidate_tokens(logits, cand, vl.clamp(max=L), page_size, n_tokens, sink_pages)[0]
 
 
 def rank_candidates(logits, cand: Selection, valid_len, page_size: int, n_select: int, sink_pages: int):

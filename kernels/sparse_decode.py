@@ -421,7 +421,7 @@ def _sparse_decode_torch(
         logits = (qg @ kg.transpose(-1, -2)) * scale
         logits = (logits + _gathered_mask(attn_mask, tok, B, Hq, L)).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
         if keep_tokens:
-            final, slots = rank_candidate_tokens(logits, sel, vl, page_size, K * page_size, sink_pages)
+            final, slots = rank_candidate_tokens(logits, sel, vl.clamp(max=L), page_size, K * page_size, sink_pages)
             kept = logits.gather(3, slots[:, :, None, :].expand(B, Hkv, G, slots.shape[-1]))  # [B,Hkv,G,T']
             kept = kept.masked_fill(~final.ok[:, :, None, :], float("-inf"))
             vg = v_cache.gather(2, final.idx[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T',D]

@@ -1735,13 +1735,19 @@ inline float round_up_bf16(float x) {
 }
 inline float round_down_bf16(float x) { return -round_up_bf16(-x); }
 
-// int8 code c in [-127, 127] with c * step >= x (up) or <= x, as close as the grid allows (reference._int8_codes):
-// the division rounded once, so the product is checked and the code bumped by one where it falls short. fp32
-// throughout; NaN gives 0 (as torch's clamp then cast on x86), +-inf saturate.
+// int8 code c in [-127, 127]: the smallest c with c * step >= x (up) or the largest with c * step <= x
+// (reference._int8_codes). The division is rounded once, so ceil/floor is off by at most one either way: one
+// check of each neighbour corrects it. fp32 throughout; NaN gives 0 (as torch's clamp then cast on x86), +-inf
+// saturate.
 inline int8_t int8_code(float x, float step, bool up) {
   float c = up ? std::ceil(x / step) : std::floor(x / step);
-  const float dec = c * step;
-  if (up ? dec < x : dec > x) c += up ? 1.f : -1.f;
+  if (up) {
+    if ((c - 1.f) * step >= x) c -= 1.f;
+    if (c * step < x) c += 1.f;
+  } else {
+    if ((c + 1.f) * step <= x) c += 1.f;
+    if (c * step > x) c -= 1.f;
+  }
   if (std::isnan(c)) return 0;
   return static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
 }
