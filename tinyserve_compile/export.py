@@ -4,15 +4,17 @@ The exported graph is one greedy-decode step of a HuggingFace causal LM over a
 static KV cache, with the decode attention of every layer past ``dense_layers``
 turned into query-aware paged sparse attention exactly as
 ``torch.compile(model, backend="tinyserve", options=...)`` does it (same
-options, same selection: :func:`tinyserve_compile.kernels.reference.choose_pages`).
+options, same selection: :func:`tinyserve_compile.kernels.reference.choose`, with
+``candidate_extra`` and ``keep_tokens``).
 ONNX has no in-place update, so the step is functional:
 
 inputs
     ``input_ids`` int64 ``[B, 1]``, ``position`` int64 ``[B]`` (the cache slot each
     row writes = its tokens so far), then per layer ``i``: ``key.i``, ``value.i``
     ``[B, Hkv, L, D]`` and, for the sparse layers, ``kmax.i``, ``kmin.i``
-    ``[B, Hkv, L/S, D]`` (``bounds_dtype``; bfloat16 rounded outward) and
-    ``kabs.i`` ``[B, Hkv, L/S]`` float32;
+    ``[B, Hkv, L/S, D]`` (``bounds_dtype``; bfloat16 rounded outward, int8 codes on
+    each page's grid ``max(kabs / 126, 2^-126)``) and ``kabs.i`` ``[B, Hkv, L/S]``
+    float32 (for int8: the page's exact max ``|k|``);
 outputs
     ``logits`` ``[B, V]``, then ``<input name>.out`` for every state input.
 
@@ -147,7 +149,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     kmax, kmin, kabs = step.bounds[layer]
     out = torch.ops.tinyserve_export.sparse_attention(
         query, key, value, kmax, kmin, kabs, step.position, scale, c.page_size, c.token_budget, c.sink_pages,
-        c.candidate_factor)  # [B,Hq,1,D]
+        c.candidate_factor, c.candidate_extra, c.keep_tokens)  # [B,Hq,1,D]
     step.sparse_calls += 1
     return out.transpose(1, 2).contiguous(), None  # [B,1,Hq,D], as sdpa_attention_forward returns
 
