@@ -8,7 +8,8 @@ from onnx import TensorProto, helper
 from tinyserve_compile.onnx_check import TRT_MAX_TOPK, trt_problems
 
 
-@pytest.mark.parametrize("name", ["llama_sparse", "llama_one_stage", "gpt2_sparse", "llama_dense"])
+@pytest.mark.parametrize("name", ["llama_sparse", "llama_one_stage", "gpt2_sparse", "llama_dense",
+                                  "llama_int8_tokens"])
 def test_exported_steps_pass_the_tensorrt_check(exports, name):
     info = exports[name]
     m = onnx.load(info.path, load_external_data=False)
