@@ -80,6 +80,8 @@ class ExportInfo:
         ``{state input: its updated output}``: the step reads each state input only
         to produce that output, so a runner may bind both to one buffer.
     export_seconds : float
+    int8_write : str
+        How int8 bounds are written (see :func:`export_onnx`).
     """
 
     path: str
@@ -95,6 +97,7 @@ class ExportInfo:
     output_names: List[str] = field(default_factory=list)
     aliases: Dict[str, str] = field(default_factory=dict)
     export_seconds: float = 0.0
+    int8_write: str = "tensorrt"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -343,7 +346,7 @@ def _check_graph(path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- API
 def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[str, Any]] = None,
-                batch_size: int = 1, verbose: bool = False) -> ExportInfo:
+                batch_size: int = 1, verbose: bool = False, int8_write: str = "tensorrt") -> ExportInfo:
     """Export one decode step of ``model`` with the tinyserve rewrite to an ONNX file.
 
     Parameters
@@ -363,6 +366,10 @@ def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[st
         ``B`` (static).
     verbose : bool
         Show the exporter's progress.
+    int8_write : {"tensorrt", "inplace"}
+        With ``bounds_dtype="int8"``: "tensorrt" writes the page through QuantizeLinear/DequantizeLinear of the
+        whole state (TensorRT takes INT8 only that way); "inplace" scatters the codes into the int8 state, which
+        ONNX Runtime updates in place, but TensorRT's parser rejects (ScatterND on INT8).
 
     Returns
     -------
@@ -379,6 +386,10 @@ def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[st
                          f"page_size ({config.page_size}): pages are gathered as whole rows")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"export_onnx: argument 'batch_size' must be a positive int, got {batch_size!r}")
+    from .onnx_translate import INT8_WRITES
+
+    if int8_write not in INT8_WRITES:
+        raise ValueError(f"export_onnx: argument 'int8_write' must be one of {INT8_WRITES}, got {int8_write!r}")
     _check_model(model)
     from . import onnx_ops  # noqa: F401  (registers the export ops)
     from .onnx_translate import translation_table
@@ -404,7 +415,7 @@ def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[st
     sink = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
     with torch.no_grad(), sink:
         prog = torch.onnx.export(step, args, dynamo=True, opset_version=OPSET,
-                                 custom_translation_table=translation_table(),
+                                 custom_translation_table=translation_table(int8_write),
                                  input_names=["input_ids", "position", *names],
                                  output_names=["logits", *[f"{n}.out" for n in names]], optimize=False)
         _optimize(prog.model)
@@ -413,7 +424,8 @@ def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[st
     return ExportInfo(path=path, options=asdict(config), batch_size=B, max_cache_len=L, n_layers=n_layers,
                       n_kv_heads=Hkv, head_dim=D, sparse_layers=sparse, bounds_dtype=config.bounds_dtype,
                       input_names=["input_ids", "position", *names], output_names=["logits", *[f"{n}.out" for n in names]],
-                      aliases={n: f"{n}.out" for n in names}, export_seconds=time.perf_counter() - t0)
+                      aliases={n: f"{n}.out" for n in names}, export_seconds=time.perf_counter() - t0,
+                      int8_write=int8_write)
 
 
 def decode_state(cache, *, options: Optional[Mapping[str, Any]] = None, dense_layers: Optional[int] = None,
@@ -473,6 +485,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "local HF folder")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--dense", action="store_true", help="export the stock dense step (policy 'full')")
+    ap.add_argument("--int8-write", default="tensorrt", choices=("tensorrt", "inplace"),
+                    help="int8 bounds: written through Q/DQ (TensorRT) or scattered in place (ONNX Runtime only)")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
     options = json.loads(a.options)
@@ -480,7 +494,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         options["policy"] = "full"
     model = load_model(a.model)
     info = export_onnx(model, a.out, max_cache_len=a.max_cache_len, options=options, batch_size=a.batch_size,
-                       verbose=a.verbose)
+                       verbose=a.verbose, int8_write=a.int8_write)
     print(json.dumps({"path": info.path, "export_seconds": round(info.export_seconds, 1),
                       "sparse_layers": len(info.sparse_layers), "n_layers": info.n_layers,
                       "bounds_dtype": info.bounds_dtype, "max_cache_len": info.max_cache_len}))

@@ -172,7 +172,24 @@ def cache_write(cache, position, src):
 
 
 def bounds_write(k_cache, kmax, kmin, kabs, position, page_size):
-    """Recompute the page holding ``position[b]``: Gather it, ReduceMax/Min, ScatterND into the bounds."""
+    """Recompute the page holding ``position[b]``: Gather it, ReduceMax/Min, ScatterND into the bounds.
+
+    int8 bounds are written the way TensorRT can parse (INT8 only through Q/DQ): the whole state is dequantized,
+    the page's codes scattered in fp32 and the result quantized again (see :func:`bounds_write_int8_inplace`).
+    """
+    return _bounds_write(k_cache, kmax, kmin, kabs, position, page_size, False)
+
+
+def bounds_write_int8_inplace(k_cache, kmax, kmin, kabs, position, page_size):
+    """:func:`bounds_write` with int8 codes scattered straight into the int8 state (``ScatterND`` on INT8).
+
+    ONNX Runtime then updates the int8 bounds in place (no full dequantize/quantize pass per step), but TensorRT's
+    parser takes no ``ScatterND`` on INT8 (:func:`tinyserve_compile.onnx_check.trt_problems` says so).
+    """
+    return _bounds_write(k_cache, kmax, kmin, kabs, position, page_size, True)
+
+
+def _bounds_write(k_cache, kmax, kmin, kabs, position, page_size, int8_inplace: bool):
     B, H, L, D = _dims(k_cache)
     S, P = int(page_size), _dims(kmax)[2]
     page = op.Div(position, _int(S))  # [B] int64
@@ -188,7 +205,13 @@ def bounds_write(k_cache, kmax, kmin, kabs, position, page_size):
     idx = op.Concat(_const(_bh_index(B, H)), op.Expand(row, _ints(B, H, 1)), axis=-1)  # [B,H,3]
     if _is(kmax, _INT8):  # codes on the page's grid, max rounded up and min down
         step = _int8_step(op.Unsqueeze(new_abs, _ints(-1)))  # [B,H,1]
-        hi, lo = _to_int8(_int8_codes(hi, step, True)), _to_int8(_int8_codes(lo, step, False))  # [B,H,D] int8
+        hi, lo = _int8_codes(hi, step, True), _int8_codes(lo, step, False)  # [B,H,D] fp32 codes
+        if int8_inplace:
+            hi, lo = _to_int8(hi), _to_int8(lo)
+        else:  # INT8 only through Q/DQ: scatter into the dequantized codes, quantize the whole state
+            new_max = _to_int8(op.ScatterND(_from_int8(kmax), idx, hi))
+            new_min = _to_int8(op.ScatterND(_from_int8(kmin), idx, lo))
+            return new_max, new_min, op.ScatterND(kabs, idx, new_abs)
     elif bdtype is not None and int(bdtype) != _FLOAT:
         hi, lo = op.Cast(hi, to=int(bdtype)), op.Cast(lo, to=int(bdtype))
     return op.ScatterND(kmax, idx, hi), op.ScatterND(kmin, idx, lo), op.ScatterND(kabs, idx, new_abs)
@@ -353,16 +376,29 @@ def _keep_tokens(logits, cand, tok_ok, forced_c, v_cache, dims, S: int, Kc: int,
     return _softmax_attend(sel_logits, vg)
 
 
-def translation_table() -> dict:
-    """``{torch op overload: onnxscript function}`` for ``torch.onnx.export(custom_translation_table=...)``."""
+#: how int8 bounds are written: "tensorrt" (Q/DQ only, :func:`bounds_write`) or "inplace"
+#: (:func:`bounds_write_int8_inplace`)
+INT8_WRITES = ("tensorrt", "inplace")
+
+
+def translation_table(int8_write: str = "tensorrt") -> dict:
+    """``{torch op overload: onnxscript function}`` for ``torch.onnx.export(custom_translation_table=...)``.
+
+    Parameters
+    ----------
+    int8_write : {"tensorrt", "inplace"}
+        The lowering of int8 bounds writes (other bounds dtypes are written the same either way).
+    """
     import torch
 
     from . import onnx_ops  # noqa: F401  (registers the ops)
 
+    if int8_write not in INT8_WRITES:
+        raise ValueError(f"translation_table: argument 'int8_write' must be one of {INT8_WRITES}, got {int8_write!r}")
     ns = torch.ops.tinyserve_export
     return {
         ns.cache_write.default: cache_write,
-        ns.bounds_write.default: bounds_write,
+        ns.bounds_write.default: bounds_write if int8_write == "tensorrt" else bounds_write_int8_inplace,
         ns.sparse_attention.default: sparse_attention,
     }
 

@@ -88,7 +88,7 @@ def test_int8_bounds_extra_candidates_keep_tokens_equal_reference(exports, name)
     tok, cache = prefill(model, ids, L)
     dec = _ort(info, cache, options)
     assert info.sparse_layers and dec.state[f"kmax.{info.sparse_layers[0]}"].dtype == torch.int8
-    assert set(dec.shared) == set(info.input_names[2:])  # the int8 bounds are updated in place too
+    assert set(dec.shared) == set(info.input_names[2:])  # the int8 bounds (DQ -> ScatterND -> Q) share buffers too
     ref_state = decode_state(cache, options=options)
     ref_state = {n: t.clone() for n, t in ref_state.items()}
     page_state = {n: t.clone() for n, t in ref_state.items()}
@@ -106,6 +106,9 @@ def test_int8_bounds_extra_candidates_keep_tokens_equal_reference(exports, name)
         fresh = page_bounds(dec.state[f"key.{i}"], options["page_size"], dtype=torch.int8)
         assert torch.equal(dec.state[f"kmax.{i}"], fresh.kmax) and torch.equal(dec.state[f"kmin.{i}"], fresh.kmin)
         assert torch.equal(dec.state[f"kabs.{i}"], fresh.kabs)
+    # binding the int8 state in place equals double-buffering it
+    double = greedy(_ort(info, cache, options, share_buffers=False).step, tok, PROMPT, 2)[1]
+    assert torch.equal(got[:2], double)
     # the options take effect: keeping whole pages, or attending densely, gives other logits
     pages = {**options, "keep_tokens": False}
     _, by_pages = greedy(reference_step(model, pages, page_state), tok, PROMPT, STEPS)

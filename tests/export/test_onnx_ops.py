@@ -47,7 +47,7 @@ def make_inputs(B, Hq, Hkv, L, D, S, positions, bounds_dtype=torch.float32, seed
 
 
 def check_step(tmp_path, B=2, Hq=4, Hkv=2, L=128, D=16, S=8, budget=32, sinks=1, cf=2, positions=(100, 61),
-               bounds_dtype=torch.float32, seed=0, extra=0, keep_tokens=False):
+               bounds_dtype=torch.float32, seed=0, extra=0, keep_tokens=False, int8_write="tensorrt"):
     args = make_inputs(B, Hq, Hkv, L, D, S, positions, bounds_dtype, seed)
     module = Step(S, budget, sinks, cf, extra=extra, keep_tokens=keep_tokens)
     want = module(*args)
@@ -55,7 +55,7 @@ def check_step(tmp_path, B=2, Hq=4, Hkv=2, L=128, D=16, S=8, budget=32, sinks=1,
     ref = sparse_decode_reference(args[0], want[1], want[2], torch.tensor(positions) + 1, None, 0.3, S, budget, sinks,
                                   cf, bounds=PageBounds(*want[3:]), candidate_extra=extra, keep_tokens=keep_tokens)
     assert torch.equal(want[0], ref)
-    got = ort_run(export_module(module, args, tmp_path / "step.onnx"), args)
+    got = ort_run(export_module(module, args, tmp_path / "step.onnx", int8_write), args)
     assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5), worst(got[0], want[0])
     for name, g, w in zip(("k", "v", "kmax", "kmin", "kabs"), got[1:], want[1:]):
         assert g.dtype == w.dtype and torch.equal(g, w), (name, worst(g, w))
@@ -111,10 +111,12 @@ def test_keep_tokens_is_ignored_by_one_stage(tmp_path):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), worst(got, want)
 
 
+@pytest.mark.parametrize("int8_write", ["tensorrt", "inplace"])
 @pytest.mark.parametrize("extra,keep_tokens", [(0, False), (16, True)])
-def test_int8_bounds(tmp_path, extra, keep_tokens):
+def test_int8_bounds(tmp_path, extra, keep_tokens, int8_write):
     # S = 8, budget 32: K = 4; extra = 2*S
-    out, dense = check_step(tmp_path, bounds_dtype=torch.int8, cf=2, extra=extra, keep_tokens=keep_tokens)
+    out, dense = check_step(tmp_path, bounds_dtype=torch.int8, cf=2, extra=extra, keep_tokens=keep_tokens,
+                            int8_write=int8_write)
     assert (out[0] - dense[0]).abs().max() > 1e-3, worst(out[0], dense[0])
 
 
@@ -164,7 +166,8 @@ def test_bf16_outward_rounding_matches_reference_bit_for_bit(tmp_path):
     assert bool((got[0].float().reshape(-1) >= k.reshape(-1)).all()) and bool((got[1].float().reshape(-1) <= k.reshape(-1)).all())
 
 
-def test_int8_writer_matches_reference_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("int8_write", ["tensorrt", "inplace"])
+def test_int8_writer_matches_reference_bit_for_bit(tmp_path, int8_write):
     """``bounds_write`` stores the int8 codes and ``kabs`` of ``reference.store_bounds`` exactly.
 
     4096 pages of 4 tokens x 8 channels, each page at its own scale from 2^-140 (subnormal keys, the step floor)
@@ -185,7 +188,7 @@ def test_int8_writer_matches_reference_bit_for_bit(tmp_path):
 
     z = torch.zeros(N, 1, 1, D, dtype=torch.int8)
     args = (k, z, z.clone(), torch.zeros(N, 1, 1), torch.zeros(N, dtype=torch.int64))
-    got = ort_run(export_module(Write(), args, tmp_path / "int8.onnx"), args)
+    got = ort_run(export_module(Write(), args, tmp_path / "int8.onnx", int8_write), args)
     want = page_bounds(k, S, dtype=torch.int8)
     assert want.kmax.dtype == torch.int8 and want.kmax.shape == (N, 1, 1, D)
     for name, g_, w in zip(("kmax", "kmin", "kabs"), got, want):
