@@ -6,7 +6,8 @@ size, ``K`` of ``TopK`` and reduction axis becomes a constant. The ops used are
 among those TensorRT's ONNX parser supports (``TopK`` with a constant ``K``,
 ``Gather``/``GatherElements``, ``MatMul``, ``Softmax``, ``Where``, ``ScatterND``
 without reduction, ``ReduceMax``/``ReduceMin``/``ReduceSum`` with constant axes,
-elementwise arithmetic and comparisons); no custom domain.
+elementwise arithmetic and comparisons, ``Ceil``/``Floor``, ``QuantizeLinear``/
+``DequantizeLinear`` with a zero zero-point); no custom domain.
 
 The selection is :func:`tinyserve_compile.kernels.reference.choose` written
 for a static graph: ``N1 = candidate_factor * K + candidate_extra // page_size``
