@@ -43,8 +43,12 @@ class Sparse:
     candidate_factor: int = 1
     #: optional per-layer budget override {layer: budget}
     layer_budgets: Optional[tuple] = None
-    #: storage of the page bounds, as the backend's ``bounds_dtype`` option ("bfloat16" rounded outward, "float32")
+    #: storage of the page bounds, as the backend's ``bounds_dtype`` option ("bfloat16"/"int8" rounded outward,
+    #: "float32")
     bounds_dtype: str = "bfloat16"
+    #: extra candidate tokens of the two-stage selection, and whether it keeps single tokens (backend options)
+    candidate_extra: int = 0
+    keep_tokens: bool = False
 
     def label(self) -> str:
         s = f"{self.policy}/B{self.token_budget}/S{self.page_size}/d{self.dense_layers}"
@@ -56,6 +60,10 @@ class Sparse:
             s += "/lb"
         if self.bounds_dtype != "bfloat16":
             s += f"/{self.bounds_dtype}"
+        if self.candidate_extra:
+            s += f"/e{self.candidate_extra}"
+        if self.keep_tokens:
+            s += "/tok"
         return s
 
     def budget_for(self, layer: int) -> int:
@@ -141,7 +149,7 @@ class EvalModel:
         update_bounds_(key, bounds, torch.tensor([self.pos]), S)
         ctx = DecodeContext(query, key, value, bounds, torch.tensor([vl]), None, float(scale), S,
                             cfg.budget_for(layer), cfg.sink_pages, cfg.candidate_factor,
-                            self.states.setdefault(layer, {}))
+                            self.states.setdefault(layer, {}), "auto", cfg.candidate_extra, cfg.keep_tokens)
         pol = get_policy(cfg.policy)
         if self.collect:
             self._collect(layer, pol, ctx)
@@ -151,7 +159,7 @@ class EvalModel:
     def _collect(self, layer, pol, ctx: DecodeContext):
         S, L, D = ctx.page_size, ctx.k_cache.shape[2], ctx.q.shape[-1]
         vl = int(ctx.valid_len[0])
-        sel = pol.select(ctx)
+        sel, unit = pol.choose(ctx)
         Hkv = ctx.k_cache.shape[1]
         n_pages_valid = (vl + S - 1) // S
         if sel is None:
@@ -159,14 +167,15 @@ class EvalModel:
             kept[:, :, :n_pages_valid] = True
             frac, extra = 1.0, 0.0
         else:
-            kept = torch.zeros(1, Hkv, ctx.n_pages, dtype=torch.bool).scatter_(2, sel.idx, sel.ok)
-            tok = selected_token_mask(sel, S, L, ctx.valid_len)[..., :vl]
+            tok = selected_token_mask(sel, unit, L, ctx.valid_len)[..., :vl]
+            kept = selected_token_mask(sel, unit, L, ctx.valid_len)
+            kept = torch.nn.functional.pad(kept, (0, ctx.n_pages * S - L)).reshape(1, Hkv, ctx.n_pages, S).any(-1)
             frac = float(tok.float().mean())
             extra = 0.0
             if self.cfg.policy == "query_aware":  # the backend's cost model, minus the attended K/V counted in frac
                 it = ctx.k_cache.element_size()
                 read = sparse_site_bytes(vl, Hkv, D, it, S, ctx.token_budget, ctx.candidate_factor,
-                                         ctx.bounds.kmax.element_size())
+                                         ctx.bounds.kmax.element_size(), ctx.candidate_extra)
                 extra = read / (2 * Hkv * vl * D * it) - frac
             elif self.cfg.policy in ("oracle", "h2o"):
                 extra += 0.5  # every key is read to score (an oracle, or the observed-mass update)
@@ -175,7 +184,10 @@ class EvalModel:
         if prev is not None and prev.shape == kept.shape:
             rho = float(((kept & prev).sum(-1).float() / kept.sum(-1).clamp(min=1).float()).mean())
         self.prev_sel[layer] = kept
-        bound, measured = dropped_mass_bound(ctx.q, ctx.k_cache, ctx.bounds, sel, ctx.valid_len, None, ctx.scale, S)
+        if unit == S:
+            bound, measured = dropped_mass_bound(ctx.q, ctx.k_cache, ctx.bounds, sel, ctx.valid_len, None, ctx.scale, S)
+        else:  # the certified bound is per page: not defined for a token selection
+            bound = measured = torch.full((1, ctx.q.shape[1]), float("nan"))
         viol = int((bound < measured - 1e-6).sum())
         self._step_rows.append(dict(kv=frac, bytes=frac + extra, rho=rho, dropped=float(measured.mean()),
                                     dropped_max=float(measured.max()), bound=float(bound.mean()),

@@ -51,7 +51,7 @@ def _check(fn, k_cache, kmax, kmin, kabs, page_size):
             raise ValueError(f"{fn}: argument '{name}' must be a {dt} tensor {shape}, got {type(t).__name__}")
         if tuple(t.shape) != shape or t.dtype != dt or t.device != k_cache.device:
             raise ValueError(
-                f"{fn}: argument '{name}' must be {dt} {shape} on {k_cache.device} (kmax/kmin float32 or bfloat16, "
+                f"{fn}: argument '{name}' must be {dt} {shape} on {k_cache.device} (kmax/kmin float32, bfloat16 or int8, "
                 f"kabs float32), got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
 

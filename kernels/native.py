@@ -185,12 +185,17 @@ def _load(verbose: bool) -> bool:
 
 def _self_check() -> Optional[str]:
     """Run the freshly loaded kernel on small cases against :mod:`.reference`; a description of the first
-    mismatch, or None. Covers both bound dtypes, fp32 and bf16 caches, one and two stages, a mask (a few ms)."""
+    mismatch, or None. Covers the three bound dtypes, fp32 and bf16 caches, one and two stages (pages, and single
+    tokens with extra candidates), a mask (a few ms)."""
     from . import reference as ref
 
     gen = torch.Generator().manual_seed(1234)
     B, Hkv, G, L, D, S = 2, 1, 3, 131, 64, 8
-    for dtype, bdt, cf, masked in ((torch.float32, torch.float32, 1, False), (torch.bfloat16, torch.bfloat16, 4, True)):
+    for dtype, bdt, cf, extra, keep_tokens, masked in (
+        (torch.float32, torch.float32, 1, 0, False, False),
+        (torch.bfloat16, torch.bfloat16, 4, 0, False, True),
+        (torch.float32, torch.int8, 1, 2 * S, True, True),
+    ):
         q = torch.randn(B, Hkv * G, 1, D, generator=gen).to(dtype)
         k = torch.randn(B, Hkv, L, D, generator=gen).to(dtype)
         v = torch.randn(B, Hkv, L, D, generator=gen).to(dtype)
@@ -202,9 +207,12 @@ def _self_check() -> Optional[str]:
         b = ref.page_bounds(k, S, dtype=bdt)
         if not (torch.equal(kmax, b.kmax) and torch.equal(kmin, b.kmin) and torch.equal(kabs, b.kabs)):
             return f"rebuild_bounds differs from reference.page_bounds ({dtype}, bounds {bdt})"
-        out = torch.ops.tinyserve_native.sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, 0.125, S, 32, 1, cf, None)
-        want = ref.sparse_decode_reference(q, k, v, vl, mask, 0.125, S, 32, 1, cf, bounds=b)
+        out = torch.ops.tinyserve_native.sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, 0.125, S, 32, 1, cf, None,
+                                                       extra, keep_tokens)
+        want = ref.sparse_decode_reference(q, k, v, vl, mask, 0.125, S, 32, 1, cf, bounds=b, candidate_extra=extra,
+                                           keep_tokens=keep_tokens)
         err = float((out.float() - want.float()).abs().max())
         if not err <= (1e-4 if dtype == torch.float32 else 2e-2):
-            return f"sparse_decode differs from the reference by {err:.3g} ({dtype}, bounds {bdt}, c={cf})"
+            return (f"sparse_decode differs from the reference by {err:.3g} ({dtype}, bounds {bdt}, c={cf}, "
+                    f"extra={extra}, keep_tokens={keep_tokens})")
     return None

@@ -39,12 +39,12 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("tinyserve_native::sparse_decode")
     def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-          candidate_factor, ctrl):
+          candidate_factor, ctrl, candidate_extra=0, keep_tokens=False):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("tinyserve_native::kept_pages")
     def _(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-          candidate_factor, ctrl):
+          candidate_factor, ctrl, candidate_extra=0, keep_tokens=False):
         return kabs.new_empty(kabs.shape, dtype=torch.bool)
 
     @torch.library.register_fake("tinyserve_native::cache_write")
@@ -78,6 +78,8 @@ def sparse_decode_native(
     sink_pages: int,
     candidate_factor: int,
     ctrl: Optional[torch.Tensor] = None,
+    candidate_extra: int = 0,
+    keep_tokens: bool = False,
 ) -> torch.Tensor:
     """Query-aware sparse decode attention in one native call.
 
@@ -89,9 +91,10 @@ def sparse_decode_native(
         ``[B, Hkv, L, D]``, dtype of ``q``, any strides with a unit stride on ``D``
         (a ``.transpose(1, 2)`` view of a ``[B, L, Hkv, D]`` buffer is read in place).
     kmax, kmin : torch.Tensor
-        ``[B, Hkv, P, D]`` float32 or bfloat16 (outward-rounded) page bounds, ``P = ceil(L / S)``.
+        ``[B, Hkv, P, D]`` page bounds, ``P = ceil(L / S)``: float32, bfloat16 (outward-rounded) or int8
+        (codes on the page's grid, :func:`.reference.int8_bounds_step`), as :func:`.reference.store_bounds`.
     kabs : torch.Tensor
-        ``[B, Hkv, P]`` float32.
+        ``[B, Hkv, P]`` float32 (for int8 bounds: the page's exact max ``|k|``, which sizes the grid).
     valid_len : torch.Tensor
         int64 ``[1]`` or ``[B]``.
     attn_mask : torch.Tensor, optional
@@ -101,6 +104,12 @@ def sparse_decode_native(
         Selection knobs, as in :func:`.reference.sparse_decode_reference`.
     ctrl : torch.Tensor, optional
         int32 ``[2]`` CPU tensor; ``ctrl[1] != 0`` attends densely over every valid token.
+    candidate_extra : int
+        Extra candidate tokens (>= 0): ``N1 = candidate_factor * K + candidate_extra // page_size`` candidate
+        pages, two-stage iff ``N1 > K`` (:func:`.reference.candidate_pages`).
+    keep_tokens : bool
+        Two-stage only: keep the ``K * page_size`` candidate tokens of highest softmax share instead of ``K``
+        pages (:func:`.reference.rank_candidate_tokens`).
 
     Returns
     -------
@@ -110,19 +119,21 @@ def sparse_decode_native(
     _require()
     return torch.ops.tinyserve_native.sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask,
                                                     float(scale), page_size, token_budget, sink_pages,
-                                                    candidate_factor, ctrl)
+                                                    candidate_factor, ctrl, int(candidate_extra), bool(keep_tokens))
 
 
 def kept_pages_native(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-                      candidate_factor, ctrl=None) -> torch.Tensor:
+                      candidate_factor, ctrl=None, candidate_extra: int = 0, keep_tokens: bool = False) -> torch.Tensor:
     """The pages :func:`sparse_decode_native` attends to: bool ``[B, Hkv, P]``.
 
     Arguments as in :func:`sparse_decode_native` (no values). A row attended densely
-    marks every valid page.
+    marks every valid page; with ``keep_tokens`` (two-stage) a page is marked when any
+    of its tokens is kept.
     """
     _require()
     return torch.ops.tinyserve_native.kept_pages(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, float(scale),
-                                                 page_size, token_budget, sink_pages, candidate_factor, ctrl)
+                                                 page_size, token_budget, sink_pages, candidate_factor, ctrl,
+                                                 int(candidate_extra), bool(keep_tokens))
 
 
 def cache_write_native(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size: int) -> None:
@@ -133,7 +144,8 @@ def cache_write_native(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_siz
     k_cache : torch.Tensor
         ``[B, Hkv, L, D]`` (a strided view is fine), written in place.
     kmax, kmin : torch.Tensor
-        ``[B, Hkv, P, D]`` float32 or bfloat16, contiguous, written in place.
+        ``[B, Hkv, P, D]`` float32, bfloat16 or int8, contiguous, written in place (as
+        :func:`.reference.store_bounds` of the exact page max/min).
     kabs : torch.Tensor
         ``[B, Hkv, P]`` float32, written in place.
     ctrl : torch.Tensor

@@ -66,6 +66,7 @@ __all__ = [
     "choose",
     "candidate_pages",
     "rank_candidate_tokens",
+    "refine_by_token_mass",
     "int8_bounds_step",
     "bounds_f32",
     "bounds_itemsize",
@@ -163,10 +164,20 @@ def bounds_itemsize(dtype: torch.dtype) -> int:
 
 
 def _int8_codes(x: torch.Tensor, step: torch.Tensor, up: bool) -> torch.Tensor:
-    """Codes ``c`` in ``[-127, 127]`` with ``c * step >= x`` (``up``) or ``<= x``, as close as the grid allows."""
-    c = torch.ceil(x / step) if up else torch.floor(x / step)
-    dec = c * step
-    c = torch.where(dec < x, c + 1, c) if up else torch.where(dec > x, c - 1, c)  # one rounding of the division
+    """The code ``c`` nearest ``x / step`` on the outward side: the smallest ``c`` with ``c * step >= x`` (``up``)
+    or the largest with ``c * step <= x``, all products in fp32, then clamped to ``[-127, 127]``.
+
+    ``ceil``/``floor`` of the fp32 quotient is off by at most one either way (one rounding of the division),
+    which one check of each neighbour corrects.
+    """
+    if up:
+        c = torch.ceil(x / step)
+        c = torch.where((c - 1) * step >= x, c - 1, c)
+        c = torch.where(c * step < x, c + 1, c)
+    else:
+        c = torch.floor(x / step)
+        c = torch.where((c + 1) * step <= x, c + 1, c)
+        c = torch.where(c * step > x, c - 1, c)
     return c.clamp(-127, 127).to(torch.int8)
 
 
@@ -477,6 +488,34 @@ def refine_by_page_mass(
     return rank_candidates(logits, cand, vl, page_size, n_select, sink_pages)[0]
 
 
+def refine_by_token_mass(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    cand: Selection,
+    valid_len: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    page_size: int,
+    n_tokens: int,
+    sink_pages: int,
+) -> Selection:
+    """Second stage keeping single tokens: the ``n_tokens`` candidate tokens of highest softmax share.
+
+    As :func:`refine_by_page_mass` (exact logits over the candidates' keys, no values read), ranked by
+    :func:`rank_candidate_tokens`. Returns the kept tokens ``[B, Hkv, n']`` as a :class:`Selection` of
+    pages of one token.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    vl = _as_valid_len(valid_len, B, q.device)
+    tok, tok_ok = _selected_tokens(cand, page_size, L, vl)  # [B,Hkv,Kc*S]
+    kg = k_cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
+    logits = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
+    logits = logits + _gathered_mask(attn_mask, tok, B, Hq, L)
+    logits = logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+    return rank_candidate_tokens(logits, cand, vl, page_size, n_tokens, sink_pages)[0]
+
+
 def rank_candidates(logits, cand: Selection, valid_len, page_size: int, n_select: int, sink_pages: int):
     """Pick ``n_select`` of the candidate pages by their share of softmax mass.
 
@@ -610,13 +649,7 @@ def choose(
         cand = Selection(idx.contiguous(), (idx < n_valid.reshape(B, 1, 1)))
     if not keep_tokens:
         return refine_by_page_mass(q, k_cache, cand, vl, attn_mask, scale, page_size, K, sink_pages), page_size
-    Hkv = k_cache.shape[1]
-    tok, tok_ok = _selected_tokens(cand, page_size, L, vl)  # [B,Hkv,Kc*S]
-    kg = k_cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
-    logits = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
-    logits = logits + _gathered_mask(attn_mask, tok, B, Hq, L)
-    logits = logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
-    return rank_candidate_tokens(logits, cand, vl, page_size, K * page_size, sink_pages)[0], 1
+    return refine_by_token_mass(q, k_cache, cand, vl, attn_mask, scale, page_size, K * page_size, sink_pages), 1
 
 
 def choose_pages(

@@ -22,8 +22,10 @@ from .reference import (
     _as_valid_len,
     _gathered_mask,
     _selected_tokens,
+    candidate_pages,
     mask_page_max,
     page_scores,
+    rank_candidate_tokens,
     rank_candidates,
     select_pages,
     softmax_attend,
@@ -39,7 +41,7 @@ _LOOP_MAX = 16
 
 def check_decode_inputs(
     q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-    candidate_factor, kernel="auto",
+    candidate_factor, kernel="auto", candidate_extra=0, keep_tokens=False,
 ) -> None:
     """Raise ``ValueError`` naming the first bad argument of :func:`sparse_decode`."""
 
@@ -79,6 +81,10 @@ def check_decode_inputs(
         bad("sink_pages", f"must be an int in [0, {K}) (fewer than the pages in the budget), got {sink_pages!r}")
     if not isinstance(candidate_factor, int) or candidate_factor < 1:
         bad("candidate_factor", f"must be an int >= 1, got {candidate_factor!r}")
+    if not isinstance(candidate_extra, int) or isinstance(candidate_extra, bool) or candidate_extra < 0:
+        bad("candidate_extra", f"must be an int >= 0 (tokens), got {candidate_extra!r}")
+    if not isinstance(keep_tokens, bool):
+        bad("keep_tokens", f"must be a bool, got {keep_tokens!r}")
     if not isinstance(scale, (int, float)) or not scale > 0 or not math.isfinite(scale):
         bad("scale", f"must be a finite float > 0, got {scale!r}")
     if kernel not in KERNELS:
@@ -90,7 +96,7 @@ def check_decode_inputs(
             bad(name, f"must be a tensor of shape {shape} (page_size={page_size}), got {got}")
         want = (torch.float32,) if name == "kabs" else BOUNDS_DTYPES
         if t.dtype not in want:
-            bad(name, f"must be one of {want} (bf16 bounds are stored rounded outward), got {t.dtype}")
+            bad(name, f"must be one of {want} (bf16/int8 bounds are stored rounded outward), got {t.dtype}")
     if kmin.dtype != kmax.dtype:
         bad("kmin", f"must have the dtype of kmax ({kmax.dtype}), got {kmin.dtype}")
     for name, t in (("kmax", kmax), ("kmin", kmin), ("kabs", kabs)):
@@ -297,14 +303,16 @@ def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, 
     return _attend_grouped(q, kg[:, :, :T], vg[:, :, :T], scale)
 
 
-def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages, candidate_factor):
+def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages, n_cand,
+                    keep_tokens=False):
     """Two-stage sparse decode for the common case (no mask, one valid length ``n``, contiguous caches).
 
-    The same pages as :func:`.reference.choose_pages`: the bound keeps ``c*K``
+    The same selection as :func:`.reference.choose`: the bound keeps ``n_cand``
     candidate pages (all valid pages when they number fewer, with no bound scan),
     exact logits over the candidates' keys rank them by softmax mass
-    (:func:`.reference.rank_candidates`), and the kept pages' logits are reused
-    for the final softmax: only their values are read.
+    (:func:`.reference.rank_candidates`, or per token with ``keep_tokens``:
+    :func:`.reference.rank_candidate_tokens`), and the kept logits are reused
+    for the final softmax: only the kept values are read.
 
     Parameters
     ----------
@@ -319,7 +327,10 @@ def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, 
     n : int
         Valid length shared by every batch row, with ``ceil(n / page_size) > K``.
     scale : float
-    page_size, K, sink_pages, candidate_factor : int
+    page_size, K, sink_pages, n_cand : int
+        Tokens per page, pages kept, forced leading pages, candidate pages (``> K``).
+    keep_tokens : bool
+        Keep the ``K * page_size`` best single tokens instead of ``K`` pages.
 
     Returns
     -------
@@ -332,12 +343,12 @@ def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, 
     n_valid = (n + S - 1) // S
     vl = torch.full((B,), n, dtype=torch.int64, device=q.device)
     # ---- stage 1: candidate pages (every valid page when c*K covers them)
-    if K * candidate_factor >= n_valid:
+    if n_cand >= n_valid:
         idx = torch.arange(n_valid, device=q.device).expand(B, Hkv, n_valid)
         kg = k_cache[:, :, :n_valid * S].float()  # [B,Hkv,Kc*S,D]
     else:
         scores = page_scores(q, PageBounds(kmax, kmin, kabs), scale)  # [B,Hkv,P] fp32
-        idx = _select_uniform(scores, n, S, K * candidate_factor, sink_pages).sort(-1).values  # [B,Hkv,Kc]
+        idx = _select_uniform(scores, n, S, n_cand, sink_pages).sort(-1).values  # [B,Hkv,Kc]
         kg = None if 2 * idx.shape[-1] >= n_valid else _gather_pages_raw(k_cache, idx, S).view(B, Hkv, -1, D).float()
     Kc = idx.shape[-1]
     # ---- stage 2: exact logits over the candidates' keys; rank pages by softmax mass
@@ -351,6 +362,14 @@ def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, 
     cut = -n % S  # the newest page (last, pages ascending) has slots past n
     if cut:
         logits[..., Kc * S - cut:] = float("-inf")
+    if keep_tokens:
+        # ---- stage 3 (tokens): the K*S best single tokens, their logits and values
+        final, slots = rank_candidate_tokens(logits, Selection(idx, torch.ones_like(idx, dtype=torch.bool)), vl, S,
+                                             K * S, sink_pages)  # [B,Hkv,T]
+        kept = logits.gather(3, slots[:, :, None, :].expand(B, Hkv, G, slots.shape[-1]))  # [B,Hkv,G,T]
+        kept = kept.masked_fill(~final.ok[:, :, None, :], float("-inf"))
+        vg = v_cache.gather(2, final.idx[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T,D]
+        return softmax_attend(kept, vg).reshape(B, Hq, 1, D).to(q.dtype)
     final, slots = rank_candidates(logits, Selection(idx, torch.ones_like(idx, dtype=torch.bool)), vl, S, K,
                                    sink_pages)
     # ---- stage 3: softmax over the kept pages' logits, values of those pages only
@@ -362,13 +381,15 @@ def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, 
 
 def _sparse_decode_torch(
     q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-    candidate_factor,
+    candidate_factor, candidate_extra=0, keep_tokens=False,
 ) -> torch.Tensor:
     """Fast PyTorch path: matmul bound scan, top-k, page gather, exact attention."""
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     K = token_budget // page_size
+    n_first = candidate_pages(page_size, token_budget, candidate_factor, candidate_extra)
+    two = n_first > K
     n = _uniform_len(valid_len, B)  # one host sync; None when rows differ
     if n is not None and attn_mask is None and 0 < n:
         n = min(n, L)
@@ -376,10 +397,10 @@ def _sparse_decode_torch(
             return _attend_grouped(q, k_cache[:, :, :n], v_cache[:, :, :n], scale)
         full_pages_only = L % page_size == 0 or n <= (L // page_size) * page_size  # newest page inside the cache
         if full_pages_only and k_cache.is_contiguous() and v_cache.is_contiguous():
-            if candidate_factor == 1:
+            if not two:
                 return _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages)
             return _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages,
-                                   candidate_factor)
+                                   n_first, keep_tokens)
     vl = _as_valid_len(valid_len, B, q.device)
     qg = q.float().reshape(B, Hkv, G, D)
     n_valid = (vl + page_size - 1) // page_size
@@ -388,18 +409,23 @@ def _sparse_decode_torch(
     # ---- stage 1: bound scan and top-k (or top-cK candidates)
     bounds = PageBounds(kmax, kmin, kabs)
     scores = page_scores(q, bounds, scale, mask_page_max(attn_mask, B, Hq, L, page_size))  # [B,Hkv,P]
-    n_first = K * candidate_factor
     sel = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=n_first)
     if sel is None:  # candidates cover every valid page
         P = scores.shape[-1]
         idx = torch.arange(P, device=q.device).expand(B, Hkv, P).contiguous()
         sel = Selection(idx, idx < n_valid.reshape(B, 1, 1))
-    if candidate_factor > 1:
-        # ---- stage 2: exact logits over the candidates' keys pick K pages by mass
+    if two:
+        # ---- stage 2: exact logits over the candidates' keys pick K pages (or K*S tokens) by mass
         tok, tok_ok = _selected_tokens(sel, page_size, L, vl)  # [B,Hkv,T]
         kg = _gather_pages(k_cache, sel.idx, page_size)  # [B,Hkv,T,D]
         logits = (qg @ kg.transpose(-1, -2)) * scale
         logits = (logits + _gathered_mask(attn_mask, tok, B, Hq, L)).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+        if keep_tokens:
+            final, slots = rank_candidate_tokens(logits, sel, vl, page_size, K * page_size, sink_pages)
+            kept = logits.gather(3, slots[:, :, None, :].expand(B, Hkv, G, slots.shape[-1]))  # [B,Hkv,G,T']
+            kept = kept.masked_fill(~final.ok[:, :, None, :], float("-inf"))
+            vg = v_cache.gather(2, final.idx[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T',D]
+            return softmax_attend(kept, vg).reshape(B, Hq, 1, D).to(q.dtype)
         final, slots = rank_candidates(logits, sel, vl, page_size, K, sink_pages)
         Kc = sel.idx.shape[-1]
         lp = logits.reshape(B, Hkv, G, Kc, page_size)
@@ -465,22 +491,42 @@ def _triton_allowed(q: torch.Tensor) -> bool:
     return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _new_selection(kmax, candidate_extra, keep_tokens) -> bool:
+    """Whether a call uses the options of issue 10's phase 3 (int8 bounds, extra candidates, kept tokens)."""
+    return kmax.dtype == torch.int8 or candidate_extra != 0 or keep_tokens
+
+
+def _native_has_new_selection() -> bool:
+    schema = str(torch.ops.tinyserve_native.sparse_decode.default._schema)
+    return "keep_tokens" in schema
+
+
+def _triton_has_new_selection() -> bool:
+    import inspect
+
+    from .triton_sparse_decode import sparse_decode_triton
+
+    return "keep_tokens" in inspect.signature(sparse_decode_triton).parameters
+
+
 def sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-         candidate_factor, kernel):
+         candidate_factor, kernel, candidate_extra=0, keep_tokens=False):
     args = (q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
             candidate_factor)
+    new = _new_selection(kmax, candidate_extra, keep_tokens)
+    extra = (candidate_extra, keep_tokens) if new else ()
     if kernel == "native" or (kernel == "auto" and q.device.type == "cpu"):
         # ---- the native C++ kernel: the CPU default when it builds (else the PyTorch path below)
         from .native import load_native, native_unavailable_reason
 
         if kernel == "native" and q.device.type != "cpu":
             raise ValueError(f"sparse_decode: argument 'kernel'='native' runs on CPU tensors only, got {q.device}")
-        if load_native():
-            return torch.ops.tinyserve_native.sparse_decode(*args, None)
+        if load_native() and (not new or _native_has_new_selection()):
+            return torch.ops.tinyserve_native.sparse_decode(*args, None, *extra)
         if kernel == "native":
-            raise ValueError(f"sparse_decode: argument 'kernel'='native' but the native kernel is unavailable: "
-                             f"{native_unavailable_reason()}")
-        return _sparse_decode_torch(*args)
+            why = native_unavailable_reason() or "this build predates int8 bounds / candidate_extra / keep_tokens"
+            raise ValueError(f"sparse_decode: argument 'kernel'='native' but the native kernel is unavailable: {why}")
+        return _sparse_decode_torch(*args, candidate_extra, keep_tokens)
     use_triton = kernel == "triton" or (kernel == "auto" and q.is_cuda)
     if use_triton:
         if not _triton_allowed(q):
@@ -490,11 +536,12 @@ def sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_ma
             )
         from .triton_sparse_decode import sparse_decode_triton, triton_available
 
-        if triton_available():
-            return sparse_decode_triton(*args)
+        if triton_available() and (not new or _triton_has_new_selection()):
+            return sparse_decode_triton(*args, *extra)
         if kernel == "triton":
-            raise ValueError("sparse_decode: argument 'kernel'='triton' but triton is not installed")
-    return _sparse_decode_torch(*args)
+            raise ValueError("sparse_decode: argument 'kernel'='triton' but triton is not installed, or its "
+                             "kernels predate int8 bounds / candidate_extra / keep_tokens")
+    return _sparse_decode_torch(*args, candidate_extra, keep_tokens)
 
 
 @torch.library.custom_op("tinyserve::sparse_decode", mutates_args=())
@@ -513,14 +560,16 @@ def _sparse_decode_op(
     sink_pages: int,
     candidate_factor: int,
     kernel: str,
+    candidate_extra: int = 0,
+    keep_tokens: bool = False,
 ) -> torch.Tensor:
     return sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
-                sink_pages, candidate_factor, kernel)
+                sink_pages, candidate_factor, kernel, candidate_extra, keep_tokens)
 
 
 @_sparse_decode_op.register_fake
 def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-      candidate_factor, kernel):
+      candidate_factor, kernel, candidate_extra=0, keep_tokens=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -537,6 +586,8 @@ def sparse_decode(
     sink_pages: int = 0,
     candidate_factor: int = 1,
     kernel: str = "auto",
+    candidate_extra: int = 0,
+    keep_tokens: bool = False,
 ) -> torch.Tensor:
     """Exact attention of one decode token over the query-aware selected pages.
 
@@ -547,8 +598,8 @@ def sparse_decode(
     k_cache, v_cache : torch.Tensor
         ``[B, Hkv, L, D]``, dtype of ``q``; read in place (never repeated for GQA).
     bounds : PageBounds
-        fp32 page bounds of ``k_cache`` (``kmax``/``kmin`` ``[B, Hkv, P, D]``,
-        ``kabs`` ``[B, Hkv, P]``), e.g. from :func:`.bounds.allocate_bounds`.
+        Page bounds of ``k_cache`` (``kmax``/``kmin`` ``[B, Hkv, P, D]`` float32, bfloat16 or int8,
+        ``kabs`` fp32 ``[B, Hkv, P]``), e.g. from :func:`.bounds.allocate_bounds`.
     valid_len : torch.Tensor or int
         int64 ``[B]`` or ``[1]``: tokens ``>= valid_len`` are absent.
     attn_mask : torch.Tensor, optional
@@ -560,6 +611,10 @@ def sparse_decode(
     kernel : {"auto", "native", "torch", "triton"}
         "auto" picks Triton on CUDA, the native C++ kernel on CPU when it builds
         (:func:`.native.load_native`), and the PyTorch path otherwise.
+    candidate_extra : int
+        Extra candidate tokens of the two-stage selection (:func:`.reference.candidate_pages`).
+    keep_tokens : bool
+        Two-stage: keep single tokens instead of whole pages (:func:`.reference.rank_candidate_tokens`).
 
     Returns
     -------
@@ -572,6 +627,7 @@ def sparse_decode(
     if not isinstance(bounds, tuple) or len(bounds) != 3:
         raise ValueError("sparse_decode: argument 'bounds' must be a PageBounds(kmax, kmin, kabs)")
     check_decode_inputs(q, k_cache, v_cache, *bounds, valid_len, attn_mask, scale, page_size, token_budget,
-                        sink_pages, candidate_factor, kernel)
+                        sink_pages, candidate_factor, kernel, candidate_extra, keep_tokens)
     return torch.ops.tinyserve.sparse_decode(q, k_cache, v_cache, *bounds, valid_len, attn_mask, float(scale),
-                                             page_size, token_budget, sink_pages, candidate_factor, kernel)
+                                             page_size, token_budget, sink_pages, candidate_factor, kernel,
+                                             candidate_extra, keep_tokens)

@@ -60,14 +60,15 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
                 new = graph.call_function(
                     native,
                     (a["query"], k, v, kmax, kmin, kabs, valid_len, a["attn_mask"], float(scale),
-                     config.page_size, config.token_budget, config.sink_pages, config.candidate_factor, ctrl),
+                     config.page_size, config.token_budget, config.sink_pages, config.candidate_factor, ctrl)
+                    + runtime.new_selection_args(config),
                 )
             else:
                 new = graph.call_function(
                     torch.ops.tinyserve.paged_attention.default,
                     (a["query"], k, v, kmax, kmin, kabs, ctrl, valid_len, a["attn_mask"],
                      float(scale), config.page_size, config.token_budget, config.sink_pages, config.candidate_factor,
-                     config.policy, config.kernel),
+                     config.policy, config.kernel, config.candidate_extra, config.keep_tokens),
                 )
             counters["native_sites" if native is not None else "python_op_sites"] += 1
         new.meta["example_value"] = site.node.meta.get("example_value")

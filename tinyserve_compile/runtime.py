@@ -240,11 +240,26 @@ def native_unavailable_reason() -> Optional[str]:
     return None if native.load_native() else native.native_unavailable_reason()
 
 
-def write_op(device: torch.device):
-    """The cache-write op for a graph on ``device``: native on CPU when it builds."""
-    if device.type == "cpu" and _native_loaded():
+def _native_has_new_selection() -> bool:
+    return "keep_tokens" in str(torch.ops.tinyserve_native.sparse_decode.default._schema)
+
+
+def write_op(device: torch.device, bounds_dtype: str = "bfloat16"):
+    """The cache-write op for a graph on ``device``: native on CPU when it builds (and knows ``bounds_dtype``)."""
+    if device.type == "cpu" and _native_loaded() and (bounds_dtype != "int8" or _native_has_new_selection()):
         return torch.ops.tinyserve_native.cache_write.default
     return torch.ops.tinyserve.cache_write.default
+
+
+def uses_new_selection(config) -> bool:
+    """Whether ``config`` selects with int8 bounds, extra candidates or kept tokens (issue 10, phase 3)."""
+    return config.bounds_dtype == "int8" or config.candidate_extra != 0 or config.keep_tokens
+
+
+def new_selection_args(config) -> tuple:
+    """The trailing ``(candidate_extra, keep_tokens)`` of the native op, only when they differ from the defaults
+    (so that a build that predates them keeps working for the settings it knows)."""
+    return (config.candidate_extra, config.keep_tokens) if uses_new_selection(config) else ()
 
 
 def native_decode_op(device: torch.device, config):
@@ -253,10 +268,14 @@ def native_decode_op(device: torch.device, config):
         if config.kernel == "native" and device.type != "cpu":
             raise ValueError(f"tinyserve option 'kernel'='native' runs on CPU tensors only, got {device}")
         return None
+    why = None
     if not _native_loaded():
+        why = native_unavailable_reason()
+    elif uses_new_selection(config) and not _native_has_new_selection():
+        why = "the native build predates int8 bounds / candidate_extra / keep_tokens"
+    if why is not None:
         if config.kernel == "native":
-            raise ValueError(f"tinyserve option 'kernel'='native': the native kernel is unavailable: "
-                             f"{native_unavailable_reason()}")
+            raise ValueError(f"tinyserve option 'kernel'='native': the native kernel is unavailable: {why}")
         return None
     return torch.ops.tinyserve_native.sparse_decode.default
 
@@ -276,7 +295,7 @@ def cache_write(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, k
     k_cache : torch.Tensor
         ``[B, Hkv, L, D]`` key cache (any strides), written in place.
     kmax, kmin : torch.Tensor
-        ``[B, Hkv, P, D]`` float32 or bfloat16 bounds, written in place.
+        ``[B, Hkv, P, D]`` float32, bfloat16 or int8 bounds, written in place.
     kabs : torch.Tensor
         ``[B, Hkv, P]`` float32.
     ctrl : torch.Tensor
@@ -339,6 +358,8 @@ def paged_attention(
     candidate_factor: int,
     policy: str,
     kernel: str,
+    candidate_extra: int = 0,
+    keep_tokens: bool = False,
 ) -> torch.Tensor:
     """Decode attention of ``q`` over the paged cache through a selection policy.
 
@@ -357,8 +378,9 @@ def paged_attention(
     attn_mask : torch.Tensor, optional
         Bool or additive float, broadcastable to ``[B, Hq, 1, L]``.
     scale : float
-    page_size, token_budget, sink_pages, candidate_factor : int
+    page_size, token_budget, sink_pages, candidate_factor, candidate_extra : int
     policy, kernel : str
+    keep_tokens : bool
 
     Returns
     -------
@@ -374,11 +396,12 @@ def paged_attention(
         attn_mask = None  # the mask adds nothing to valid_len (HF's causal decode mask): take the no-mask path
     st = _state_of_bounds(kmax)
     ctx = DecodeContext(q, k_cache, v_cache, bounds, vl, attn_mask, scale, page_size, token_budget, sink_pages,
-                        candidate_factor, st.policy_state if st is not None else {}, kernel)
+                        candidate_factor, st.policy_state if st is not None else {}, kernel, candidate_extra,
+                        keep_tokens)
     return get_policy("full" if int(ctrl[1]) else policy)(ctx)
 
 
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-      candidate_factor, policy, kernel):
+      candidate_factor, policy, kernel, candidate_extra=0, keep_tokens=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -76,12 +76,13 @@ class _SparseReferenceMode(TorchFunctionMode):
         if c.policy == "query_aware":
             out = sparse_decode_reference(q, k, v, valid, mask, scale, c.page_size, c.token_budget, c.sink_pages,
                                           c.candidate_factor,
-                                          page_bounds(k, c.page_size, dtype=c.bounds_torch_dtype))  # [B, Hq, 1, D]
+                                          page_bounds(k, c.page_size, dtype=c.bounds_torch_dtype),
+                                          c.candidate_extra, c.keep_tokens)  # [B, Hq, 1, D]
         else:  # the policy itself, over bounds rebuilt from scratch (as the backend maintains them)
             B = q.shape[0]
             ctx = DecodeContext(q, k, v, page_bounds(k, c.page_size, dtype=c.bounds_torch_dtype), valid.expand(B), mask, scale, c.page_size,
                                 c.token_budget, c.sink_pages, c.candidate_factor,
-                                self.policy_states.setdefault(layer, {}))
+                                self.policy_states.setdefault(layer, {}), "auto", c.candidate_extra, c.keep_tokens)
             out = get_policy(c.policy)(ctx)
         return out.reshape(out.shape[0], Hkv, G, out.shape[-1]) if folded else out
 
@@ -96,7 +97,7 @@ def reference_sparse_attention(n_q_heads: int, n_kv_heads: int, options=None, n_
         Query and KV heads of the model (the reference selects per KV head).
     options : dict, optional
         Backend options (page_size, token_budget, dense_layers, sink_pages,
-        candidate_factor, policy). ``query_aware`` runs the pure-PyTorch
+        candidate_factor, candidate_extra, keep_tokens, bounds_dtype, policy). ``query_aware`` runs the pure-PyTorch
         reference; other policies run their own class over bounds rebuilt from
         scratch each step, with per-layer state kept across steps.
     n_layers : int, optional

@@ -2,14 +2,18 @@
 //
 // Ops (namespace tinyserve_native; fake implementations are registered from Python):
 //   sparse_decode   one call per sparse layer and decode step: bound scan, partial top-K selection with the
-//                   forced pages, optional two-stage candidate ranking, exact attention with an online softmax
-//   kept_pages      the same selection as sparse_decode, returned as a bool [B, Hkv, P] map (tests, debugging)
+//                   forced pages, optional two-stage candidate ranking (whole pages, or single tokens with
+//                   keep_tokens), exact attention with an online softmax
+//   kept_pages      the same selection as sparse_decode, returned as a bool [B, Hkv, P] map (tests, debugging);
+//                   with keep_tokens a page is marked when any of its tokens is kept
 //   cache_write     index_copy_ of new keys into the cache, then the bounds of the touched pages (or all pages
 //                   when ctrl[0] != 0)
 //   rebuild_bounds  every page's bounds from the key cache
 //
-// The semantics are those of kernels/reference.py (sparse_decode_reference, page_bounds); see there for the
-// algorithm. Work is split over (batch, KV head, chunk of pages) with at::parallel_for; the chunks of one
+// The semantics are those of kernels/reference.py (sparse_decode_reference, page_bounds, store_bounds); see there
+// for the algorithm. Page bounds are stored as float32, bfloat16 (rounded outward) or int8 codes on a per-page grid
+// of step max(kabs / 126, FLT_MIN) (kabs: the page's exact max |k|), decoded as code * step in fp32.
+// Work is split over (batch, KV head, chunk of pages or kept tokens) with at::parallel_for; the chunks of one
 // (batch, KV head) are merged with a log-sum-exp combine.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -269,6 +273,21 @@ inline void dispatch_kv(at::ScalarType t, const char* name, const F& f) {
   }
 }
 
+// dispatch over the three bounds dtypes (float32, bfloat16 rounded outward, int8 codes)
+template <typename F>
+inline void dispatch_bt(at::ScalarType t, const char* name, const F& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kChar: f(int8_t{}); break;
+    default: TORCH_CHECK(false, name, ": kmax/kmin must be float32, bfloat16 or int8, got ", t);
+  }
+}
+
+// grid step of int8 bounds (reference.int8_bounds_step): one fp32 division, then the floor at the smallest normal
+// number (NaN propagates, as torch.clamp_min)
+inline float int8_step(float kabs) { return std::max(kabs / 126.f, std::numeric_limits<float>::min()); }
+
 // ------------------------------------------------------------------------------------------------------------
 // mask view: attn_mask expanded to [B, Hq, 1, L] and read through its strides
 // ------------------------------------------------------------------------------------------------------------
@@ -349,6 +368,8 @@ struct Row {
 template <typename T, typename BT>
 struct Ctx {
   int64_t B, Hq, Hkv, G, L, D, Dp, nv, S, P, K, cf, sinks;
+  int64_t n1;        // candidate pages of the first stage, cf * K + candidate_extra / S (two-stage iff n1 > K)
+  bool keep_tokens;  // two-stage: keep the K * S candidate tokens of highest share instead of K pages
   float scale, factor, base;
   const T* k;
   int64_t ksb, ksh, ksl;
@@ -385,6 +406,17 @@ inline void rows_to_f32(const T* const* src, int n, int64_t D, int64_t Dp, float
       for (; i < D; ++i) d[i] = static_cast<float>(s[i]);
     }
     for (; i < Dp; ++i) d[i] = 0.f;
+  }
+}
+
+// n rows of int8 bound codes -> fp32 rows of Dp floats (zero padded) at dst: code * step of the row's page
+inline void int8_rows_to_f32(const int8_t* src, const float* kab, int n, int64_t D, int64_t Dp, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const int8_t* s = src + r * D;
+    float* d = dst + r * Dp;
+    const float step = int8_step(kab[r]);
+    for (int64_t i = 0; i < D; ++i) d[i] = static_cast<float>(s[i]) * step;  // vectorised by the compiler
+    for (int64_t i = D; i < Dp; ++i) d[i] = 0.f;
   }
 }
 
@@ -751,6 +783,14 @@ void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, 
     if (std::is_same_v<BT, float> && Dp == D && n == VS) {
       Mb = reinterpret_cast<const float*>(M + p * D);
       mb = reinterpret_cast<const float*>(m + p * D);
+    } else if constexpr (std::is_same_v<BT, int8_t>) {
+      // ---- int8 codes decoded to fp32 (code * step, the step from the page's kabs), zero padded
+      int8_rows_to_f32(M + p * D, kab + p, n, D, Dp, scr);
+      int8_rows_to_f32(m + p * D, kab + p, n, D, Dp, scr + VS * Dp);
+      std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
+      std::fill(scr + (VS + n) * Dp, scr + 2 * VS * Dp, 0.f);
+      Mb = scr;
+      mb = scr + VS * Dp;
     } else {
       const BT* src[VS];
       for (int j = 0; j < n; ++j) src[j] = M + (p + j) * D;
@@ -965,7 +1005,8 @@ struct Plan {
   // selection outputs, per (batch, KV head)
   std::vector<int32_t> sel;      // [BH, N1] first-stage pages (ascending)
   std::vector<int64_t> selcnt;   // [BH]
-  std::vector<int32_t> kept;     // [BH, K] kept pages (one stage) or candidate slots (two stage), ascending
+  std::vector<int32_t> kept;     // [BH, K] kept pages (one stage) or candidate slots (two stage), ascending;
+                                 // with keep_tokens [BH, K * S] kept candidate token slots (page slot * S + u)
   std::vector<int64_t> keptcnt;  // [BH]
   // work buffers, grow-only (one Plan per calling thread)
   std::vector<float> qbuf, scores, lgc, plse, parts;
@@ -983,7 +1024,7 @@ template <typename T, typename BT>
 void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
                const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
                const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget, int64_t sinks,
-               int64_t cf, bool force_dense, std::vector<float>& qbuf) {
+               int64_t cf, int64_t extra, bool keep_tokens, bool force_dense, std::vector<float>& qbuf) {
   c.B = q.size(0);
   c.Hq = q.size(1);
   c.D = q.size(3);
@@ -994,6 +1035,8 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
   c.P = (c.L + S - 1) / S;
   c.K = budget / S;
   c.cf = cf;
+  c.n1 = cf * c.K + extra / S;  // reference.candidate_pages
+  c.keep_tokens = keep_tokens;
   c.sinks = sinks;
   c.nv = (c.D + VS - 1) / VS;
   c.Dp = c.nv * VS;
@@ -1063,9 +1106,9 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
       r.mode = EMPTY;
     else if (force_dense || r.nvalid <= c.K)
       r.mode = DENSE;
-    else if (cf <= 1)
+    else if (c.n1 <= c.K)
       r.mode = ONE_STAGE;
-    else if (r.nvalid <= c.K * cf)
+    else if (r.nvalid <= c.n1)
       r.mode = TWO_ALL;
     else
       r.mode = TWO_TOPK;
@@ -1103,6 +1146,7 @@ struct Pipeline {
   Plan& pl;
   Kern kern;
   int64_t BH, G, S, K, N1, Dp, ld_lgc = 0;
+  int64_t KT;  // kept entries per (batch, KV head) of a two-stage row: K pages, or K * S tokens (keep_tokens)
   float* scores = nullptr;
   float* lgc = nullptr;
   float* plse = nullptr;
@@ -1121,7 +1165,8 @@ struct Pipeline {
     G = c.G;
     S = c.S;
     K = c.K;
-    N1 = c.cf > 1 ? std::min(c.K * c.cf, c.P) : c.K;
+    N1 = c.n1 > c.K ? std::min(c.n1, c.P) : c.K;
+    KT = c.keep_tokens ? c.K * c.S : c.K;
     Dp = c.Dp;
   }
 
@@ -1133,7 +1178,7 @@ struct Pipeline {
   void plan(bool with_attend) {
     pl.sel.assign(BH * std::max<int64_t>(N1, 1), 0);
     pl.selcnt.assign(BH, 0);
-    pl.kept.assign(BH * std::max<int64_t>(K, 1), 0);
+    pl.kept.assign(BH * std::max<int64_t>(KT, 1), 0);
     pl.keptcnt.assign(BH, 0);
     if (pl.sync_size < 5 * BH) {
       pl.sync.reset(new std::atomic<int64_t>[5 * BH]);
@@ -1194,7 +1239,8 @@ struct Pipeline {
         if (two(mode(bh))) tasks.push_back({T_RANK, bh, 0, 0, 0});
     }
     if (!with_attend) return;
-    // ---- stage 4: attention over chunks of the kept pages (every valid page of a dense row), then combine
+    // ---- stage 4: attention over chunks of the kept pages (every valid page of a dense row) or, two-stage with
+    // keep_tokens, of the kept tokens (a chunk of ch pages = ch * S tokens), then combine
     total = 0;
     for (int64_t bh = 0; bh < BH; ++bh) {
       const Row& r = c.rows[bh / c.Hkv];
@@ -1208,9 +1254,10 @@ struct Pipeline {
       const Row& r = c.rows[bh / c.Hkv];
       first[bh] = slot;
       if (r.mode == EMPTY) continue;
-      const int64_t n = r.mode == DENSE ? r.nvalid : K;
-      for (int64_t s0 = 0; s0 < n; s0 += ch, ++slot) {
-        tasks.push_back({T_ATTEND, bh, s0, std::min(n, s0 + ch), slot});
+      const bool tokens = two(r.mode) && c.keep_tokens;
+      const int64_t n = r.mode == DENSE ? r.nvalid : (tokens ? KT : K), chr = tokens ? ch * S : ch;
+      for (int64_t s0 = 0; s0 < n; s0 += chr, ++slot) {
+        tasks.push_back({T_ATTEND, bh, s0, std::min(n, s0 + chr), slot});
         attend_left[bh].fetch_add(1, std::memory_order_relaxed);
       }
       count[bh] = slot - first[bh];
@@ -1261,7 +1308,10 @@ struct Pipeline {
         break;
       case T_RANK:
         spin_wait(cand_left[bh], 0);
-        rank(bh);
+        if (c.keep_tokens)
+          rank_tokens(bh);
+        else
+          rank(bh);
         ranked[bh].store(1, std::memory_order_release);
         break;
       case T_ATTEND:
@@ -1285,7 +1335,7 @@ struct Pipeline {
     if (r.newest >= 0) w[r.newest] = POS_INF;
     const int64_t n_keep = r.mode == ONE_STAGE ? K : N1;
     uint32_t* tmp = reinterpret_cast<uint32_t*>(scratch_f<3>(2 * r.nvalid));
-    int32_t* o = r.mode == ONE_STAGE ? pl.kept.data() + bh * K : pl.sel.data() + bh * N1;
+    int32_t* o = r.mode == ONE_STAGE ? pl.kept.data() + bh * KT : pl.sel.data() + bh * N1;
     const int64_t cnt = select_top(w, r.nvalid, n_keep, tmp, o);
     (r.mode == ONE_STAGE ? pl.keptcnt : pl.selcnt)[bh] = cnt;
   }
@@ -1401,7 +1451,52 @@ struct Pipeline {
       const int64_t p = cd[j];
       if (p == r.newest || p < c.sinks) share[j] = POS_INF;
     }
-    pl.keptcnt[bh] = select_top(share, kc, K, tmp, pl.kept.data() + bh * K);
+    pl.keptcnt[bh] = select_top(share, kc, K, tmp, pl.kept.data() + bh * KT);
+  }
+
+  // stage 3b, keep_tokens: share of every candidate token (logit - lse over all candidate tokens, max over the
+  // group; NaN -> -inf), the tokens of the newest page and of the sinks forced, invalid ones -inf; top K * S slots
+  void rank_tokens(int64_t bh) {
+    const Row& r = c.rows[bh / c.Hkv];
+    const int64_t kc = pl.selcnt[bh], nt = kc * S;
+    const int32_t* cd = pl.sel.data() + bh * N1;
+    float* share = scratch_f<7>(3 * nt + 1);
+    uint32_t* tmp = reinterpret_cast<uint32_t*>(share + nt);
+    std::fill(share, share + nt, NEG_INF);
+    for (int64_t g = 0; g < G; ++g) {
+      // ---- lse over every candidate token of head g, from the page lse
+      const float* lse = plse + (bh * G + g) * N1;
+      const float mx = hmax(lse, kc);
+      if (!(mx > NEG_INF)) continue;  // no finite logit (or NaN): every share is -inf or NaN
+      float* e = scratch_f<6>(kc + VS);
+      const float total = mx + std::log(exp_sub_to(lse, e, kc, mx));
+      // ---- share per slot, max over the group
+      const float* x = lgc + (bh * G + g) * ld_lgc;
+      int64_t i = 0;
+      const Vec tv(total);
+      for (; i + VS <= nt; i += VS) {
+        const Vec sh = Vec::loadu(x + i) - tv;
+        const Vec ok = sh == sh;  // not NaN
+        at::vec::maximum(Vec::loadu(share + i), Vec::blendv(Vec(NEG_INF), sh, ok)).store(share + i);
+      }
+      for (; i < nt; ++i) {
+        const float sh = x[i] - total;
+        if (!std::isnan(sh)) share[i] = std::max(share[i], sh);
+      }
+    }
+    // ---- forced and invalid tokens
+    for (int64_t j = 0; j < kc; ++j) {
+      const int64_t p = cd[j];
+      const bool forced = p == r.newest || p < c.sinks;
+      float* sj = share + j * S;
+      for (int64_t u = 0; u < S; ++u) {
+        if (p * S + u >= r.ntok)
+          sj[u] = NEG_INF;
+        else if (forced)
+          sj[u] = POS_INF;
+      }
+    }
+    pl.keptcnt[bh] = select_top(share, nt, KT, tmp, pl.kept.data() + bh * KT);
   }
 
   // stage 4: exact attention over kept entries [j0, j1) of a row (pages of a dense row)
@@ -1414,23 +1509,37 @@ struct Pipeline {
       return;
     }
     const Row& r = c.rows[bh / c.Hkv];
-    const int64_t cap = (j1 - j0) * S;
+    const bool is_two = two(r.mode);
+    const bool tokens = is_two && c.keep_tokens;  // entries are kept candidate token slots
+    const int64_t cap = tokens ? j1 - j0 : (j1 - j0) * S;
     int64_t* tok = reinterpret_cast<int64_t*>(scratch_f<4>(2 * cap + 2));
     const int64_t ldl = cap + VS;
     float* lg = scratch_f<5>(G * ldl);
     int64_t nt = 0;
-    const bool is_two = two(r.mode);
+    if (tokens) {
+      // ---- kept slots (ascending): token cd[slot / S] * S + slot % S, logits reused from the candidates
+      const int32_t* ks = pl.kept.data() + bh * KT;
+      const int32_t* cd = pl.sel.data() + bh * N1;
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t sl = ks[j];
+        tok[nt] = static_cast<int64_t>(cd[sl / S]) * S + sl % S;
+        for (int64_t g = 0; g < G; ++g) lg[g * ldl + nt] = lgc[(bh * G + g) * ld_lgc + sl];
+        ++nt;
+      }
+      attend_tokens(c, kern, bh, tok, nt, true, lg, ldl, part);
+      return;
+    }
     for (int64_t j = j0; j < j1; ++j) {
       int64_t page;
       if (r.mode == DENSE)
         page = j;
       else if (is_two)
-        page = pl.sel[bh * N1 + pl.kept[bh * K + j]];
+        page = pl.sel[bh * N1 + pl.kept[bh * KT + j]];
       else
-        page = pl.kept[bh * K + j];
+        page = pl.kept[bh * KT + j];
       const int64_t t0 = page * S, t1 = std::min(t0 + S, r.ntok);
       if (is_two) {  // reuse the candidates' logits
-        const int64_t sl = pl.kept[bh * K + j];
+        const int64_t sl = pl.kept[bh * KT + j];
         for (int64_t g = 0; g < G; ++g) {
           const float* src = lgc + (bh * G + g) * ld_lgc + sl * S;
           std::memcpy(lg + g * ldl + nt, src, std::max<int64_t>(0, t1 - t0) * sizeof(float));
@@ -1477,11 +1586,12 @@ template <typename T, typename BT>
 at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
                                const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
                                const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
-                               int64_t sinks, int64_t cf, bool force_dense) {
+                               int64_t sinks, int64_t cf, int64_t extra, bool keep_tokens, bool force_dense) {
   TS_START();
   Ctx<T, BT> c;
   Plan& pl = thread_plan();
-  build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, pl.qbuf);
+  build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, extra, keep_tokens,
+            force_dense, pl.qbuf);
   at::Tensor out = at::empty({c.B, c.Hq, 1, c.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   Pipeline<T, BT> pipe(c, pl);
   pipe.out = out.data_ptr<T>();
@@ -1497,25 +1607,29 @@ template <typename T, typename BT>
 at::Tensor kept_pages_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& kmax, const at::Tensor& kmin,
                             const at::Tensor& kabs, const at::Tensor& valid_len,
                             const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
-                            int64_t sinks, int64_t cf, bool force_dense) {
+                            int64_t sinks, int64_t cf, int64_t extra, bool keep_tokens, bool force_dense) {
   Ctx<T, BT> c;
   Plan& pl = thread_plan();
-  build_ctx(c, q, k, k, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, force_dense, pl.qbuf);
+  build_ctx(c, q, k, k, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, extra, keep_tokens,
+            force_dense, pl.qbuf);
   Pipeline<T, BT> pipe(c, pl);
   pipe.plan(false);
   pipe.run();
-  const int64_t BH = c.B * c.Hkv, K = c.K, N1 = pipe.N1;
+  const int64_t BH = c.B * c.Hkv, KT = pipe.KT, N1 = pipe.N1;
   at::Tensor out = at::zeros({c.B, c.Hkv, c.P}, q.options().dtype(at::kBool));
   bool* o = out.data_ptr<bool>();
   for (int64_t bh = 0; bh < BH; ++bh) {
     const Row& r = c.rows[bh / c.Hkv];
     bool* ob = o + bh * c.P;
+    const int32_t* kp = pl.kept.data() + bh * KT;
+    const int32_t* cd = pl.sel.data() + bh * N1;
     if (r.mode == DENSE) {
       for (int64_t p = 0; p < r.nvalid; ++p) ob[p] = true;
     } else if (r.mode == ONE_STAGE) {
-      for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[pl.kept[bh * K + j]] = true;
+      for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[kp[j]] = true;
     } else if (r.mode == TWO_ALL || r.mode == TWO_TOPK) {
-      for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[pl.sel[bh * N1 + pl.kept[bh * K + j]]] = true;
+      // a kept candidate slot, or with keep_tokens the page of a kept token slot
+      for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[cd[keep_tokens ? kp[j] / S : kp[j]]] = true;
     }
   }
   return out;
@@ -1523,7 +1637,7 @@ at::Tensor kept_pages_typed(const at::Tensor& q, const at::Tensor& k, const at::
 
 void check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
                        const at::Tensor& kmin, const at::Tensor& kabs, int64_t S, int64_t budget, int64_t sinks,
-                       int64_t cf, double scale) {
+                       int64_t cf, int64_t extra, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "tinyserve_native.sparse_decode: q must be [B, Hq, 1, D]");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "tinyserve_native.sparse_decode: k_cache and v_cache must be ",
               "[B, Hkv, L, D] of one shape");
@@ -1537,13 +1651,16 @@ void check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               "tinyserve_native.sparse_decode: k_cache and v_cache need a unit stride on D");
   TORCH_CHECK(S > 0 && budget >= S && sinks >= 0 && cf >= 1 && scale > 0,
               "tinyserve_native.sparse_decode: bad selection arguments");
+  TORCH_CHECK_VALUE(extra >= 0, "tinyserve_native.sparse_decode: argument 'candidate_extra' must be >= 0 (tokens), ",
+                    "got ", extra);
   const int64_t P = (k.size(2) + S - 1) / S;
   TORCH_CHECK(kmax.dim() == 4 && kmax.size(0) == k.size(0) && kmax.size(1) == k.size(1) && kmax.size(2) == P &&
                   kmax.size(3) == k.size(3) && kmin.sizes() == kmax.sizes(),
               "tinyserve_native.sparse_decode: kmax/kmin must be [B, Hkv, P, D]");
   TORCH_CHECK(kmax.scalar_type() == kmin.scalar_type() &&
-                  (kmax.scalar_type() == at::kFloat || kmax.scalar_type() == at::kBFloat16),
-              "tinyserve_native.sparse_decode: kmax/kmin must be float32 or bfloat16");
+                  (kmax.scalar_type() == at::kFloat || kmax.scalar_type() == at::kBFloat16 ||
+                   kmax.scalar_type() == at::kChar),
+              "tinyserve_native.sparse_decode: kmax/kmin must be float32, bfloat16 or int8");
   TORCH_CHECK(kabs.dim() == 3 && kabs.size(0) == k.size(0) && kabs.size(1) == k.size(1) && kabs.size(2) == P &&
                   kabs.scalar_type() == at::kFloat,
               "tinyserve_native.sparse_decode: kabs must be float32 [B, Hkv, P]");
@@ -1560,20 +1677,20 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                          const at::Tensor& valid_len, const c10::optional<at::Tensor>& attn_mask, double scale,
                          int64_t page_size, int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
-                         const c10::optional<at::Tensor>& ctrl) {
+                         const c10::optional<at::Tensor>& ctrl, int64_t candidate_extra, bool keep_tokens) {
   check_decode_args(q, k_cache, v_cache, kmax, kmin, kabs, page_size, token_budget, sink_pages, candidate_factor,
-                    scale);
+                    candidate_extra, scale);
   const bool dense = dense_flag(ctrl);
   const at::Tensor M = kmax.contiguous(), m = kmin.contiguous(), a = kabs.contiguous();
   at::Tensor out;
   dispatch_kv(q.scalar_type(), "tinyserve_native.sparse_decode", [&](auto tag) {
     using T = decltype(tag);
-    if (M.scalar_type() == at::kFloat)
-      out = sparse_decode_typed<T, float>(q, k_cache, v_cache, M, m, a, valid_len, attn_mask, scale, page_size,
-                                          token_budget, sink_pages, candidate_factor, dense);
-    else
-      out = sparse_decode_typed<T, c10::BFloat16>(q, k_cache, v_cache, M, m, a, valid_len, attn_mask, scale,
-                                                  page_size, token_budget, sink_pages, candidate_factor, dense);
+    dispatch_bt(M.scalar_type(), "tinyserve_native.sparse_decode", [&](auto btag) {
+      using BT = decltype(btag);
+      out = sparse_decode_typed<T, BT>(q, k_cache, v_cache, M, m, a, valid_len, attn_mask, scale, page_size,
+                                       token_budget, sink_pages, candidate_factor, candidate_extra, keep_tokens,
+                                       dense);
+    });
   });
   return out;
 }
@@ -1581,20 +1698,20 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
 at::Tensor kept_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin,
                       const at::Tensor& kabs, const at::Tensor& valid_len, const c10::optional<at::Tensor>& attn_mask,
                       double scale, int64_t page_size, int64_t token_budget, int64_t sink_pages,
-                      int64_t candidate_factor, const c10::optional<at::Tensor>& ctrl) {
+                      int64_t candidate_factor, const c10::optional<at::Tensor>& ctrl, int64_t candidate_extra,
+                      bool keep_tokens) {
   check_decode_args(q, k_cache, k_cache, kmax, kmin, kabs, page_size, token_budget, sink_pages, candidate_factor,
-                    scale);
+                    candidate_extra, scale);
   const bool dense = dense_flag(ctrl);
   const at::Tensor M = kmax.contiguous(), m = kmin.contiguous(), a = kabs.contiguous();
   at::Tensor out;
   dispatch_kv(q.scalar_type(), "tinyserve_native.kept_pages", [&](auto tag) {
     using T = decltype(tag);
-    if (M.scalar_type() == at::kFloat)
-      out = kept_pages_typed<T, float>(q, k_cache, M, m, a, valid_len, attn_mask, scale, page_size, token_budget,
-                                       sink_pages, candidate_factor, dense);
-    else
-      out = kept_pages_typed<T, c10::BFloat16>(q, k_cache, M, m, a, valid_len, attn_mask, scale, page_size,
-                                               token_budget, sink_pages, candidate_factor, dense);
+    dispatch_bt(M.scalar_type(), "tinyserve_native.kept_pages", [&](auto btag) {
+      using BT = decltype(btag);
+      out = kept_pages_typed<T, BT>(q, k_cache, M, m, a, valid_len, attn_mask, scale, page_size, token_budget,
+                                    sink_pages, candidate_factor, candidate_extra, keep_tokens, dense);
+    });
   });
   return out;
 }
@@ -1617,6 +1734,17 @@ inline float round_up_bf16(float x) {
   return y;
 }
 inline float round_down_bf16(float x) { return -round_up_bf16(-x); }
+
+// int8 code c in [-127, 127] with c * step >= x (up) or <= x, as close as the grid allows (reference._int8_codes):
+// the division rounded once, so the product is checked and the code bumped by one where it falls short. fp32
+// throughout; NaN gives 0 (as torch's clamp then cast on x86), +-inf saturate.
+inline int8_t int8_code(float x, float step, bool up) {
+  float c = up ? std::ceil(x / step) : std::floor(x / step);
+  const float dec = c * step;
+  if (up ? dec < x : dec > x) c += up ? 1.f : -1.f;
+  if (std::isnan(c)) return 0;
+  return static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
+}
 
 // bounds of pages [p0, p1) of one (batch, KV head), every slot of a page inside the cache
 template <typename T, typename BT>
@@ -1648,6 +1776,24 @@ void bound_pages(const T* kb, int64_t ksl, int64_t L, int64_t D, int64_t S, int6
         lo[i] = (std::isnan(x) || x < lo[i]) ? x : lo[i];
       }
     }
+    if constexpr (std::is_same_v<BT, int8_t>) {
+      // ---- int8: kabs = the exact max |k| of the page, then the codes on its grid (reference.store_bounds)
+      float a = 0.f;
+      bool nan = false;
+      for (int64_t i = 0; i < D; ++i) {
+        const float ab = std::max(std::fabs(hi[i]), std::fabs(lo[i]));
+        nan |= std::isnan(ab);
+        a = std::max(a, ab);
+      }
+      if (nan) a = std::numeric_limits<float>::quiet_NaN();
+      const float step = int8_step(a);
+      for (int64_t i = 0; i < D; ++i) {
+        M[p * D + i] = int8_code(hi[i], step, true);
+        m[p * D + i] = int8_code(lo[i], step, false);
+      }
+      kab[p] = a;
+      continue;
+    }
     // ---- stored format, then kabs from the stored values
     float a = 0.f;
     bool nan = false;
@@ -1658,7 +1804,7 @@ void bound_pages(const T* kb, int64_t ksl, int64_t L, int64_t D, int64_t S, int6
         y = round_down_bf16(y);
         M[p * D + i] = c10::BFloat16(x);  // exact: low 16 bits are zero
         m[p * D + i] = c10::BFloat16(y);
-      } else {
+      } else if constexpr (std::is_same_v<BT, float>) {
         M[p * D + i] = x;
         m[p * D + i] = y;
       }
@@ -1681,8 +1827,9 @@ void check_bounds_args(const at::Tensor& k, const at::Tensor& kmax, const at::Te
                   kmin.is_contiguous(),
               "tinyserve_native: kmax/kmin must be contiguous [B, Hkv, P, D]");
   TORCH_CHECK(kmax.scalar_type() == kmin.scalar_type() &&
-                  (kmax.scalar_type() == at::kFloat || kmax.scalar_type() == at::kBFloat16),
-              "tinyserve_native: kmax/kmin must be float32 or bfloat16");
+                  (kmax.scalar_type() == at::kFloat || kmax.scalar_type() == at::kBFloat16 ||
+                   kmax.scalar_type() == at::kChar),
+              "tinyserve_native: kmax/kmin must be float32, bfloat16 or int8");
   TORCH_CHECK(kabs.dim() == 3 && kabs.size(0) == k.size(0) && kabs.size(1) == k.size(1) && kabs.size(2) == P &&
                   kabs.scalar_type() == at::kFloat && kabs.is_contiguous(),
               "tinyserve_native: kabs must be contiguous float32 [B, Hkv, P]");
@@ -1724,10 +1871,10 @@ void bounds_for_pages(const at::Tensor& k, const at::Tensor& kmax, const at::Ten
         }
       }
     };
-    if (kmax.scalar_type() == at::kFloat)
-      body(kmax.data_ptr<float>(), kmin.data_ptr<float>());
-    else
-      body(kmax.data_ptr<c10::BFloat16>(), kmin.data_ptr<c10::BFloat16>());
+    dispatch_bt(kmax.scalar_type(), "tinyserve_native.bounds", [&](auto btag) {
+      using BT = decltype(btag);
+      body(kmax.data_ptr<BT>(), kmin.data_ptr<BT>());
+    });
   });
 }
 
@@ -1774,11 +1921,11 @@ TORCH_LIBRARY(tinyserve_native, m) {
   m.def(
       "sparse_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kmax, Tensor kmin, Tensor kabs, "
       "Tensor valid_len, Tensor? attn_mask, float scale, int page_size, int token_budget, int sink_pages, "
-      "int candidate_factor, Tensor? ctrl) -> Tensor");
+      "int candidate_factor, Tensor? ctrl, int candidate_extra=0, bool keep_tokens=False) -> Tensor");
   m.def(
       "kept_pages(Tensor q, Tensor k_cache, Tensor kmax, Tensor kmin, Tensor kabs, Tensor valid_len, "
       "Tensor? attn_mask, float scale, int page_size, int token_budget, int sink_pages, int candidate_factor, "
-      "Tensor? ctrl) -> Tensor");
+      "Tensor? ctrl, int candidate_extra=0, bool keep_tokens=False) -> Tensor");
   m.def(
       "cache_write(Tensor(a!) k_cache, Tensor(b!) kmax, Tensor(c!) kmin, Tensor(d!) kabs, Tensor(e!) ctrl, "
       "Tensor positions, Tensor src, int page_size) -> ()");

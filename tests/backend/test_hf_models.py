@@ -51,6 +51,32 @@ def test_small_budget_matches_sparse_reference(family):
         assert torch.equal(st.bounds.kmax, fresh.kmax) and torch.equal(st.bounds.kmin, fresh.kmin)
 
 
+SELECTIONS = {  # issue 10, phase 3: int8 bounds, extra candidates, kept tokens (and each alone)
+    "int8+extra+tokens": {"bounds_dtype": "int8", "candidate_factor": 1, "candidate_extra": 32, "keep_tokens": True},
+    "extra pages": {"candidate_factor": 1, "candidate_extra": 16},
+    "int8 one stage": {"bounds_dtype": "int8", "candidate_factor": 1},
+}
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+@pytest.mark.parametrize("selection", sorted(SELECTIONS))
+def test_new_selection_options_match_reference(selection, lower):
+    model = hf_model("llama")
+    ids = prompt(PROMPT, seed=5)
+    opts = {"token_budget": 32, "page_size": 8, "lower": lower, **SELECTIONS[selection]}
+    ref_toks, ref_logits, _ = hf_decode(model, None, ids, 5, reference=opts)
+    toks, logits, cache = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 5)
+    assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
+    assert torch.equal(toks, ref_toks)
+    assert tc.explain().runtime["decode_calls"] == 5 * (N_LAYERS - 2)
+    for layer in cache.layers:  # maintained bounds (int8 codes included) equal a rebuild from scratch
+        st = state_for(layer.keys, 8)
+        assert st.bounds.kmax.dtype == getattr(torch, opts.get("bounds_dtype", "bfloat16"))
+        fresh = page_bounds(layer.keys, 8, dtype=st.bounds.kmax.dtype)
+        assert torch.equal(st.bounds.kmax, fresh.kmax) and torch.equal(st.bounds.kmin, fresh.kmin)
+        assert torch.equal(st.bounds.kabs, fresh.kabs)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_inductor_lowering_matches_reference_without_recompiles(family):
     model = hf_model(family)

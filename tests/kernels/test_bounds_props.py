@@ -4,6 +4,7 @@
     page's valid keys, whether that logit is computed exactly (float64 from the
     stored key values) or by an fp32 matmul as the op does.
 (b) Under GQA the KV-head score is at least every query head's true page max.
+(a) and (b) hold for bounds stored as fp32, bf16 and int8 (both rounded outward).
 (d) The page of the newest token and the sink pages are always selected; nothing
     past ``valid_len`` ever is.
 """
@@ -40,8 +41,9 @@ def bound_case(draw, gqa: bool):
     pattern = draw(st.sampled_from(["normal", "negative", "positive", "sparse_zeros", "constant"]))
     scale = draw(st.sampled_from([None, 1.0, 0.01, 3.0]))
     seed = draw(st.integers(0, 2**31 - 1))
+    bounds_dtype = draw(st.sampled_from(["float32", "bfloat16", "int8"]))
     return dict(dtype=DTYPES[dtype_name], S=S, L=L, D=D, B=B, Hkv=Hkv, G=G, valid_len=valid_len, kmag=kmag,
-                qmag=qmag, pattern=pattern, scale=scale, seed=seed)
+                qmag=qmag, pattern=pattern, scale=scale, seed=seed, bounds_dtype=bounds_dtype)
 
 
 def _build(c):
@@ -93,7 +95,7 @@ def test_page_score_bounds_every_valid_key(c):
     """(a) score >= scale*q.k for every valid key of the page, exact and fp32-matmul logits."""
     q, k, scale = _build(c)
     vl = torch.tensor(c["valid_len"])
-    bounds = ref.page_bounds(k, c["S"], vl)
+    bounds = ref.page_bounds(k, c["S"], vl, dtype=getattr(torch, c["bounds_dtype"]))
     scores = ref.page_scores(q, bounds, scale, group_reduce=False)  # [B,Hq,P]
     assert scores.dtype == torch.float32
     assert bool(torch.isfinite(scores).all()), f"non-finite score: {scores}"
@@ -110,7 +112,7 @@ def test_group_score_bounds_every_head(c):
     """(b) the GQA group score bounds each query head's true page max."""
     q, k, scale = _build(c)
     vl = torch.tensor(c["valid_len"])
-    bounds = ref.page_bounds(k, c["S"], vl)
+    bounds = ref.page_bounds(k, c["S"], vl, dtype=getattr(torch, c["bounds_dtype"]))
     group = ref.page_scores(q, bounds, scale)  # [B,Hkv,P]
     B, Hkv, P = group.shape
     assert group.shape == (c["B"], c["Hkv"], ref.num_pages(c["L"], c["S"]))

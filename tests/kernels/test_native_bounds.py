@@ -1,8 +1,8 @@
 """The native bound ops ``tinyserve_native::{cache_write, rebuild_bounds}`` (issue 9, items 1 and 2).
 
-Both must equal the reference :func:`reference.page_bounds` (fp32, or bf16 rounded
-outward) bit for bit, and ``cache_write`` must write the keys exactly as
-``index_copy_``.
+Both must equal the reference :func:`reference.page_bounds` (fp32, bf16 rounded
+outward, or int8 codes on the page's grid with the exact ``kabs``) bit for bit, and
+``cache_write`` must write the keys exactly as ``index_copy_``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tinyserve_compile.kernels.native import load_native, native_unavailable_rea
 pytestmark = pytest.mark.skipif(not load_native(), reason=f"native kernel unavailable: {native_unavailable_reason()}")
 
 KV = [torch.float32, torch.bfloat16, torch.float16]
-BOUNDS = [torch.float32, torch.bfloat16]
+BOUNDS = [torch.float32, torch.bfloat16, torch.int8]
 
 
 def _alloc(k, S, bdt, fill=0.0):
@@ -93,6 +93,40 @@ def test_cache_write_decode_loop_bit_exact(dtype, bdt, transposed):
     want_k.index_copy_(2, pos.long(), src)
     assert torch.equal(k, want_k)
     _assert_bits(b, k, S, bdt, f"overwrite {dtype} {bdt}")
+
+
+@pytest.mark.parametrize("dtype", KV)
+def test_int8_bounds_extreme_scales_bit_exact(dtype):
+    """int8 bounds at the edges of the grid: zero pages (step at its 2^-126 floor), tiny keys (fp32 subnormal range,
+    below 126 * 2^-126), huge keys, one-sided pages (all positive / all negative), and a page whose max sits exactly
+    on a grid point; rebuild and a decode write both equal the reference, and the decoded box holds every key."""
+    S, L, D = 4, 36, 24
+    gen = make_gen(29)
+    k = randn((1, 2, L, D), gen, torch.float32)
+    k[:, :, 0:4] = 0.0  # page 0: all zero
+    if dtype == torch.float32:
+        k[:, :, 4:8] *= 2.0**-135  # page 1: subnormal keys
+        k[:, :, 8:12] *= 2.0**100  # page 2: huge keys
+    else:
+        k[:, :, 4:8] *= 2.0**-12
+        k[:, :, 8:12] *= 2.0**10
+    k[:, :, 12:16] = k[:, :, 12:16].abs() + 0.5  # page 3: all positive
+    k[:, :, 16:20] = -k[:, :, 16:20].abs() - 0.5  # page 4: all negative
+    k[:, :, 20:24] = 0.25
+    k[:, :, 20, 0] = 126.0  # page 5: kabs = 126, step 1, max on the grid
+    k = k.to(dtype)
+    got = _alloc(k, S, torch.int8, fill=3.0)
+    torch.ops.tinyserve_native.rebuild_bounds(k, *got, S)
+    _assert_bits(got, k, S, torch.int8, f"rebuild_bounds int8 extreme scales {dtype}")
+    hi, lo = ref.bounds_f32(ref.PageBounds(*got))
+    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, ref.num_pages(L, S) * S - L)).unflatten(2, (-1, S))
+    assert bool((hi >= kp.amax(3)).all()) and bool((lo <= kp.amin(3)).all()), "decoded int8 box must hold the keys"
+    b = _alloc(k, S, torch.int8)
+    ctrl = torch.tensor([0, 0], dtype=torch.int32)
+    torch.ops.tinyserve_native.rebuild_bounds(k, *b, S)
+    src = (randn((1, 2, 1, D), gen, torch.float32) * 2.0**-130).to(dtype)  # a tiny key into the huge page
+    torch.ops.tinyserve_native.cache_write(k, *b, ctrl, torch.tensor([9]), src, S)
+    _assert_bits(b, k, S, torch.int8, f"cache_write int8 extreme scales {dtype}")
 
 
 @pytest.mark.parametrize("bdt", BOUNDS)

@@ -1,13 +1,15 @@
 """The native CPU kernel ``tinyserve_native::sparse_decode`` (issue 9, item 1) against the reference.
 
 Every case compares the output with :func:`reference.sparse_decode_reference` and with
-dense SDPA over the pages the reference keeps, and the pages the kernel keeps
-(``tinyserve_native::kept_pages``) with the reference selection. Skipped, with the
+dense SDPA over the pages (tokens, with ``keep_tokens``) the reference keeps, and the pages the kernel keeps
+(``tinyserve_native::kept_pages``) with the reference selection. Covers fp32/bf16/int8 bounds, extra candidates
+(``candidate_extra``) and token-level keep (``keep_tokens``, issue 10 phase 3). Skipped, with the
 build's reason, only where the native kernel cannot be built.
 """
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from tinyserve_compile.kernels.native import load_native, native_unavailable_rea
 pytestmark = pytest.mark.skipif(not load_native(), reason=f"native kernel unavailable: {native_unavailable_reason()}")
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BDT = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
 def _mask(kind, B, Hq, L, gen):
@@ -75,17 +78,21 @@ def _attend_kept(q, k, v, vl, mask, scale, keep_tok):
     return ref.softmax_attend(logits, v.float().repeat_interleave(G, dim=1))
 
 
-def _ref_kept(q, k, bounds, vl, mask, scale, S, budget, sinks, cf):
-    """Reference kept pages as bool ``[B, Hkv, P]``: every valid page for a dense result."""
+def _ref_kept(q, k, bounds, vl, mask, scale, S, budget, sinks, cf, extra=0, keep_tokens=False):
+    """Reference kept pages as bool ``[B, Hkv, P]`` (every valid page for a dense result; with token-level keep,
+    the pages holding a kept token) and kept tokens as bool ``[B, Hkv, L]`` (every token of the kept pages)."""
     B, Hkv, L = k.shape[0], k.shape[1], k.shape[2]
     P = ref.num_pages(L, S)
-    sel = ref.choose_pages(q, k, bounds, vl, mask, scale, S, budget, sinks, cf)
+    sel, unit = ref.choose(q, k, bounds, vl, mask, scale, S, budget, sinks, cf, extra, keep_tokens)
     vlb = vl.reshape(-1).expand(B)
     n_valid = ((vlb + S - 1) // S).clamp(max=P)
     if sel is None:
-        return (torch.arange(P)[None, :] < n_valid[:, None])[:, None, :].expand(B, Hkv, P).clone()
-    out = torch.zeros(B, Hkv, P, dtype=torch.bool)
-    return out.scatter_(2, sel.idx.clamp(max=P - 1), sel.ok)
+        pages = (torch.arange(P)[None, :] < n_valid[:, None])[:, None, :].expand(B, Hkv, P).clone()
+        return pages, pages.repeat_interleave(S, dim=-1)[..., :L]
+    tok = ref.selected_token_mask(sel, unit, L, vlb)  # [B,Hkv,L]
+    pad = P * S - L
+    pages = torch.nn.functional.pad(tok, (0, pad)).reshape(B, Hkv, P, S).any(-1)
+    return pages, tok
 
 
 def _comparable_pages(q, bounds, vl, mask, scale, S, L):
@@ -98,25 +105,35 @@ def _comparable_pages(q, bounds, vl, mask, scale, S, L):
 
 
 def _check_case(dtype, B, Hkv, G, L, D, S, budget, sinks, cf, bdt, valid_len, mask_kind, seed, transposed=False,
-                compare_selection=True):
+                compare_selection=True, extra=0, keep_tokens=False):
     q, k, v, vl, mask, b = _build(dtype, B, Hkv, G, L, D, S, bdt, valid_len, mask_kind, seed, transposed)
     scale = 1.0 / math.sqrt(D)
     out = torch.ops.tinyserve_native.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, S, budget, sinks,
-                                                   cf, None)
+                                                   cf, None, extra, keep_tokens)
     what = (f"{dtype} B={B} Hkv={Hkv} G={G} L={L} D={D} S={S} budget={budget} sinks={sinks} c={cf} bounds={bdt} "
-            f"valid_len={valid_len} mask={mask_kind} transposed={transposed}")
+            f"extra={extra} keep_tokens={keep_tokens} valid_len={valid_len} mask={mask_kind} transposed={transposed}")
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     atol, rtol = TOL[dtype]
-    want = ref.sparse_decode_reference(q, k, v, vl, mask, scale, S, budget, sinks, cf, bounds=b)
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, scale, S, budget, sinks, cf, bounds=b,
+                                       candidate_extra=extra, keep_tokens=keep_tokens)
     assert_close_report(out, want, atol, rtol, f"native vs reference: {what}")
+    print(f"worst |native - reference| {float((out.float() - want.float()).abs().max()):.3e}: {what}")
     kept = torch.ops.tinyserve_native.kept_pages(q, k, b.kmax, b.kmin, b.kabs, vl, mask, scale, S, budget, sinks, cf,
-                                                 None)
+                                                 None, extra, keep_tokens)
+    rk, rtok = _ref_kept(q, k, b, vl, mask, scale, S, budget, sinks, cf, extra, keep_tokens)
+    cmp = _comparable_pages(q, b, vl, mask, scale, S, L)
     if compare_selection:
-        rk = _ref_kept(q, k, b, vl, mask, scale, S, budget, sinks, cf)
-        cmp = _comparable_pages(q, b, vl, mask, scale, S, L)
         diff = (kept != rk) & cmp
         assert not bool(diff.any()), (f"kept pages differ from the reference at {diff.nonzero().tolist()[:8]} "
                                       f"({int(diff.sum())} pages): {what}")
+    if keep_tokens:
+        # token-level keep: kept_pages marks the pages of the kept tokens, so the oracle is dense SDPA over the
+        # reference's kept tokens (and those of comparable pages lie in the kernel's kept pages)
+        outside = rtok & ~kept.repeat_interleave(S, dim=-1)[..., :L] & cmp.repeat_interleave(S, dim=-1)[..., :L]
+        assert not bool(outside.any()), f"a reference token outside the kept pages: {what}"
+        dense = dense_sdpa(q, k, v, vl, mask, scale, keep_kv=rtok)
+        assert_close_report(out, dense, atol, rtol, f"native vs dense SDPA over the reference's kept tokens: {what}")
+        return kept
     # the output is exact attention over the kernel's own kept pages
     keep_tok = kept.repeat_interleave(S, dim=-1)[..., :L]
     dense = dense_sdpa(q, k, v, vl, mask, scale, keep_kv=keep_tok)
@@ -149,7 +166,8 @@ def test_matches_reference(dt, G, cf, sinks, S, bdt, mask_kind, rows):
     """Output equals the reference (and dense SDPA over the kept pages); kept pages equal the reference's."""
     L, D, budget = 331, 64, 6 * S  # L not a multiple of S; K = 6 pages
     valid_len = [L, 300] if rows == "both_sparse" else [L - 3, 5 * S - 1]  # second row fits the budget
-    _check_case(DT[dt], 2, 2, G, L, D, S, budget, sinks, cf, DT[bdt], valid_len, mask_kind, seed=hash((dt, G, cf, S)) % 1000)
+    _check_case(DT[dt], 2, 2, G, L, D, S, budget, sinks, cf, DT[bdt], valid_len, mask_kind,
+                seed=zlib.crc32(repr((dt, G, cf, S)).encode()) % 1000)  # stable across processes
 
 
 @pytest.mark.parametrize("cf", [1, 4])
@@ -234,6 +252,81 @@ def test_sparse_drops_tokens_and_matches_reference_at_scale():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# issue 10, phase 3: int8 bounds, candidate_extra, keep_tokens
+# ---------------------------------------------------------------------------------------------------------------
+
+_NEW_VARIANTS = [  # (G, c, sinks, mask, valid lengths), cycled over the cases below
+    (3, 1, 1, "bool_shared", "both_sparse"),
+    (1, 2, 0, None, "one_dense"),
+    (4, 1, 2, "float_per_head", "both_sparse"),
+    (3, 2, 1, "bool_per_head", "one_dense"),
+    (2, 1, 1, "float_shared", "both_sparse"),
+]
+
+
+@pytest.mark.parametrize("keep_tokens", [False, True])
+@pytest.mark.parametrize("extra_pages", [0, 1, 3])
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("bdt", ["int8", "bf16", "fp32"])
+def test_new_selection_matches_reference(bdt, dt, extra_pages, keep_tokens):
+    """``candidate_extra`` in {0, S, 3S} (tokens) and ``keep_tokens`` over every bounds dtype, fp32/bf16 caches,
+    GQA, masks and per-row valid lengths: output equals the reference and dense SDPA over the reference's
+    selection; kept pages equal the reference's (at most K pages, or N1 with token keep)."""
+    case = ((["int8", "bf16", "fp32"].index(bdt) * 2 + ["fp32", "bf16"].index(dt)) * 3 + extra_pages) * 2 + keep_tokens
+    G, cf, sinks, mask_kind, rows = _NEW_VARIANTS[case % len(_NEW_VARIANTS)]
+    S, L, D = 8, 203, 32
+    budget = 5 * S  # K = 5 pages
+    valid_len = [L, 170] if rows == "both_sparse" else [L - 2, 4 * S + 3]  # the second row fits the budget
+    extra = extra_pages * S
+    kept = _check_case(DT[dt], 2, 2, G, L, D, S, budget, sinks, cf, BDT[bdt], valid_len, mask_kind, seed=1000 + case,
+                       extra=extra, keep_tokens=keep_tokens)  # prints the worst mismatch (pytest -s)
+    n1 = ref.candidate_pages(S, budget, cf, extra)
+    if n1 > budget // S and rows == "both_sparse":  # two-stage rows keep at most K pages' worth
+        if keep_tokens:
+            assert int(kept.sum(-1).max()) <= n1, "token keep spans at most the candidate pages"
+        else:
+            assert int(kept.sum(-1).max()) <= budget // S
+
+
+@pytest.mark.parametrize("bdt", ["int8", "bf16"])
+def test_keep_tokens_at_scale(bdt):
+    """A realistic shape (9/3 heads, D=64, 4K tokens, 64 pages + 256 extra candidate tokens), token-level keep."""
+    kept = _check_case(torch.float32, 1, 3, 3, 4096, 64, 8, 512, 1, 1, BDT[bdt], [4001], "bool_shared", seed=12,
+                       extra=256, keep_tokens=True)
+    assert int(kept.sum(-1).min()) > 64, "token keep over 96 candidate pages should touch more than K pages"
+
+
+def test_keep_tokens_one_stage_is_ignored():
+    """With ``N1 <= K`` (c = 1, extra < S) keep_tokens has no effect: the one-stage result."""
+    q, k, v, vl, mask, b = _build(torch.float32, 2, 2, 3, 300, 32, 8, torch.int8, [300, 250], "bool_shared", 21)
+    op = torch.ops.tinyserve_native
+    args = (b.kmax, b.kmin, b.kabs, vl, mask, 0.2, 8, 48, 1, 1, None)
+    assert torch.equal(op.sparse_decode(q, k, v, *args, 7, True), op.sparse_decode(q, k, v, *args))
+    assert torch.equal(op.kept_pages(q, k, *args, 7, True), op.kept_pages(q, k, *args))
+
+
+@pytest.mark.parametrize("keep_tokens", [False, True])
+def test_valid_len_past_the_cache_counts_as_the_cache(keep_tokens):
+    """``valid_len > L``: the tokens past the cache do not exist, so the result is that of ``valid_len = L``
+    (with token keep the newest page's missing slots are not forced and take no keep slot)."""
+    q, k, v, _, mask, b = _build(torch.float32, 2, 1, 2, 50, 16, 4, torch.int8, [50, 50], "bool_shared", 23)
+    args = (b.kmax, b.kmin, b.kabs)
+    sel = (0.25, 4, 16, 1, 2)
+    out = torch.ops.tinyserve_native.sparse_decode(q, k, v, *args, torch.tensor([52, 51]), mask, *sel, None, 8,
+                                                   keep_tokens)
+    want = ref.sparse_decode_reference(q, k, v, torch.tensor([50, 50]), mask, *sel, bounds=b, candidate_extra=8,
+                                       keep_tokens=keep_tokens)
+    assert_close_report(out, want, *TOL[torch.float32], f"valid_len past the cache, keep_tokens={keep_tokens}")
+
+
+def test_candidate_extra_rejects_negative():
+    q, k, v, vl, mask, b = _build(torch.float32, 1, 1, 1, 64, 16, 8, torch.float32, [64], None, 22)
+    with pytest.raises(ValueError, match="candidate_extra"):
+        torch.ops.tinyserve_native.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.25, 8, 16, 0, 1, None,
+                                                 -8, False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # properties (hypothesis): robust to ties, any shape
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -252,51 +345,61 @@ def native_case(draw):
     K = draw(st.integers(1, max(1, P + 1)))
     sinks = draw(st.integers(0, K - 1))
     cf = draw(st.sampled_from([1, 2, 4]))
+    extra = draw(st.sampled_from([0, 0, 1, S, 3 * S + 1]))  # tokens; floored to pages
+    keep_tokens = draw(st.booleans())
     mask = draw(st.sampled_from([None, "bool_shared", "bool_per_head", "float_shared", "float_per_head"]))
-    bdt = draw(st.sampled_from(["fp32", "bf16"]))
+    bdt = draw(st.sampled_from(sorted(BDT)))
     ties = draw(st.booleans())  # repeated keys: equal page scores
     seed = draw(st.integers(0, 2**31 - 1))
-    return dict(dt=dt, S=S, L=L, B=B, Hkv=Hkv, G=G, D=D, vl=vl, budget=K * S, sinks=sinks, cf=cf, mask=mask,
-                bdt=bdt, ties=ties, seed=seed)
+    return dict(dt=dt, S=S, L=L, B=B, Hkv=Hkv, G=G, D=D, vl=vl, budget=K * S, sinks=sinks, cf=cf, extra=extra,
+                keep_tokens=keep_tokens, mask=mask, bdt=bdt, ties=ties, seed=seed)
 
 
 @settings(max_examples=120, deadline=None)
 @given(native_case())
 def test_property_exact_attention_over_valid_selection(c):
-    """For any input: (1) the output is exact attention over the pages the kernel keeps; (2) those pages are
-    valid, at most K per KV head, and include the newest page and the sinks of every sparse row; (3) with one
-    stage, every kept page's bound score is at least every dropped valid page's (ties broken either way)."""
+    """For any input: (1) the output is exact attention over the pages the kernel keeps (whole pages: one stage,
+    or two-stage without token keep); (2) those pages are valid, at most K per KV head (N1 = the candidates with
+    token keep), and include the newest page and the sinks of every sparse row; (3) with one stage, every kept
+    page's bound score is at least every dropped valid page's (ties broken either way)."""
     dtype = DT[c["dt"]]
-    q, k, v, vl, mask, b = _build(dtype, c["B"], c["Hkv"], c["G"], c["L"], c["D"], c["S"], DT[c["bdt"]], c["vl"],
+    q, k, v, vl, mask, b = _build(dtype, c["B"], c["Hkv"], c["G"], c["L"], c["D"], c["S"], BDT[c["bdt"]], c["vl"],
                                   c["mask"], c["seed"])
     if c["ties"]:
         k = k[:, :, :1].expand_as(k).contiguous()
-        b = ref.page_bounds(k, c["S"], dtype=DT[c["bdt"]])
+        b = ref.page_bounds(k, c["S"], dtype=BDT[c["bdt"]])
     S, L, K = c["S"], c["L"], c["budget"] // c["S"]
+    n1 = ref.candidate_pages(S, c["budget"], c["cf"], c["extra"])
+    tokens = c["keep_tokens"] and n1 > K  # token-level keep applies (two-stage)
     scale = 1.0 / math.sqrt(c["D"])
-    args = (b.kmax, b.kmin, b.kabs, vl, mask, scale, S, c["budget"], c["sinks"], c["cf"], None)
+    args = (b.kmax, b.kmin, b.kabs, vl, mask, scale, S, c["budget"], c["sinks"], c["cf"], None, c["extra"],
+            c["keep_tokens"])
     out = torch.ops.tinyserve_native.sparse_decode(q, k, v, *args)
     kept = torch.ops.tinyserve_native.kept_pages(q, k, *args)
     P = ref.num_pages(L, S)
     n_valid = ((vl + S - 1) // S).clamp(max=P)  # [B]
     page = torch.arange(P)
     valid = page[None, :] < n_valid[:, None]  # [B,P]
-    # (1) exact attention over the kept pages
-    dense = _attend_kept(q, k, v, vl, mask, scale, kept.repeat_interleave(S, dim=-1)[..., :L])
-    assert_close_report(out, dense, *TOL[dtype], f"native vs attention over its kept pages, case {c}")
+    # (1) exact attention over the kept pages (with token keep, a subset of their tokens: finite or zero rows)
+    if not tokens:
+        dense = _attend_kept(q, k, v, vl, mask, scale, kept.repeat_interleave(S, dim=-1)[..., :L])
+        assert_close_report(out, dense, *TOL[dtype], f"native vs attention over its kept pages, case {c}")
+    else:
+        assert bool(torch.isfinite(out).all()), f"non-finite output with token keep, case {c}"
     # (2) kept pages are valid; sparse rows keep at most K, the newest page and the sinks
     assert not bool((kept & ~valid[:, None, :]).any()), f"kept an invalid page, case {c}"
     sparse_row = n_valid > K
     if bool(sparse_row.any()):
         ks = kept[sparse_row]  # [r,Hkv,P]
-        assert int(ks.sum(-1).max()) <= K, f"kept more than K={K} pages, case {c}"
+        n_max = n1 if tokens else K
+        assert int(ks.sum(-1).max()) <= n_max, f"kept more than {n_max} pages, case {c}"
         newest = (vl[sparse_row] - 1) // S
         assert bool(ks.gather(2, newest.reshape(-1, 1, 1).expand(-1, ks.shape[1], 1)).all()), f"newest dropped {c}"
         assert bool(ks[:, :, :c["sinks"]].all()), f"a sink page dropped, case {c}"
     else:
         assert torch.equal(kept, valid[:, None, :].expand_as(kept)), f"dense rows must keep every valid page {c}"
     # (3) one stage: the kept pages are the top scores
-    if c["cf"] == 1 and bool(sparse_row.any()):
+    if n1 <= K and bool(sparse_row.any()):
         sc = ref.page_scores(q, b, scale, ref.mask_page_max(mask, c["B"], q.shape[1], L, S))  # [B,Hkv,P]
         forced = (page[None, :] == ((vl - 1) // S)[:, None]) | (page[None, :] < c["sinks"])
         sc = sc.masked_fill(forced[:, None, :], float("inf"))[sparse_row]
@@ -319,12 +422,17 @@ def _opcheck_decode_args(dtype, mask_kind, cf, bdt, ctrl):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mask_kind, cf, bdt, ctrl", [(None, 1, torch.float32, None),
-                                                      ("bool_shared", 4, torch.bfloat16, [0, 0]),
-                                                      ("float_per_head", 2, torch.float32, [0, 1])])
-def test_opcheck_native_decode_ops(dtype, mask_kind, cf, bdt, ctrl):
+@pytest.mark.parametrize("mask_kind, cf, bdt, ctrl, extra, keep_tokens", [
+    (None, 1, torch.float32, None, None, None),  # the schema defaults
+    ("bool_shared", 4, torch.bfloat16, [0, 0], 0, False),
+    ("float_per_head", 2, torch.float32, [0, 1], 4, True),
+    ("bool_per_head", 1, torch.int8, None, 8, True),
+    (None, 1, torch.int8, [0, 0], 12, False),
+])
+def test_opcheck_native_decode_ops(dtype, mask_kind, cf, bdt, ctrl, extra, keep_tokens):
     q, k, v, b, vl, mask, c = _opcheck_decode_args(dtype, mask_kind, cf, bdt, ctrl)
+    tail = () if extra is None else (extra, keep_tokens)
     torch.library.opcheck(torch.ops.tinyserve_native.sparse_decode.default,
-                          (q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.35, 4, 12, 1, cf, c))
+                          (q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.35, 4, 12, 1, cf, c) + tail)
     torch.library.opcheck(torch.ops.tinyserve_native.kept_pages.default,
-                          (q, k, b.kmax, b.kmin, b.kabs, vl, mask, 0.35, 4, 12, 1, cf, c))
+                          (q, k, b.kmax, b.kmin, b.kabs, vl, mask, 0.35, 4, 12, 1, cf, c) + tail)

@@ -7,11 +7,12 @@ refinement, and the exact attention over the kept pages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, Optional
+from typing import ClassVar, Dict, Optional, Tuple
 
 import torch
 
-from ..kernels.reference import PageBounds, Selection, mask_page_max, refine_by_page_mass, select_pages
+from ..kernels.reference import (PageBounds, Selection, candidate_pages, mask_page_max, refine_by_page_mass,
+                                 refine_by_token_mass, select_pages)
 from ..kernels.sparse_decode import attend_selection
 
 __all__ = ["DecodeContext", "PagePolicy", "register_policy", "get_policy", "POLICIES"]
@@ -34,11 +35,13 @@ class DecodeContext:
     attn_mask : torch.Tensor or None
         Bool or additive float, broadcastable to ``[B, Hq, 1, L]``.
     scale : float
-    page_size, token_budget, sink_pages, candidate_factor : int
+    page_size, token_budget, sink_pages, candidate_factor, candidate_extra : int
+    keep_tokens : bool
+        Two-stage: keep single tokens (the selection's unit is then 1).
     state : dict
         Per cache buffer, kept across steps and cleared whenever the bounds are
         rebuilt (a new sequence); for stateful policies.
-    kernel : {"auto", "torch", "triton"}
+    kernel : {"auto", "native", "torch", "triton"}
         Implementation of the fused op, for policies that call it.
     """
 
@@ -55,6 +58,8 @@ class DecodeContext:
     candidate_factor: int = 1
     state: Dict[str, torch.Tensor] = field(default_factory=dict)
     kernel: str = "auto"
+    candidate_extra: int = 0
+    keep_tokens: bool = False
 
     @property
     def n_pages(self) -> int:
@@ -78,32 +83,39 @@ class PagePolicy:
         """Importance of every page: fp32 ``[B, Hkv, P]``, higher is kept first."""
         raise NotImplementedError
 
-    def select(self, ctx: DecodeContext) -> Optional[Selection]:
-        """Pages to attend per KV head, or None for dense attention."""
-        B = ctx.q.shape[0]
-        K = ctx.token_budget // ctx.page_size
+    def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
+        """What to attend per KV head: ``(selection, unit)``, the selection None for dense attention, else
+        pages (``unit = page_size``) or, two-stage with ``ctx.keep_tokens``, single tokens (``unit = 1``)."""
+        B, S = ctx.q.shape[0], ctx.page_size
+        K = ctx.token_budget // S
         vl = ctx.valid_len.reshape(-1).expand(B)
-        if int(((vl + ctx.page_size - 1) // ctx.page_size).max()) <= K:
-            return None
+        if int(((vl + S - 1) // S).max()) <= K:
+            return None, S
         scores = self.score(ctx)
-        if ctx.candidate_factor <= 1:
-            return select_pages(scores, vl, ctx.page_size, ctx.token_budget, ctx.sink_pages)
-        cand = select_pages(scores, vl, ctx.page_size, ctx.token_budget, ctx.sink_pages, n_select=K * ctx.candidate_factor)
+        n1 = candidate_pages(S, ctx.token_budget, ctx.candidate_factor, ctx.candidate_extra)
+        if n1 <= K:
+            return select_pages(scores, vl, S, ctx.token_budget, ctx.sink_pages), S
+        cand = select_pages(scores, vl, S, ctx.token_budget, ctx.sink_pages, n_select=n1)
         if cand is None:
             P = scores.shape[-1]
             idx = torch.arange(P, device=scores.device).expand(B, scores.shape[1], P).contiguous()
-            cand = Selection(idx, idx < ((vl + ctx.page_size - 1) // ctx.page_size).reshape(B, 1, 1))
-        return refine_by_page_mass(ctx.q, ctx.k_cache, cand, vl, ctx.attn_mask, ctx.scale, ctx.page_size, K,
-                                   ctx.sink_pages)
+            cand = Selection(idx, idx < ((vl + S - 1) // S).reshape(B, 1, 1))
+        if ctx.keep_tokens:
+            return refine_by_token_mass(ctx.q, ctx.k_cache, cand, vl, ctx.attn_mask, ctx.scale, S, K * S,
+                                        ctx.sink_pages), 1
+        return refine_by_page_mass(ctx.q, ctx.k_cache, cand, vl, ctx.attn_mask, ctx.scale, S, K, ctx.sink_pages), S
+
+    def select(self, ctx: DecodeContext) -> Optional[Selection]:
+        """Pages (single tokens with ``ctx.keep_tokens``, two-stage) to attend per KV head, or None for dense."""
+        return self.choose(ctx)[0]
 
     def observe(self, ctx: DecodeContext, sel: Optional[Selection]) -> None:
         """Hook after attention (stateful policies); default does nothing."""
 
     def __call__(self, ctx: DecodeContext) -> torch.Tensor:
         """Attend: ``[B, Hq, 1, D]`` in the dtype of ``q``."""
-        sel = self.select(ctx)
-        out = attend_selection(ctx.q, ctx.k_cache, ctx.v_cache, sel, ctx.valid_len, ctx.attn_mask, ctx.scale,
-                               ctx.page_size)
+        sel, unit = self.choose(ctx)
+        out = attend_selection(ctx.q, ctx.k_cache, ctx.v_cache, sel, ctx.valid_len, ctx.attn_mask, ctx.scale, unit)
         self.observe(ctx, sel)
         return out
 

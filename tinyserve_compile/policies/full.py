@@ -1,7 +1,7 @@
 """``full``: dense attention over every valid token (the accuracy baseline)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..kernels.reference import Selection
 from .base import DecodeContext, PagePolicy, register_policy
@@ -13,5 +13,5 @@ class FullPolicy(PagePolicy):
 
     name = "full"
 
-    def select(self, ctx: DecodeContext) -> Optional[Selection]:
-        return None
+    def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
+        return None, ctx.page_size

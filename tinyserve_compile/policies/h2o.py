@@ -23,7 +23,8 @@ State: ``ctx.state["h2o_mass"]``, fp32 ``[B, Hkv, P]``.
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Optional, Tuple
 
 import torch
 
@@ -74,6 +75,10 @@ class H2OPolicy(PagePolicy):
         recent = (page[None, :] > (last[:, None] - n_recent)) & (page[None, :] <= last[:, None])  # [B,P]
         tie = page.float() / (P * 1e6)  # break ties toward recent pages
         return (mass + tie).masked_fill(recent[:, None, :], float("inf"))
+
+    def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
+        # whole pages: the observed mass is kept per page
+        return super().choose(dataclasses.replace(ctx, keep_tokens=False))
 
     def observe(self, ctx: DecodeContext, sel: Optional[Selection]) -> None:
         prev = ctx.state.get(KEY)

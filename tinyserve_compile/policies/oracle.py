@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -44,7 +44,7 @@ class OraclePolicy(PagePolicy):
 
     Selection stays per KV head (the max keeps, for each KV head, the pages that
     matter most to any of its query heads). Ignores ``candidate_factor``: the
-    ranking is already exact.
+    ranking is already exact (and with it ``candidate_extra`` and ``keep_tokens``: it keeps pages).
     """
 
     name = "oracle"
@@ -54,5 +54,5 @@ class OraclePolicy(PagePolicy):
         Hkv = ctx.k_cache.shape[1]
         return page_log_mass(ctx).reshape(B, Hkv, Hq // Hkv, -1).amax(2).nan_to_num(nan=float("-inf"))
 
-    def select(self, ctx: DecodeContext) -> Optional[Selection]:
-        return super().select(dataclasses.replace(ctx, candidate_factor=1))
+    def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
+        return super().choose(dataclasses.replace(ctx, candidate_factor=1, candidate_extra=0))

@@ -26,4 +26,5 @@ class QueryAwarePolicy(PagePolicy):
         return sparse_decode_impl(
             ctx.q, ctx.k_cache, ctx.v_cache, *ctx.bounds, ctx.valid_len, ctx.attn_mask, float(ctx.scale),
             ctx.page_size, ctx.token_budget, ctx.sink_pages, ctx.candidate_factor, ctx.kernel,
+            ctx.candidate_extra, ctx.keep_tokens,
         )

@@ -4,7 +4,7 @@ Keeps the attention-sink pages and the most recent pages, nothing else.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -34,10 +34,10 @@ class StreamingPolicy(PagePolicy):
         s = page.masked_fill(page < self.n_sinks(ctx), float(P) + 1.0)  # sinks above any recency score
         return s.expand(B, Hkv, P).contiguous()
 
-    def select(self, ctx: DecodeContext) -> Optional[Selection]:
+    def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
         B = ctx.q.shape[0]
         vl = ctx.valid_len.reshape(-1).expand(B)
         K = ctx.token_budget // ctx.page_size
         if int(((vl + ctx.page_size - 1) // ctx.page_size).max()) <= K:
-            return None
-        return select_pages(self.score(ctx), vl, ctx.page_size, ctx.token_budget, self.n_sinks(ctx))
+            return None, ctx.page_size
+        return select_pages(self.score(ctx), vl, ctx.page_size, ctx.token_budget, self.n_sinks(ctx)), ctx.page_size
