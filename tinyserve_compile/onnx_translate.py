@@ -146,10 +146,19 @@ def _int8_step(kabs):
 
 
 def _int8_codes(x, step, up: bool):
-    """``reference._int8_codes`` in fp32: the grid code at or above (``up``) / below ``x``, clamped to +-127."""
-    c = op.Ceil(op.Div(x, step)) if up else op.Floor(op.Div(x, step))
-    dec = op.Mul(c, step)
-    c = op.Where(op.Less(dec, x), op.Add(c, _f(1.0)), c) if up else op.Where(op.Greater(dec, x), op.Sub(c, _f(1.0)), c)
+    """``reference._int8_codes`` in fp32: the nearest grid code at or above (``up``) / below ``x``, clamped to +-127.
+
+    ``Ceil``/``Floor`` of the fp32 quotient is off by at most one either way; one check of each neighbour fixes it.
+    """
+    one = _f(1.0)
+    if up:
+        c = op.Ceil(op.Div(x, step))
+        c = op.Where(op.GreaterOrEqual(op.Mul(op.Sub(c, one), step), x), op.Sub(c, one), c)
+        c = op.Where(op.Less(op.Mul(c, step), x), op.Add(c, one), c)
+    else:
+        c = op.Floor(op.Div(x, step))
+        c = op.Where(op.LessOrEqual(op.Mul(op.Add(c, one), step), x), op.Add(c, one), c)
+        c = op.Where(op.Greater(op.Mul(c, step), x), op.Sub(c, one), c)
     return op.Max(op.Min(c, _f(127.0)), _f(-127.0))
 
 
