@@ -76,10 +76,10 @@ def reference_step(model, options, state):
     return step
 
 
-@pytest.mark.parametrize("name", ["llama_int8_tokens", "gpt2_int8_tokens"])
-def test_int8_bounds_extra_candidates_keep_tokens_equal_reference(exports, name):
+@pytest.mark.parametrize("name,lower", [("llama_int8_tokens", "eager"), ("gpt2_int8_tokens", "inductor")])
+def test_int8_bounds_extra_candidates_keep_tokens_equal_reference_and_backend(exports, name, lower):
     """int8 bounds, ``candidate_extra = 2 * page_size``, ``keep_tokens``: ONNX Runtime gives the reference's logits
-    and state (the compiled backend's runtime for these options is wired separately)."""
+    and state, and the compiled backend's logits."""
     info = exports[name]
     family, options, _ = EXPORTS[name]
     assert info.bounds_dtype == "int8"
@@ -96,6 +96,11 @@ def test_int8_bounds_extra_candidates_keep_tokens_equal_reference(exports, name)
     got_toks, got = greedy(dec.step, tok, PROMPT, STEPS)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), worst(got, want)
     assert torch.equal(got_toks, want_toks)
+    _, backend_cache = prefill(model, ids, L)
+    compiled = torch.compile(model, backend="tinyserve", options={**options, "lower": lower})
+    backend_toks, backend = greedy(hf_step(compiled, backend_cache), tok, PROMPT, STEPS)
+    assert torch.allclose(got, backend, atol=1e-4, rtol=1e-4), worst(got, backend)
+    assert torch.equal(got_toks, backend_toks)
     for n, t in ref_state.items():  # the new keys differ in fp32 noise, so the pages written may differ by a code
         assert dec.state[n].dtype == t.dtype, n
         if n.startswith(("kmax", "kmin")):
