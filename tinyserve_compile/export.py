@@ -4,15 +4,17 @@ The exported graph is one greedy-decode step of a HuggingFace causal LM over a
 static KV cache, with the decode attention of every layer past ``dense_layers``
 turned into query-aware paged sparse attention exactly as
 ``torch.compile(model, backend="tinyserve", options=...)`` does it (same
-options, same selection: :func:`tinyserve_compile.kernels.reference.choose_pages`).
+options, same selection: :func:`tinyserve_compile.kernels.reference.choose`, with
+``candidate_extra`` and ``keep_tokens``).
 ONNX has no in-place update, so the step is functional:
 
 inputs
     ``input_ids`` int64 ``[B, 1]``, ``position`` int64 ``[B]`` (the cache slot each
     row writes = its tokens so far), then per layer ``i``: ``key.i``, ``value.i``
     ``[B, Hkv, L, D]`` and, for the sparse layers, ``kmax.i``, ``kmin.i``
-    ``[B, Hkv, L/S, D]`` (``bounds_dtype``; bfloat16 rounded outward) and
-    ``kabs.i`` ``[B, Hkv, L/S]`` float32;
+    ``[B, Hkv, L/S, D]`` (``bounds_dtype``; bfloat16 rounded outward, int8 codes on
+    each page's grid ``max(kabs / 126, 2^-126)``) and ``kabs.i`` ``[B, Hkv, L/S]``
+    float32 (for int8: the page's exact max ``|k|``);
 outputs
     ``logits`` ``[B, V]``, then ``<input name>.out`` for every state input.
 
@@ -78,6 +80,8 @@ class ExportInfo:
         ``{state input: its updated output}``: the step reads each state input only
         to produce that output, so a runner may bind both to one buffer.
     export_seconds : float
+    int8_write : str
+        How int8 bounds are written (see :func:`export_onnx`).
     """
 
     path: str
@@ -93,6 +97,7 @@ class ExportInfo:
     output_names: List[str] = field(default_factory=list)
     aliases: Dict[str, str] = field(default_factory=dict)
     export_seconds: float = 0.0
+    int8_write: str = "tensorrt"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -147,7 +152,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     kmax, kmin, kabs = step.bounds[layer]
     out = torch.ops.tinyserve_export.sparse_attention(
         query, key, value, kmax, kmin, kabs, step.position, scale, c.page_size, c.token_budget, c.sink_pages,
-        c.candidate_factor)  # [B,Hq,1,D]
+        c.candidate_factor, c.candidate_extra, c.keep_tokens)  # [B,Hq,1,D]
     step.sparse_calls += 1
     return out.transpose(1, 2).contiguous(), None  # [B,1,Hq,D], as sdpa_attention_forward returns
 
@@ -341,7 +346,7 @@ def _check_graph(path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- API
 def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[str, Any]] = None,
-                batch_size: int = 1, verbose: bool = False) -> ExportInfo:
+                batch_size: int = 1, verbose: bool = False, int8_write: str = "tensorrt") -> ExportInfo:
     """Export one decode step of ``model`` with the tinyserve rewrite to an ONNX file.
 
     Parameters
@@ -361,6 +366,10 @@ def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[st
         ``B`` (static).
     verbose : bool
         Show the exporter's progress.
+    int8_write : {"tensorrt", "inplace"}
+        With ``bounds_dtype="int8"``: "tensorrt" writes the page through QuantizeLinear/DequantizeLinear of the
+        whole state (TensorRT takes INT8 only that way); "inplace" scatters the codes into the int8 state, which
+        ONNX Runtime updates in place, but TensorRT's parser rejects (ScatterND on INT8).
 
     Returns
     -------
@@ -377,6 +386,10 @@ def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[st
                          f"page_size ({config.page_size}): pages are gathered as whole rows")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"export_onnx: argument 'batch_size' must be a positive int, got {batch_size!r}")
+    from .onnx_translate import INT8_WRITES
+
+    if int8_write not in INT8_WRITES:
+        raise ValueError(f"export_onnx: argument 'int8_write' must be one of {INT8_WRITES}, got {int8_write!r}")
     _check_model(model)
     from . import onnx_ops  # noqa: F401  (registers the export ops)
     from .onnx_translate import translation_table
@@ -402,7 +415,7 @@ def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[st
     sink = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
     with torch.no_grad(), sink:
         prog = torch.onnx.export(step, args, dynamo=True, opset_version=OPSET,
-                                 custom_translation_table=translation_table(),
+                                 custom_translation_table=translation_table(int8_write),
                                  input_names=["input_ids", "position", *names],
                                  output_names=["logits", *[f"{n}.out" for n in names]], optimize=False)
         _optimize(prog.model)
@@ -411,7 +424,8 @@ def export_onnx(model, path, *, max_cache_len: int, options: Optional[Mapping[st
     return ExportInfo(path=path, options=asdict(config), batch_size=B, max_cache_len=L, n_layers=n_layers,
                       n_kv_heads=Hkv, head_dim=D, sparse_layers=sparse, bounds_dtype=config.bounds_dtype,
                       input_names=["input_ids", "position", *names], output_names=["logits", *[f"{n}.out" for n in names]],
-                      aliases={n: f"{n}.out" for n in names}, export_seconds=time.perf_counter() - t0)
+                      aliases={n: f"{n}.out" for n in names}, export_seconds=time.perf_counter() - t0,
+                      int8_write=int8_write)
 
 
 def decode_state(cache, *, options: Optional[Mapping[str, Any]] = None, dense_layers: Optional[int] = None,
@@ -471,6 +485,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "local HF folder")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--dense", action="store_true", help="export the stock dense step (policy 'full')")
+    ap.add_argument("--int8-write", default="tensorrt", choices=("tensorrt", "inplace"),
+                    help="int8 bounds: written through Q/DQ (TensorRT) or scattered in place (ONNX Runtime only)")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
     options = json.loads(a.options)
@@ -478,7 +494,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         options["policy"] = "full"
     model = load_model(a.model)
     info = export_onnx(model, a.out, max_cache_len=a.max_cache_len, options=options, batch_size=a.batch_size,
-                       verbose=a.verbose)
+                       verbose=a.verbose, int8_write=a.int8_write)
     print(json.dumps({"path": info.path, "export_seconds": round(info.export_seconds, 1),
                       "sparse_layers": len(info.sparse_layers), "n_layers": info.n_layers,
                       "bounds_dtype": info.bounds_dtype, "max_cache_len": info.max_cache_len}))

@@ -5,7 +5,10 @@ against the parser's published support matrix (onnx-tensorrt
 ``docs/operators.md``, TensorRT 8.5's table; ``LayerNormalization`` from 8.6)
 and the restrictions that matter for the decode step: ``TopK``'s ``K`` an
 initializer below 3840, no ``ScatterND``/``ScatterElements`` reduction, constant
-reduction/slice axes, opsets 9-20 (TensorRT 10.0), no custom domain. Passing
+reduction/slice axes, opsets 9-20 (TensorRT 10.0), no custom domain, and INT8
+tensors only where the parser takes them: TensorRT treats INT8 as a quantized type,
+produced by ``QuantizeLinear`` and read by ``DequantizeLinear`` (or a graph input /
+output / constant), so no ``Cast``, ``ScatterND`` or data movement on INT8. Passing
 this check does not prove that an engine builds; ``bench/trt_build.sh`` does
 that where TensorRT exists.
 """
@@ -40,6 +43,35 @@ _CONST_INPUTS = {
     "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
     "Squeeze": (1,), "Unsqueeze": (1,), "Slice": (3,),
 }
+#: (op, input index) where an INT8 tensor may be read: the quantized input and the zero points of Q/DQ
+_INT8_READERS = {("DequantizeLinear", 0), ("DequantizeLinear", 2), ("QuantizeLinear", 2)}
+
+
+def _int8_problems(model) -> List[str]:
+    """INT8 tensors that are not produced by ``QuantizeLinear`` / read by ``DequantizeLinear``."""
+    import onnx
+
+    int8 = onnx.TensorProto.INT8
+    try:
+        g = onnx.shape_inference.infer_shapes(model, data_prop=False).graph
+    except Exception:  # noqa: BLE001 - a graph ONNX cannot type (custom domain): its declared types only
+        g = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*g.input, *g.output, *g.value_info)
+             if v.type.HasField("tensor_type")}
+    types.update({i.name: i.data_type for i in g.initializer})
+    constant = {i.name for i in g.initializer}
+    problems = []
+    for n in g.node:
+        where = f"{n.op_type} node {n.name!r}"
+        if n.op_type == "Constant":
+            continue
+        for i, name in enumerate(n.input):
+            if name and types.get(name) == int8 and (n.op_type, i) not in _INT8_READERS:
+                problems.append(f"{where}: reads INT8 {name!r}; TensorRT reads INT8 only through DequantizeLinear")
+        for name in n.output:
+            if name and types.get(name) == int8 and n.op_type != "QuantizeLinear" and name not in constant:
+                problems.append(f"{where}: writes INT8 {name!r}; TensorRT makes INT8 only with QuantizeLinear")
+    return problems
 
 
 def trt_problems(model) -> List[str]:
@@ -95,4 +127,4 @@ def trt_problems(model) -> List[str]:
             for a in n.attribute:
                 if a.name == "reduction" and onnx.helper.get_attribute_value(a) not in (b"none", "none"):
                     problems.append(f"{where}: reduction={onnx.helper.get_attribute_value(a)!r}")
-    return problems
+    return problems + _int8_problems(model)

@@ -9,10 +9,12 @@ graph that have no functional ATen form:
 ``tinyserve_export::bounds_write(k_cache, kmax, kmin, kabs, position, page_size)``
     the bounds with the page holding ``position[b]`` recomputed from ``k_cache``
     (every slot of the page, as the backend's maintained bounds), stored as the
-    dtype of ``kmax`` (bfloat16: rounded outward).
+    dtype of ``kmax`` (bfloat16: rounded outward; int8: codes on the page's grid,
+    ``kabs`` the exact max ``|k|``).
 ``tinyserve_export::sparse_attention(q, k_cache, v_cache, kmax, kmin, kabs, position, ...)``
     query-aware paged sparse decode attention over the written cache, with
-    ``valid_len = position + 1``.
+    ``valid_len = position + 1`` (trailing ``candidate_extra=0, keep_tokens=False``
+    as the backend's options of those names).
 
 Their PyTorch implementations call :mod:`tinyserve_compile.kernels.reference`
 (the single source of truth), so a decode step run eagerly in PyTorch is the
@@ -74,7 +76,8 @@ def bounds_write(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, 
     k_cache : torch.Tensor
         ``[B, Hkv, L, D]`` key cache after the write, ``L % page_size == 0``.
     kmax, kmin : torch.Tensor
-        ``[B, Hkv, P, D]`` float32 or bfloat16 (rounded outward).
+        ``[B, Hkv, P, D]`` float32, bfloat16 (rounded outward) or int8 (codes, see
+        :func:`~tinyserve_compile.kernels.reference.store_bounds`).
     kabs : torch.Tensor
         ``[B, Hkv, P]`` float32.
     position : torch.Tensor
@@ -105,7 +108,8 @@ def _(k_cache, kmax, kmin, kabs, position, page_size):
 @torch.library.custom_op("tinyserve_export::sparse_attention", mutates_args=())
 def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kmax: torch.Tensor,
                      kmin: torch.Tensor, kabs: torch.Tensor, position: torch.Tensor, scale: float, page_size: int,
-                     token_budget: int, sink_pages: int, candidate_factor: int) -> torch.Tensor:
+                     token_budget: int, sink_pages: int, candidate_factor: int, candidate_extra: int = 0,
+                     keep_tokens: bool = False) -> torch.Tensor:
     """Query-aware sparse decode attention of the reference, ``valid_len = position + 1``.
 
     Parameters
@@ -120,6 +124,10 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         int64 ``[B]``.
     scale : float
     page_size, token_budget, sink_pages, candidate_factor : int
+    candidate_extra : int
+        Extra candidate tokens of the two-stage selection (rounded down to pages).
+    keep_tokens : bool
+        Two-stage: keep the ``token_budget`` single candidate tokens of highest softmax share.
 
     Returns
     -------
@@ -129,9 +137,11 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     B = q.shape[0]
     vl = _rows(position, B) + 1
     return sparse_decode_reference(q, k_cache, v_cache, vl, None, scale, page_size, token_budget, sink_pages,
-                                   candidate_factor, bounds=PageBounds(kmax, kmin, kabs))
+                                   candidate_factor, bounds=PageBounds(kmax, kmin, kabs),
+                                   candidate_extra=candidate_extra, keep_tokens=keep_tokens)
 
 
 @sparse_attention.register_fake
-def _(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, page_size, token_budget, sink_pages, candidate_factor):
+def _(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, page_size, token_budget, sink_pages, candidate_factor,
+      candidate_extra=0, keep_tokens=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -22,7 +22,9 @@ def shared_buffer_inputs(model_path) -> Dict[str, str]:
 
     A pair qualifies when the input's only consumer is a ``ScatterND`` reading it
     as ``data`` and the output is that node's result (directly or through
-    ``Identity`` nodes): the input is then fully read before the output is written.
+    ``Identity`` nodes), or a ``DequantizeLinear`` (a new buffer) that the node
+    producing the output depends on (int8 bounds written through Q/DQ): either
+    way the input is fully read before the output is written.
     """
     import onnx
 
@@ -41,14 +43,29 @@ def shared_buffer_inputs(model_path) -> Dict[str, str]:
         if out not in outputs:
             continue
         users = consumers.get(inp.name, [])
-        if len(users) != 1 or users[0][0].op_type != "ScatterND" or users[0][1] != 0:
+        if len(users) != 1 or users[0][0].op_type not in ("ScatterND", "DequantizeLinear") or users[0][1] != 0:
             continue
         node, src = users[0][0], out
         while src in producer and producer[src].op_type == "Identity":
             src = producer[src].input[0]
-        if src in node.output:
+        if src in node.output or (node.op_type == "DequantizeLinear" and _depends_on(src, node, producer)):
             pairs[inp.name] = out
     return pairs
+
+
+def _depends_on(value: str, node, producer) -> bool:
+    """Whether computing ``value`` needs an output of ``node``."""
+    seen, todo = set(), [value]
+    while todo:
+        v = todo.pop()
+        if v in seen or v not in producer:
+            continue
+        seen.add(v)
+        p = producer[v]
+        if p is node:
+            return True
+        todo.extend(i for i in p.input if i)
+    return False
 
 
 class OrtDecoder:

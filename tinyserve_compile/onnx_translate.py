@@ -6,14 +6,24 @@ size, ``K`` of ``TopK`` and reduction axis becomes a constant. The ops used are
 among those TensorRT's ONNX parser supports (``TopK`` with a constant ``K``,
 ``Gather``/``GatherElements``, ``MatMul``, ``Softmax``, ``Where``, ``ScatterND``
 without reduction, ``ReduceMax``/``ReduceMin``/``ReduceSum`` with constant axes,
-elementwise arithmetic and comparisons); no custom domain.
+elementwise arithmetic and comparisons, ``Ceil``/``Floor``, ``QuantizeLinear``/
+``DequantizeLinear`` with a zero zero-point); no custom domain.
 
-The selection is :func:`tinyserve_compile.kernels.reference.choose_pages` written
-for a static graph. Where the reference branches on the data (``None`` = dense
+The selection is :func:`tinyserve_compile.kernels.reference.choose` written
+for a static graph: ``N1 = candidate_factor * K + candidate_extra // page_size``
+candidate pages, two stages iff ``N1 > K``, and with ``keep_tokens`` the ``K * S``
+candidate tokens of highest softmax share (max over the GQA group) instead of
+``K`` whole pages. Where the reference branches on the data (``None`` = dense
 when every valid page fits, the candidates covering every valid page), the graph
 takes the sparse path with pages past ``valid_len`` scored ``-inf`` and marked
 invalid: ``TopK`` then keeps every valid page, so the attended token set is the
 one the reference attends.
+
+int8 bounds (``bounds_dtype="int8"``) are converted with ``QuantizeLinear`` /
+``DequantizeLinear`` of scale 1 (exact on integer codes; TensorRT takes INT8 only
+through Q/DQ, not ``Cast``): the writer computes the codes in fp32 exactly as
+:func:`tinyserve_compile.kernels.reference.store_bounds`, the reader decodes
+``code * max(kabs / 126, 2^-126)``.
 """
 from __future__ import annotations
 
@@ -23,12 +33,13 @@ import numpy as np
 import onnx
 from onnxscript import opset18 as op
 
-from .kernels.reference import score_slack_factor, score_underflow_slack
+from .kernels.reference import _INT8_STEP_FLOOR, candidate_pages, score_slack_factor, score_underflow_slack
 
 __all__ = ["TRANSLATIONS", "translation_table"]
 
 _INF = float("inf")
 _FLOAT = onnx.TensorProto.FLOAT
+_INT8 = onnx.TensorProto.INT8
 
 
 # ---------------------------------------------------------------------------------------------- constants
@@ -124,6 +135,43 @@ def _round_outward_bf16(hi, lo, n: int):
     return up, op.Neg(neg_down)
 
 
+# ---------------------------------------------------------------------------------------------- int8 codes
+def _is(x, tensor_type) -> bool:
+    return x.dtype is not None and int(x.dtype) == tensor_type
+
+
+def _int8_step(kabs):
+    """``reference.int8_bounds_step``: ``max(kabs / 126, 2^-126)`` in fp32, elementwise."""
+    return op.Max(op.Div(kabs, _f(126.0)), _f(_INT8_STEP_FLOOR))
+
+
+def _int8_codes(x, step, up: bool):
+    """``reference._int8_codes`` in fp32: the nearest grid code at or above (``up``) / below ``x``, clamped to +-127.
+
+    ``Ceil``/``Floor`` of the fp32 quotient is off by at most one either way; one check of each neighbour fixes it.
+    """
+    one = _f(1.0)
+    if up:
+        c = op.Ceil(op.Div(x, step))
+        c = op.Where(op.GreaterOrEqual(op.Mul(op.Sub(c, one), step), x), op.Sub(c, one), c)
+        c = op.Where(op.Less(op.Mul(c, step), x), op.Add(c, one), c)
+    else:
+        c = op.Floor(op.Div(x, step))
+        c = op.Where(op.LessOrEqual(op.Mul(op.Add(c, one), step), x), op.Add(c, one), c)
+        c = op.Where(op.Greater(op.Mul(c, step), x), op.Sub(c, one), c)
+    return op.Max(op.Min(c, _f(127.0)), _f(-127.0))
+
+
+def _to_int8(codes):
+    """fp32 integer codes in [-127, 127] -> int8, exactly (``QuantizeLinear`` of scale 1)."""
+    return op.QuantizeLinear(codes, _f(1.0), _const(np.zeros((), np.int8)))
+
+
+def _from_int8(codes):
+    """int8 codes -> fp32, exactly (``DequantizeLinear`` of scale 1)."""
+    return op.DequantizeLinear(codes, _f(1.0), _const(np.zeros((), np.int8)))
+
+
 # ---------------------------------------------------------------------------------------------- the ops
 def cache_write(cache, position, src):
     """ScatterND of ``src`` ``[B, H, 1, D]`` into ``cache`` ``[B, H, L, D]`` at ``(b, h, position[b])``."""
@@ -134,7 +182,24 @@ def cache_write(cache, position, src):
 
 
 def bounds_write(k_cache, kmax, kmin, kabs, position, page_size):
-    """Recompute the page holding ``position[b]``: Gather it, ReduceMax/Min, ScatterND into the bounds."""
+    """Recompute the page holding ``position[b]``: Gather it, ReduceMax/Min, ScatterND into the bounds.
+
+    int8 bounds are written the way TensorRT can parse (INT8 only through Q/DQ): the whole state is dequantized,
+    the page's codes scattered in fp32 and the result quantized again (see :func:`bounds_write_int8_inplace`).
+    """
+    return _bounds_write(k_cache, kmax, kmin, kabs, position, page_size, False)
+
+
+def bounds_write_int8_inplace(k_cache, kmax, kmin, kabs, position, page_size):
+    """:func:`bounds_write` with int8 codes scattered straight into the int8 state (``ScatterND`` on INT8).
+
+    ONNX Runtime then updates the int8 bounds in place (no full dequantize/quantize pass per step), but TensorRT's
+    parser takes no ``ScatterND`` on INT8 (:func:`tinyserve_compile.onnx_check.trt_problems` says so).
+    """
+    return _bounds_write(k_cache, kmax, kmin, kabs, position, page_size, True)
+
+
+def _bounds_write(k_cache, kmax, kmin, kabs, position, page_size, int8_inplace: bool):
     B, H, L, D = _dims(k_cache)
     S, P = int(page_size), _dims(kmax)[2]
     page = op.Div(position, _int(S))  # [B] int64
@@ -146,9 +211,18 @@ def bounds_write(k_cache, kmax, kmin, kabs, position, page_size):
     if bdtype is not None and int(bdtype) == onnx.TensorProto.BFLOAT16:  # exact on the bf16 grid: the Cast is exact
         hi, lo = _round_outward_bf16(hi, lo, B * H * D)
         hi, lo = op.Reshape(hi, _ints(B, H, D)), op.Reshape(lo, _ints(B, H, D))
-    new_abs = op.ReduceMax(op.Max(op.Abs(hi), op.Abs(lo)), _ints(-1), keepdims=0)  # [B,H]
+    new_abs = op.ReduceMax(op.Max(op.Abs(hi), op.Abs(lo)), _ints(-1), keepdims=0)  # [B,H]: exact max |k| for int8
     idx = op.Concat(_const(_bh_index(B, H)), op.Expand(row, _ints(B, H, 1)), axis=-1)  # [B,H,3]
-    if bdtype is not None and int(bdtype) != _FLOAT:
+    if _is(kmax, _INT8):  # codes on the page's grid, max rounded up and min down
+        step = _int8_step(op.Unsqueeze(new_abs, _ints(-1)))  # [B,H,1]
+        hi, lo = _int8_codes(hi, step, True), _int8_codes(lo, step, False)  # [B,H,D] fp32 codes
+        if int8_inplace:
+            hi, lo = _to_int8(hi), _to_int8(lo)
+        else:  # INT8 only through Q/DQ: scatter into the dequantized codes, quantize the whole state
+            new_max = _to_int8(op.ScatterND(_from_int8(kmax), idx, hi))
+            new_min = _to_int8(op.ScatterND(_from_int8(kmin), idx, lo))
+            return new_max, new_min, op.ScatterND(kabs, idx, new_abs)
+    elif bdtype is not None and int(bdtype) != _FLOAT:
         hi, lo = op.Cast(hi, to=int(bdtype)), op.Cast(lo, to=int(bdtype))
     return op.ScatterND(kmax, idx, hi), op.ScatterND(kmin, idx, lo), op.ScatterND(kabs, idx, new_abs)
 
@@ -159,15 +233,24 @@ def _as_float(x):
     return x
 
 
+def _bounds_f32(kmax, kmin, kabs):
+    """``reference.bounds_f32``: int8 codes times their page's step, other dtypes upcast; ``[B, Hkv, P, D]`` fp32."""
+    if _is(kmax, _INT8):
+        step = op.Unsqueeze(_int8_step(kabs), _ints(-1))  # [B,Hkv,P,1]
+        return op.Mul(_from_int8(kmax), step), op.Mul(_from_int8(kmin), step)
+    return _as_float(kmax), _as_float(kmin)
+
+
 def _page_scores(qg, kmax, kmin, kabs, scale: float, D: int):
     """``reference.page_scores`` without a mask: ``[B, Hkv, G, P]`` per query head (fp32)."""
     factor = score_slack_factor(D)
+    kmax, kmin = _bounds_f32(kmax, kmin, kabs)
     base = score_underflow_slack(D) / (scale * factor)
     qp, qn = op.Relu(qg), op.Min(qg, _f(0.0))  # [B,Hkv,G,D]
     q1 = op.ReduceSum(op.Abs(qg), _ints(-1), keepdims=1)  # [B,Hkv,G,1]
     slack = op.Add(op.Mul(q1, op.Unsqueeze(kabs, _ints(2))), _f(base))  # [B,Hkv,G,P]
-    kmin_t = op.Transpose(_as_float(kmin), perm=[0, 1, 3, 2])  # [B,Hkv,D,P]
-    kmax_t = op.Transpose(_as_float(kmax), perm=[0, 1, 3, 2])
+    kmin_t = op.Transpose(kmin, perm=[0, 1, 3, 2])  # [B,Hkv,D,P]
+    kmax_t = op.Transpose(kmax, perm=[0, 1, 3, 2])
     r = op.Add(op.Mul(slack, _f(factor)), op.MatMul(qn, kmin_t))
     r = op.Add(r, op.MatMul(qp, kmax_t))
     return op.Mul(r, _f(scale))
@@ -179,13 +262,14 @@ def _softmax_attend(logits, v):
 
 
 def sparse_attention(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, page_size, token_budget, sink_pages,
-                     candidate_factor):
-    """Static-graph ``choose_pages`` + exact attention over the kept pages."""
+                     candidate_factor, candidate_extra=0, keep_tokens=False):
+    """Static-graph ``reference.choose`` + exact attention over the kept pages (or tokens)."""
     B, Hq, _, D = _dims(q)
     _, Hkv, L, _ = _dims(k_cache)
     G, S = Hq // Hkv, int(page_size)
     P, K = L // S, int(token_budget) // S
-    scale, cf, sinks = float(scale), int(candidate_factor), int(sink_pages)
+    scale, sinks = float(scale), int(sink_pages)
+    n1 = candidate_pages(S, int(token_budget), int(candidate_factor), int(candidate_extra))
     qg = op.Reshape(q, _ints(B, Hkv, G, D))  # [B,Hkv,G,D]: query head h reads KV head h // G
     vl = op.Add(position, _int(1))  # [B] valid length
     vl3 = op.Reshape(vl, _ints(B, 1, 1))
@@ -221,20 +305,22 @@ def sparse_attention(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, pag
         tok_ok = op.And(op.Unsqueeze(ok, _ints(-1)), op.Less(tok, op.Unsqueeze(vl3, _ints(-1))))  # [B,Hkv,n,S]
         return op.Reshape(tok_ok, _ints(B, Hkv, 1, n * S))
 
-    if cf <= 1:  # ---- one stage: the bound alone keeps K pages
+    if n1 <= K:  # ---- one stage: the bound alone keeps K pages
         idx, ok = bound_topk(K)
         kg, vg = _gather_pages(k_cache, idx, [B, Hkv, L, D], S, K), _gather_pages(v_cache, idx, [B, Hkv, L, D], S, K)
         logits = op.Mul(op.MatMul(qg, op.Transpose(kg, perm=[0, 1, 3, 2])), _f(scale))  # [B,Hkv,G,K*S]
         logits = op.Where(tokens_ok(idx, ok, K), logits, neg_inf)
         return out(_softmax_attend(logits, vg))
 
-    # ---- two stages: candidates by the bound (or every page), then their exact page mass keeps K
-    Kc = K * cf
+    # ---- two stages: N1 candidates by the bound (or every page), then their exact logits keep K pages / K*S tokens
+    Kc = n1
     if Kc >= P:  # the candidates are every page: no bound scan, logits over the whole cache
         Kc = P
         cand, cand_ok = None, op.Expand(valid, _ints(B, Hkv, P))
         logits = all_logits()  # [B,Hkv,G,P*S]
         forced_c = op.Expand(forced, _ints(B, Hkv, P))
+        if keep_tokens:
+            tok_ok = op.Expand(op.Less(_const(np.arange(L, dtype=np.int64).reshape(1, 1, L)), vl3), _ints(B, Hkv, L))
     else:
         cand, cand_ok = bound_topk(Kc)  # [B,Hkv,Kc]
         if 2 * Kc >= P:  # most pages are candidates: one pass over every key beats copying most of them
@@ -244,8 +330,12 @@ def sparse_attention(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, pag
         else:
             kc = _gather_pages(k_cache, cand, [B, Hkv, L, D], S, Kc)  # [B,Hkv,Kc*S,D]
             logits = op.Mul(op.MatMul(qg, op.Transpose(kc, perm=[0, 1, 3, 2])), _f(scale))  # [B,Hkv,G,Kc*S]
-        logits = op.Where(tokens_ok(cand, cand_ok, Kc), logits, neg_inf)
+        tok_ok = tokens_ok(cand, cand_ok, Kc)  # [B,Hkv,1,Kc*S]
+        logits = op.Where(tok_ok, logits, neg_inf)
+        tok_ok = op.Reshape(tok_ok, _ints(B, Hkv, Kc * S))
         forced_c = op.Or(op.Equal(cand, newest), op.Less(cand, _int(sinks)))
+    if keep_tokens:
+        return out(_keep_tokens(logits, cand, tok_ok, forced_c, v_cache, [B, Hkv, G, L, D], S, Kc, K * S))
     logits5 = op.Reshape(logits, _ints(B, Hkv, G, Kc, S))
     page_lse = _lse(logits5, 4)  # [B,Hkv,G,Kc]
     total = op.Unsqueeze(_lse(page_lse, 3), _ints(3))  # [B,Hkv,G,1]
@@ -263,16 +353,62 @@ def sparse_attention(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, pag
     return out(_softmax_attend(op.Reshape(sel_logits, _ints(B, Hkv, G, K * S)), vg))
 
 
-def translation_table() -> dict:
-    """``{torch op overload: onnxscript function}`` for ``torch.onnx.export(custom_translation_table=...)``."""
+def _keep_tokens(logits, cand, tok_ok, forced_c, v_cache, dims, S: int, Kc: int, n: int):
+    """``reference.rank_candidate_tokens`` + attend: the ``n`` candidate tokens of highest softmax share.
+
+    Parameters (onnxscript values)
+    ------------------------------
+    logits : ``[B, Hkv, G, Kc*S]`` fp32, -inf at invalid slots; cand : ``[B, Hkv, Kc]`` int64 page indices, or None
+    when the candidates are every page (``Kc = P``); tok_ok : ``[B, Hkv, Kc*S]`` bool; forced_c : ``[B, Hkv, Kc]``
+    bool (newest page, sinks). Returns ``[B, Hkv, G, D]``.
+    """
+    B, Hkv, G, L, D = dims
+    T = Kc * S
+    neg_inf = _f(-_INF)
+    # ---- share of every candidate token: logit - lse over the candidates, max over the GQA group
+    lse = op.Unsqueeze(_lse(logits, 3), _ints(3))  # [B,Hkv,G,1]
+    share = op.Where(op.Greater(logits, neg_inf), op.Sub(logits, lse), neg_inf)  # no -inf - -inf NaN
+    share = op.ReduceMax(share, _ints(2), keepdims=0)  # [B,Hkv,T]
+    forced_t = op.Reshape(op.Expand(op.Unsqueeze(forced_c, _ints(-1)), _ints(B, Hkv, Kc, S)), _ints(B, Hkv, T))
+    share = op.Where(tok_ok, op.Where(forced_t, _f(_INF), share), neg_inf)
+    top, pos = op.TopK(share, _ints(n), axis=-1, largest=1, sorted=1)  # [B,Hkv,n] candidate token slots
+    ok = op.Greater(top, neg_inf)  # valid (invalid slots score -inf and are never kept)
+    # ---- attend: the kept tokens' logits from the candidates', their values gathered row by row
+    sel_logits = op.GatherElements(logits, op.Expand(op.Unsqueeze(pos, _ints(2)), _ints(B, Hkv, G, n)), axis=3)
+    sel_logits = op.Where(op.Unsqueeze(ok, _ints(2)), sel_logits, neg_inf)  # [B,Hkv,G,n]
+    if cand is None:
+        tok = pos  # the candidate tokens are every slot, in order
+    else:
+        tok_list = op.Add(op.Mul(op.Unsqueeze(cand, _ints(-1)), _int(S)), _const(np.arange(S, dtype=np.int64)))
+        tok = op.GatherElements(op.Reshape(tok_list, _ints(B, Hkv, T)), pos, axis=2)  # [B,Hkv,n] positions
+    rows = op.Reshape(op.Add(tok, _const(_row_base(B, Hkv, L))), _ints(B * Hkv * n))
+    vg = op.Reshape(op.Gather(op.Reshape(v_cache, _ints(B * Hkv * L, D)), rows, axis=0), _ints(B, Hkv, n, D))
+    return _softmax_attend(sel_logits, vg)
+
+
+#: how int8 bounds are written: "tensorrt" (Q/DQ only, :func:`bounds_write`) or "inplace"
+#: (:func:`bounds_write_int8_inplace`)
+INT8_WRITES = ("tensorrt", "inplace")
+
+
+def translation_table(int8_write: str = "tensorrt") -> dict:
+    """``{torch op overload: onnxscript function}`` for ``torch.onnx.export(custom_translation_table=...)``.
+
+    Parameters
+    ----------
+    int8_write : {"tensorrt", "inplace"}
+        The lowering of int8 bounds writes (other bounds dtypes are written the same either way).
+    """
     import torch
 
     from . import onnx_ops  # noqa: F401  (registers the ops)
 
+    if int8_write not in INT8_WRITES:
+        raise ValueError(f"translation_table: argument 'int8_write' must be one of {INT8_WRITES}, got {int8_write!r}")
     ns = torch.ops.tinyserve_export
     return {
         ns.cache_write.default: cache_write,
-        ns.bounds_write.default: bounds_write,
+        ns.bounds_write.default: bounds_write if int8_write == "tensorrt" else bounds_write_int8_inplace,
         ns.sparse_attention.default: sparse_attention,
     }
 

@@ -52,6 +52,77 @@ def test_onnx_runtime_equals_compiled_backend_and_differs_from_dense(exports, na
         assert torch.equal(dec.state[f"kabs.{i}"], fresh.kabs)
 
 
+def reference_step(model, options, state):
+    """A ``step`` for :func:`greedy`: the exported module run eagerly in PyTorch, whose export-only ops are the
+    reference (``sparse_decode_reference`` with every option, ``store_bounds``); it advances ``state`` (a dict)."""
+    from tinyserve_compile import onnx_ops  # noqa: F401  (registers the ops)
+    from tinyserve_compile.config import TinyServeConfig
+    from tinyserve_compile.export import _DecodeStep, _register_attention
+
+    config = TinyServeConfig.from_options(options)
+    n_layers = sum(1 for n in state if n.startswith("key."))
+    sparse = [i for i in range(n_layers) if f"kmax.{i}" in state]
+    _register_attention()
+    module = _DecodeStep(model, config, n_layers, sparse).eval()
+    names = list(state)
+
+    @torch.no_grad()
+    def step(tok, pos):
+        out = module(tok, pos, *[state[n] for n in names])
+        assert module.last_sparse_calls == len(sparse)
+        state.update(zip(names, out[1:]))
+        return out[0]
+
+    return step
+
+
+@pytest.mark.parametrize("name,lower", [("llama_int8_tokens", "eager"), ("gpt2_int8_tokens", "inductor")])
+def test_int8_bounds_extra_candidates_keep_tokens_equal_reference_and_backend(exports, name, lower):
+    """int8 bounds, ``candidate_extra = 2 * page_size``, ``keep_tokens``: ONNX Runtime gives the reference's logits
+    and state, and the compiled backend's logits."""
+    info = exports[name]
+    family, options, _ = EXPORTS[name]
+    assert info.bounds_dtype == "int8"
+    model = hf_model(family)
+    ids = prompt(PROMPT, seed=5)
+    tok, cache = prefill(model, ids, L)
+    dec = _ort(info, cache, options)
+    assert info.sparse_layers and dec.state[f"kmax.{info.sparse_layers[0]}"].dtype == torch.int8
+    assert set(dec.shared) == set(info.input_names[2:])  # the int8 bounds (DQ -> ScatterND -> Q) share buffers too
+    ref_state = decode_state(cache, options=options)
+    ref_state = {n: t.clone() for n, t in ref_state.items()}
+    page_state = {n: t.clone() for n, t in ref_state.items()}
+    want_toks, want = greedy(reference_step(model, options, ref_state), tok, PROMPT, STEPS)
+    got_toks, got = greedy(dec.step, tok, PROMPT, STEPS)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), worst(got, want)
+    assert torch.equal(got_toks, want_toks)
+    _, backend_cache = prefill(model, ids, L)
+    compiled = torch.compile(model, backend="tinyserve", options={**options, "lower": lower})
+    backend_toks, backend = greedy(hf_step(compiled, backend_cache), tok, PROMPT, STEPS)
+    assert torch.allclose(got, backend, atol=1e-4, rtol=1e-4), worst(got, backend)
+    assert torch.equal(got_toks, backend_toks)
+    for n, t in ref_state.items():  # the new keys differ in fp32 noise, so the pages written may differ by a code
+        assert dec.state[n].dtype == t.dtype, n
+        if n.startswith(("kmax", "kmin")):
+            assert (dec.state[n].int() - t.int()).abs().max() <= 1, n
+        else:
+            assert torch.allclose(dec.state[n], t, atol=1e-5), n
+    for i in info.sparse_layers:  # the bounds ONNX Runtime kept equal a rebuild of its cache (the writer is exact)
+        fresh = page_bounds(dec.state[f"key.{i}"], options["page_size"], dtype=torch.int8)
+        assert torch.equal(dec.state[f"kmax.{i}"], fresh.kmax) and torch.equal(dec.state[f"kmin.{i}"], fresh.kmin)
+        assert torch.equal(dec.state[f"kabs.{i}"], fresh.kabs)
+    # binding the int8 state in place equals double-buffering it
+    double = greedy(_ort(info, cache, options, share_buffers=False).step, tok, PROMPT, 2)[1]
+    assert torch.equal(got[:2], double)
+    # the options take effect: keeping whole pages, or attending densely, gives other logits
+    pages = {**options, "keep_tokens": False}
+    _, by_pages = greedy(reference_step(model, pages, page_state), tok, PROMPT, STEPS)
+    assert (got - by_pages).abs().max() > 1e-4, worst(got, by_pages)
+    _, dense_cache = prefill(model, ids, L)
+    _, dense = greedy(hf_step(model, dense_cache), tok, PROMPT, STEPS)
+    assert (got - dense).abs().max() > 1e-3, worst(got, dense)
+
+
 def test_dense_export_equals_eager_hf(exports):
     info = exports["llama_dense"]
     assert info.sparse_layers == [] and not any(n.startswith("kmax") for n in info.input_names)
@@ -106,6 +177,18 @@ def test_decode_state_builds_bounds_of_every_sparse_layer():
     assert torch.equal(st["kmax.2"], fresh.kmax) and torch.equal(st["kmin.2"], fresh.kmin)
     with pytest.raises(ValueError, match="cache"):
         decode_state([(None, None)])
+
+
+def test_decode_state_writes_int8_bounds_of_the_reference():
+    model = hf_model("llama")
+    _, cache = prefill(model, prompt(40), 64)
+    st = decode_state(cache, options={"page_size": 8, "dense_layers": 1, "bounds_dtype": "int8"})
+    for i in (1, 2, 3):
+        want = page_bounds(cache.layers[i].keys, 8, dtype=torch.int8)
+        assert st[f"kmax.{i}"].dtype == torch.int8 and st[f"kabs.{i}"].dtype == torch.float32
+        assert torch.equal(st[f"kmax.{i}"], want.kmax) and torch.equal(st[f"kmin.{i}"], want.kmin)
+        assert torch.equal(st[f"kabs.{i}"], want.kabs)
+    assert st["kabs.1"][0, 0, 0] == cache.layers[1].keys[0, 0, :8].abs().max()  # the exact max |k| of the page
 
 
 @pytest.mark.parametrize("kw,match", [

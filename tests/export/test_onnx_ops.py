@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from export_helpers import export_module, ort_run, worst
 from tinyserve_compile import onnx_ops  # noqa: F401  (registers the ops)
-from tinyserve_compile.kernels.reference import page_bounds, sparse_decode_reference, store_bounds
+from tinyserve_compile.kernels.reference import PageBounds, page_bounds, sparse_decode_reference, store_bounds
 
 ns = torch.ops.tinyserve_export
 
@@ -17,16 +17,19 @@ ns = torch.ops.tinyserve_export
 class Step(torch.nn.Module):
     """Write the new K/V, update the bounds, attend: the three ops in the order of the exported step."""
 
-    def __init__(self, page_size, token_budget, sink_pages, candidate_factor, scale=0.3):
+    def __init__(self, page_size, token_budget, sink_pages, candidate_factor, scale=0.3, extra=0, keep_tokens=False):
         super().__init__()
         self.a = (page_size, token_budget, sink_pages, candidate_factor)
-        self.scale = scale
+        self.scale, self.extra, self.keep_tokens = scale, extra, keep_tokens
 
     def forward(self, q, k, v, kmax, kmin, kabs, pos, k_new, v_new):
         S, budget, sinks, cf = self.a
         k2, v2 = ns.cache_write(k, pos, k_new), ns.cache_write(v, pos, v_new)
         b = ns.bounds_write(k2, kmax, kmin, kabs, pos, S)
-        out = ns.sparse_attention(q, k2, v2, *b, pos, self.scale, S, budget, sinks, cf)
+        if self.extra or self.keep_tokens:
+            out = ns.sparse_attention(q, k2, v2, *b, pos, self.scale, S, budget, sinks, cf, self.extra, self.keep_tokens)
+        else:  # the old call, trailing arguments left to their defaults
+            out = ns.sparse_attention(q, k2, v2, *b, pos, self.scale, S, budget, sinks, cf)
         return (out, k2, v2, *b)
 
 
@@ -44,11 +47,15 @@ def make_inputs(B, Hq, Hkv, L, D, S, positions, bounds_dtype=torch.float32, seed
 
 
 def check_step(tmp_path, B=2, Hq=4, Hkv=2, L=128, D=16, S=8, budget=32, sinks=1, cf=2, positions=(100, 61),
-               bounds_dtype=torch.float32, seed=0):
+               bounds_dtype=torch.float32, seed=0, extra=0, keep_tokens=False, int8_write="tensorrt"):
     args = make_inputs(B, Hq, Hkv, L, D, S, positions, bounds_dtype, seed)
-    module = Step(S, budget, sinks, cf)
+    module = Step(S, budget, sinks, cf, extra=extra, keep_tokens=keep_tokens)
     want = module(*args)
-    got = ort_run(export_module(module, args, tmp_path / "step.onnx"), args)
+    # the op's PyTorch implementation is the reference with these options
+    ref = sparse_decode_reference(args[0], want[1], want[2], torch.tensor(positions) + 1, None, 0.3, S, budget, sinks,
+                                  cf, bounds=PageBounds(*want[3:]), candidate_extra=extra, keep_tokens=keep_tokens)
+    assert torch.equal(want[0], ref)
+    got = ort_run(export_module(module, args, tmp_path / "step.onnx", int8_write), args)
     assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5), worst(got[0], want[0])
     for name, g, w in zip(("k", "v", "kmax", "kmin", "kabs"), got[1:], want[1:]):
         assert g.dtype == w.dtype and torch.equal(g, w), (name, worst(g, w))
@@ -87,16 +94,44 @@ def test_bf16_bounds(tmp_path, cf):
     check_step(tmp_path, bounds_dtype=torch.bfloat16, cf=cf, sinks=0)
 
 
+@pytest.mark.parametrize("budget,cf,extra", [(16, 1, 16), (16, 2, 16), (32, 2, 16), (32, 1, 96)],
+                         ids=["extra-only-gathered", "factor-and-extra-gathered", "full-logits", "all-candidates"])
+@pytest.mark.parametrize("keep_tokens", [False, True], ids=["pages", "tokens"])
+def test_candidate_extra_and_keep_tokens_match_reference(tmp_path, budget, cf, extra, keep_tokens):
+    # P = 16 pages, S = 8: N1 = cf*K + extra//S = 4, 6, 10, 16 candidates (two stages in each case)
+    out, dense = check_step(tmp_path, budget=budget, cf=cf, extra=extra, keep_tokens=keep_tokens)
+    assert (out[0] - dense[0]).abs().max() > 1e-3, worst(out[0], dense[0])
+
+
+def test_keep_tokens_is_ignored_by_one_stage(tmp_path):
+    # N1 = K: one stage, keep_tokens has nothing to refine; the result is the one-stage page selection
+    args = make_inputs(2, 4, 2, 128, 16, 8, (100, 61))
+    got = ort_run(export_module(Step(8, 32, 1, 1, keep_tokens=True), args, tmp_path / "a.onnx"), args)[0]
+    want = Step(8, 32, 1, 1)(*args)[0]
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), worst(got, want)
+
+
+@pytest.mark.parametrize("int8_write", ["tensorrt", "inplace"])
+@pytest.mark.parametrize("extra,keep_tokens", [(0, False), (16, True)])
+def test_int8_bounds(tmp_path, extra, keep_tokens, int8_write):
+    # S = 8, budget 32: K = 4; extra = 2*S
+    out, dense = check_step(tmp_path, bounds_dtype=torch.int8, cf=2, extra=extra, keep_tokens=keep_tokens,
+                            int8_write=int8_write)
+    assert (out[0] - dense[0]).abs().max() > 1e-3, worst(out[0], dense[0])
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3]), S=st.sampled_from([4, 8]),
        K=st.integers(2, 6), sinks=st.integers(0, 1), cf=st.integers(1, 3), seed=st.integers(0, 2**16),
-       fill=st.floats(0.05, 1.0), bf16=st.booleans())
-def test_random_configurations(tmp_path, B, Hkv, G, S, K, sinks, cf, seed, fill, bf16):
+       fill=st.floats(0.05, 1.0), bdt=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]),
+       extra_pages=st.integers(0, 3), keep_tokens=st.booleans())
+def test_random_configurations(tmp_path, B, Hkv, G, S, K, sinks, cf, seed, fill, bdt, extra_pages, keep_tokens):
     L = 12 * S
     rng = np.random.default_rng(seed)
     positions = tuple(int(x) for x in rng.integers(max(1, int(fill * (L - 1)) // 2), int(fill * (L - 1)) + 1, B))
     check_step(tmp_path, B=B, Hq=Hkv * G, Hkv=Hkv, L=L, D=8, S=S, budget=K * S, sinks=min(sinks, K - 1), cf=cf,
-               positions=positions, bounds_dtype=torch.bfloat16 if bf16 else torch.float32, seed=seed)
+               positions=positions, bounds_dtype=bdt, seed=seed, extra=extra_pages * S + seed % S,
+               keep_tokens=keep_tokens)
 
 
 def test_bf16_outward_rounding_matches_reference_bit_for_bit(tmp_path):
@@ -129,3 +164,37 @@ def test_bf16_outward_rounding_matches_reference_bit_for_bit(tmp_path):
         bad = g_.float() != w.float()  # value equality (the sign of a zero does not matter to a bound)
         assert not bad.any(), (name, int(bad.sum()), x[bad.reshape(-1).numpy()][:5] if name != "kabs" else "")
     assert bool((got[0].float().reshape(-1) >= k.reshape(-1)).all()) and bool((got[1].float().reshape(-1) <= k.reshape(-1)).all())
+
+
+@pytest.mark.parametrize("int8_write", ["tensorrt", "inplace"])
+def test_int8_writer_matches_reference_bit_for_bit(tmp_path, int8_write):
+    """``bounds_write`` stores the int8 codes and ``kabs`` of ``reference.store_bounds`` exactly.
+
+    4096 pages of 4 tokens x 8 channels, each page at its own scale from 2^-140 (subnormal keys, the step floor)
+    to 2^100, plus pages of zeros, of one repeated value, and of exact multiples of the grid step.
+    """
+    g = torch.Generator().manual_seed(0)
+    N, S, D = 4096, 4, 8
+    k = torch.randn(N, 1, S, D, generator=g) * torch.exp2(torch.randint(-140, 100, (N, 1, 1, 1), generator=g).float())
+    k[:8] = 0.0
+    k[8:16] = 1.2345
+    k[16:24] = torch.randint(-126, 127, (8, 1, S, D), generator=g).float() * (3.0 / 126.0)  # on the grid
+    k[16:24, :, 0, 0] = 3.0  # kabs = 3
+    k[24:32] = -torch.rand(8, 1, S, D, generator=g) * 1e-39  # subnormal, one sign
+
+    class Write(torch.nn.Module):
+        def forward(self, k, kmax, kmin, kabs, pos):
+            return ns.bounds_write(k, kmax, kmin, kabs, pos, S)
+
+    z = torch.zeros(N, 1, 1, D, dtype=torch.int8)
+    args = (k, z, z.clone(), torch.zeros(N, 1, 1), torch.zeros(N, dtype=torch.int64))
+    got = ort_run(export_module(Write(), args, tmp_path / "int8.onnx", int8_write), args)
+    want = page_bounds(k, S, dtype=torch.int8)
+    assert want.kmax.dtype == torch.int8 and want.kmax.shape == (N, 1, 1, D)
+    for name, g_, w in zip(("kmax", "kmin", "kabs"), got, want):
+        assert g_.dtype == w.dtype and torch.equal(g_, w), (name, int((g_ != w).sum()), worst(g_, w))
+    # the decoded box contains every key of its page
+    from tinyserve_compile.kernels.reference import bounds_f32
+
+    hi, lo = bounds_f32(PageBounds(*got))
+    assert bool((hi[:, :, 0, None, :] >= k).all()) and bool((lo[:, :, 0, None, :] <= k).all())

@@ -8,7 +8,8 @@ from onnx import TensorProto, helper
 from tinyserve_compile.onnx_check import TRT_MAX_TOPK, trt_problems
 
 
-@pytest.mark.parametrize("name", ["llama_sparse", "llama_one_stage", "gpt2_sparse", "llama_dense"])
+@pytest.mark.parametrize("name", ["llama_sparse", "llama_one_stage", "gpt2_sparse", "llama_dense",
+                                  "llama_int8_tokens"])
 def test_exported_steps_pass_the_tensorrt_check(exports, name):
     info = exports[name]
     m = onnx.load(info.path, load_external_data=False)
@@ -23,6 +24,28 @@ def test_exported_steps_pass_the_tensorrt_check(exports, name):
         ks = sorted(int(onnx.numpy_helper.to_array(inits[n.input[1]]).reshape(-1)[0])
                     for n in m.graph.node if n.op_type == "TopK")
         assert ks and all(k < TRT_MAX_TOPK for k in ks), ks
+
+
+@pytest.mark.parametrize("int8_write", ["tensorrt", "inplace"])
+def test_int8_bounds_write_passes_only_through_qdq(tmp_path, int8_write):
+    """The default int8 write (Q/DQ of the whole state) passes; scattering int8 codes in place is flagged."""
+    import torch
+    from export_helpers import export_module
+
+    from tinyserve_compile import onnx_ops  # noqa: F401  (registers the ops)
+
+    class Write(torch.nn.Module):
+        def forward(self, k, kmax, kmin, kabs, pos):
+            return torch.ops.tinyserve_export.bounds_write(k, kmax, kmin, kabs, pos, 8)
+
+    z = torch.zeros(1, 2, 4, 16, dtype=torch.int8)
+    args = (torch.randn(1, 2, 32, 16), z, z.clone(), torch.zeros(1, 2, 4), torch.tensor([9]))
+    m = onnx.load(export_module(Write(), args, tmp_path / "w.onnx", int8_write))
+    found = trt_problems(m)
+    if int8_write == "tensorrt":
+        assert found == [] and {"QuantizeLinear", "DequantizeLinear"} <= {n.op_type for n in m.graph.node}
+    else:
+        assert found and all("INT8" in p for p in found) and any("ScatterND" in p for p in found), found
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=18):
@@ -51,6 +74,10 @@ def test_the_check_rejects_what_tensorrt_rejects():
         (_model([helper.make_node("SparseAttention", ["x"], ["z"], name="c", domain="tinyserve")], [x],
                 [_vi("z", [4, 8])]), "custom domain"),
         (_model([helper.make_node("Relu", ["x"], ["z"], name="r")], [x], [_vi("z", [4, 8])], opset=23), "opset 23"),
+        (_model([helper.make_node("Cast", ["c"], ["z"], name="c", to=TensorProto.FLOAT)],
+                [_vi("c", [4, 8], TensorProto.INT8)], [_vi("z", [4, 8])]), "reads INT8 'c'"),
+        (_model([helper.make_node("Cast", ["x"], ["z"], name="c", to=TensorProto.INT8)],
+                [x], [_vi("z", [4, 8], TensorProto.INT8)]), "writes INT8 'z'"),
     ]
     for m, what in cases:
         found = trt_problems(m)
