@@ -66,11 +66,12 @@ def _export(model, which: str, L: int, options, export_dir: str, batch: int = 1)
     import tinyserve_compile.onnx_translate as tr
 
     code = "".join(open(m.__file__).read() for m in (ex, tr))  # a changed lowering invalidates the cache
-    key = json.dumps([which, L, sorted(options.items()), batch, hashlib.sha1(code.encode()).hexdigest()])
+    key = json.dumps([which, L, sorted(options.items()), batch, "inplace", hashlib.sha1(code.encode()).hexdigest()])
     path = os.path.join(export_dir, f"step_{hashlib.sha1(key.encode()).hexdigest()[:12]}.onnx")
     if os.path.exists(path) and os.path.exists(path + ".json"):
         return path, None
-    info = export_onnx(model, path, max_cache_len=L, options=options, batch_size=batch)
+    # ONNX Runtime writes int8 bounds in place; the TensorRT-parsable form re-quantizes every page each step
+    info = export_onnx(model, path, max_cache_len=L, options=options, batch_size=batch, int8_write="inplace")
     with open(path + ".json", "w") as f:
         f.write(info.to_json())
     return path, info.export_seconds

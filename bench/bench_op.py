@@ -52,6 +52,8 @@ SETTINGS = {
                      cf=C.DEFAULT_CANDIDATE_FACTOR, bounds=C.DEFAULT_BOUNDS_DTYPE, extra=C.DEFAULT_CANDIDATE_EXTRA,
                      tokens=C.DEFAULT_KEEP_TOKENS),
     "paper": dict(page=16, budget=2048, sink=0, cf=1, bounds="float32", extra=0, tokens=False),
+    # the defaults before issue 10's phase 3, for side-by-side runs
+    "previous": dict(page=8, budget=2048, sink=1, cf=2, bounds="bfloat16", extra=0, tokens=False),
 }
 
 
@@ -236,7 +238,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default=None, help="comma-separated contexts (overrides --full)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per point (default 11 quick, 41)")
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--settings", default="defaults,paper", help="comma-separated: defaults, paper")
+    ap.add_argument("--settings", default="defaults,paper", help="comma-separated: defaults, paper, previous")
     ap.add_argument("--defaults", action="store_true", help="only the backend's default selection")
     ap.add_argument("--paper", action="store_true", help="only the paper's selection")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch-path column")

@@ -341,6 +341,44 @@ def phase3_table(rows: List[dict]) -> str:
     return "\n".join(out)
 
 
+def plot_phase3_frontier(rows: List[dict], path: str, targets=((512, 0.03), (2048, 0.005)), byte_target=0.35):
+    """Two panels (budget 512 and 2048): +ppl (mean, sd error bars over the windows) against bytes per sparse layer
+    and step at 8K / budget 2048 (share of dense K+V), every ``query_aware`` variant of ``rows``; the oracle (which
+    reads every key) as a dashed line; the issue's targets as grey lines."""
+    plt = _plt()
+    if plt is None:
+        return
+    groups = defaultdict(list)
+    for r in rows:
+        if r["policy"] in ("query_aware", "oracle"):
+            groups[(r["variant"], r["budget"])].append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, (budget, ppl_target) in zip(axes, targets):
+        for (v, b), rs in groups.items():
+            if b != budget:
+                continue
+            st = _stats([100 * r["ppl_rel"] for r in rs])
+            if rs[0]["policy"] == "oracle":
+                ax.axhline(st["mean"], ls="--", color="tab:purple", lw=1, label=f"{v} (reads every key)")
+                continue
+            r0 = rs[0]
+            x = 100 * site_bytes_share("query_aware", 8192, 2048, r0["page_size"], r0.get("candidate_factor", 1),
+                                       r0.get("bounds_dtype") or "float32", candidate_extra=_row_extra(r0))
+            new = r0.get("bounds_dtype") == "int8" and _row_extra(r0) == 1024 and "keep tokens" in v
+            ax.errorbar([x], [st["mean"]], yerr=[st["std"]], fmt="*" if new else "o", ms=12 if new else 6,
+                        capsize=3, label=v)
+        ax.axhline(100 * ppl_target, color="grey", lw=0.8)
+        ax.axvline(100 * byte_target, color="grey", lw=0.8)
+        ax.set_title(f"budget {budget}: held-out +ppl (mean ± sd, 4 windows)")
+        ax.set_xlabel("bytes per sparse layer and step, % of dense K+V (8K, budget 2048)")
+        ax.set_ylabel("+ppl vs full attention, %")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=6.5, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def study_summary(rows: List[dict]) -> List[dict]:
     """One entry per (variant, budget) over the windows of a multi-window study: ``ppl_rel``, ``top1`` and
     ``gap`` (perplexity over the oracle's, same window) as mean/std/min/max/n, and bytes at 8K and 32K."""

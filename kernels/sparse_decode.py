@@ -502,11 +502,9 @@ def _native_has_new_selection() -> bool:
 
 
 def _triton_has_new_selection() -> bool:
-    import inspect
+    from . import triton_sparse_decode
 
-    from .triton_sparse_decode import sparse_decode_triton
-
-    return "keep_tokens" in inspect.signature(sparse_decode_triton).parameters
+    return getattr(triton_sparse_decode, "SUPPORTS_NEW_SELECTION", False)
 
 
 def sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,

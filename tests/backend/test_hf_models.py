@@ -53,8 +53,8 @@ def test_small_budget_matches_sparse_reference(family):
 
 SELECTIONS = {  # issue 10, phase 3: int8 bounds, extra candidates, kept tokens (and each alone)
     "int8+extra+tokens": {"bounds_dtype": "int8", "candidate_factor": 1, "candidate_extra": 32, "keep_tokens": True},
-    "extra pages": {"candidate_factor": 1, "candidate_extra": 16},
-    "int8 one stage": {"bounds_dtype": "int8", "candidate_factor": 1},
+    "extra pages": {"candidate_factor": 1, "candidate_extra": 16, "keep_tokens": False, "bounds_dtype": "bfloat16"},
+    "int8 one stage": {"bounds_dtype": "int8", "candidate_factor": 1, "candidate_extra": 0},
 }
 
 
@@ -71,7 +71,7 @@ def test_new_selection_options_match_reference(selection, lower):
     assert tc.explain().runtime["decode_calls"] == 5 * (N_LAYERS - 2)
     for layer in cache.layers:  # maintained bounds (int8 codes included) equal a rebuild from scratch
         st = state_for(layer.keys, 8)
-        assert st.bounds.kmax.dtype == getattr(torch, opts.get("bounds_dtype", "bfloat16"))
+        assert st.bounds.kmax.dtype == getattr(torch, opts["bounds_dtype"])
         fresh = page_bounds(layer.keys, 8, dtype=st.bounds.kmax.dtype)
         assert torch.equal(st.bounds.kmax, fresh.kmax) and torch.equal(st.bounds.kmin, fresh.kmin)
         assert torch.equal(st.bounds.kabs, fresh.kabs)

@@ -62,13 +62,14 @@ def _worst(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bounds_dtype,candidate_factor", [
-    ("float32", 4),
-    ("bfloat16", 1),
+@pytest.mark.parametrize("bounds_dtype,candidate_factor,candidate_extra,keep_tokens", [
+    ("int8", 1, 256, True),  # the defaults' kind of selection (two-stage with a fixed margin, kept tokens)
+    ("bfloat16", 1, 0, False),  # one stage
 ])
-def test_harness_equals_compiled_backend(prefilled, bounds_dtype, candidate_factor):
+def test_harness_equals_compiled_backend(prefilled, bounds_dtype, candidate_factor, candidate_extra, keep_tokens):
     model, em, feed, full = prefilled
-    knobs = dict(KNOBS, candidate_factor=candidate_factor, bounds_dtype=bounds_dtype)
+    knobs = dict(KNOBS, candidate_factor=candidate_factor, bounds_dtype=bounds_dtype, candidate_extra=candidate_extra,
+                 keep_tokens=keep_tokens)
     em.reset(Sparse(**knobs))
     harness = em.teacher_forced(feed)
     other = "float32" if bounds_dtype == "bfloat16" else "bfloat16"
@@ -82,5 +83,5 @@ def test_harness_equals_compiled_backend(prefilled, bounds_dtype, candidate_fact
     assert rt["decode_calls"] == 2 * N_STEPS and rt["dense_layer_calls"] == (N_LAYERS - 2) * N_STEPS, rt
     assert (harness - full).abs().max() > 0.05, "budget 256 of 1K tokens should change the logits"
     torch.testing.assert_close(got, harness, atol=1e-3, rtol=1e-4, msg=lambda m: m + "\n" + _worst(got, harness))
-    if candidate_factor == 1:  # one stage: the bounds alone rank pages, their storage changes the selection here
+    if candidate_extra == 0:  # one stage: the bounds alone rank pages, their storage changes the selection here
         assert (harness_other - harness).abs().max() > 1e-2, "this case should tell bf16 bounds from fp32 ones"
