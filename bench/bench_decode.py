@@ -79,6 +79,8 @@ from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 #: the paper's selection rule: pages of 16, the bound alone, no sink page ("tinyserve-paper")
 PAPER = {"page_size": 16, "candidate_factor": 1, "candidate_extra": 0, "keep_tokens": False, "sink_pages": 0,
          "bounds_dtype": "float32"}
+#: the defaults before issue 10's phase 3 ("tinyserve-previous", with --previous): bf16 bounds, c=2, whole pages
+PREVIOUS = {"candidate_factor": 2, "candidate_extra": 0, "keep_tokens": False, "bounds_dtype": "bfloat16"}
 STOCK = ("eager", "inductor")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: SmolLM2-135M's shape (its config.json), used for the random-init model beyond 8K
@@ -222,12 +224,14 @@ def provider_options(name: str, options: dict, budget: Optional[int]) -> Optiona
     opts = dict(options)
     if name.startswith("tinyserve-paper"):
         opts.update(PAPER)
+    if name.startswith("tinyserve-previous"):
+        opts.update(PREVIOUS)
     if budget is not None:
         opts["token_budget"] = budget
     return opts
 
 
-def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequence[int]]):
+def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequence[int]], previous: bool = False):
     """``[(name, budget)]``: the stock providers, then tinyserve (and tinyserve-paper) per budget."""
     bad = set(providers) - {"eager", "inductor", "tinyserve"}
     if bad:
@@ -239,6 +243,8 @@ def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequ
             out.append(("tinyserve" + suffix, b))
             if paper:
                 out.append(("tinyserve-paper" + suffix, b))
+            if previous:
+                out.append(("tinyserve-previous" + suffix, b))
     return out
 
 
@@ -389,7 +395,8 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         providers: Sequence[str] = ("eager", "inductor", "tinyserve"), options: Optional[dict] = None,
         paper: bool = False, budgets: Optional[Sequence[int]] = None, steps: int = 16, rounds: int = 3,
         warmup: int = 3, model: str = "auto", fill: str = "auto", dtype: str = "fp32", device: str = "cpu",
-        cold: bool = True, snap_dir: Optional[str] = None, max_batch_tokens: int = 65536, log=print) -> List[dict]:
+        cold: bool = True, snap_dir: Optional[str] = None, max_batch_tokens: int = 65536, log=print,
+        previous: bool = False) -> List[dict]:
     """Every (context, batch) point with ``batch * context <= max_batch_tokens``; returns the records."""
     from bench.accuracy import PREFILL_CACHE
 
@@ -398,7 +405,7 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         raise ValueError("device: cuda requested but torch.cuda.is_available() is False")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} not in {sorted(DTYPES)}")
-    names = provider_names(providers, paper, budgets)
+    names = provider_names(providers, paper, budgets, previous)
     if dev.type == "cpu" and "tinyserve" in providers:
         log(f"# native CPU kernel: {_native_status()}")
     bw = read_bandwidth_gbs(dev)
@@ -518,6 +525,8 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--providers", default="eager,inductor,tinyserve", help="subset of eager,inductor,tinyserve")
     ap.add_argument("--options", default="{}", help="tinyserve options as JSON, e.g. '{\"token_budget\": 1024}'")
+    ap.add_argument("--previous", action="store_true",
+                    help="also time tinyserve with the defaults before issue 10's phase 3 (tinyserve-previous)")
     ap.add_argument("--paper", action="store_true",
                     help="also time tinyserve with the paper's selection (pages of 16, the bound alone, no sink)")
     ap.add_argument("--budgets", type=int, nargs="+", default=None,
@@ -551,7 +560,8 @@ def main(argv=None):
         ap.error("--options must be a JSON object")
     t0 = time.perf_counter()
     rows = run(a.contexts, a.batches, tuple(a.providers.split(",")), options, a.paper, a.budgets, a.steps, a.rounds,
-               a.warmup, a.model, a.fill, a.dtype, a.device, not a.warm_compile, a.prefill_cache, a.max_batch_tokens)
+               a.warmup, a.model, a.fill, a.dtype, a.device, not a.warm_compile, a.prefill_cache, a.max_batch_tokens,
+               previous=a.previous)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"{platform.machine()} CPU"
     print(f"# {time.strftime('%Y-%m-%d %H:%M %Z')} {dev}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, commit {_commit()}, {a.steps} steps x {a.rounds} rounds per point, "
