@@ -476,16 +476,20 @@ def refine_by_page_mass(
     Selection
         ``[B, Hkv, n_select]``.
     """
+    vl = _as_valid_len(valid_len, q.shape[0], q.device)
+    logits = _candidate_logits(q, k_cache, cand, vl, attn_mask, scale, page_size)  # [B,Hkv,G,Kc*S]
+    return rank_candidates(logits, cand, vl, page_size, n_select, sink_pages)[0]
+
+
+def _candidate_logits(q, k_cache, cand: Selection, vl, attn_mask, scale: float, page_size: int) -> torch.Tensor:
+    """fp32 ``[B, Hkv, G, Kc*S]`` exact logits of the candidate pages' tokens, mask added, -inf where invalid."""
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    vl = _as_valid_len(valid_len, B, q.device)
     tok, tok_ok = _selected_tokens(cand, page_size, L, vl)  # [B,Hkv,Kc*S]
     kg = k_cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
-    logits = (q.float().reshape(B, Hkv, G, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
+    logits = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
     logits = logits + _gathered_mask(attn_mask, tok, B, Hq, L)
-    logits = logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
-    return rank_candidates(logits, cand, vl, page_size, n_select, sink_pages)[0]
+    return logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
 
 
 def refine_by_token_mass(
@@ -505,16 +509,10 @@ def refine_by_token_mass(
     :func:`rank_candidate_tokens`. Returns the kept tokens ``[B, Hkv, n']`` as a :class:`Selection` of
     pages of one token.
     """
-    B, Hq, _, D = q.shape
-    Hkv, L = k_cache.shape[1], k_cache.shape[2]
-    vl = _as_valid_len(valid_len, B, q.device)
-    tok, tok_ok = _selected_tokens(cand, page_size, L, vl)  # [B,Hkv,Kc*S]
-    kg = k_cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
-    logits = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
-    logits = logits + _gathered_mask(attn_mask, tok, B, Hq, L)
-    logits = logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+    vl = _as_valid_len(valid_len, q.shape[0], q.device)
+    logits = _candidate_logits(q, k_cache, cand, vl, attn_mask, scale, page_size)  # [B,Hkv,G,Kc*S]
     # a valid length past the cache means every slot of it: no token beyond L is forced or kept
-    return rank_candidate_tokens(logits, cand, vl.clamp(max=L), page_size, n_tokens, sink_pages)[0]
+    return rank_candidate_tokens(logits, cand, vl.clamp(max=k_cache.shape[2]), page_size, n_tokens, sink_pages)[0]
 
 
 def rank_candidates(logits, cand: Selection, valid_len, page_size: int, n_select: int, sink_pages: int):

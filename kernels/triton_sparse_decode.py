@@ -223,6 +223,31 @@ if _HAS_TRITON:
         tl.store(score_ptr + pid_bh * P + offs_p, best, mask=p_in)
 
     @triton.jit
+    def _softmax_pv_block(qk, m_i, l_i, acc, v_base, pos, stride_vl_, offs_d, stride_vd, tok_ok, d_ok,
+                          UPCAST: tl.constexpr):
+        """One block of the split-K online softmax: logits ``qk`` [G_PAD, BLOCK] of the tokens at ``pos``
+        (``tok_ok`` valid) fold into the running max ``m_i``, sum ``l_i`` and ``acc`` [G_PAD, D_PAD]."""
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + pos[:, None] * stride_vl_ + offs_d[None, :] * stride_vd,
+                    mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, row, offs_d, D, g_ok, d_ok):
+        """Unnormalised split partials of rows ``row`` [G_PAD] for :func:`_splitk_combine_kernel`."""
+        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(m_ptr + row, m_i, mask=g_ok)
+        tl.store(l_ptr + row, l_i, mask=g_ok)
+
+    @triton.jit
     def _sparse_attn_splitk_kernel(
         q_ptr, k_ptr, v_ptr, idx_ptr, vl_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
         stride_qb, stride_qh, stride_qd,
@@ -296,28 +321,13 @@ if _HAS_TRITON:
                              MASK_KIND, MASK_PER_HEAD)
             qk = tl.where(tok_ok[None, :], qk, float("-inf"))
 
-            # -- stage 3: online softmax (rows with no finite logit stay at zero)
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-
-            # -- stage 4: P.V
-            v = tl.load(v_base + pos[:, None] * stride_vl_ + offs_d[None, :] * stride_vd,
-                        mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            # -- stages 3-4: online softmax (rows with no finite logit stay at zero), then P.V
+            m_i, l_i, acc = _softmax_pv_block(qk, m_i, l_i, acc, v_base, pos, stride_vl_, offs_d, stride_vd, tok_ok,
+                                              d_ok, UPCAST)
 
         # -- stage 5: unnormalised partials for the combine kernel
-        row = (b * Hkv * G + heads) * n_splits + pid_s  # [G_PAD]
-        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(m_ptr + row, m_i, mask=g_ok)
-        tl.store(l_ptr + row, l_i, mask=g_ok)
+        _store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, (b * Hkv * G + heads) * n_splits + pid_s, offs_d, D,
+                        g_ok, d_ok)
 
     @triton.jit
     def _token_attn_splitk_kernel(
@@ -363,28 +373,13 @@ if _HAS_TRITON:
             qk = tl.load(logit_ptr + lrow[:, None] + t[None, :], mask=g_ok[:, None] & tok_ok[None, :],
                          other=float("-inf"))
 
-            # -- stage 2: online softmax (rows with no finite logit stay at zero)
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-
-            # -- stage 3: P.V over the gathered value rows
-            v = tl.load(v_base + pos[:, None] * stride_vl_ + offs_d[None, :] * stride_vd,
-                        mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            # -- stages 2-3: online softmax (rows with no finite logit stay at zero), P.V over the gathered values
+            m_i, l_i, acc = _softmax_pv_block(qk, m_i, l_i, acc, v_base, pos, stride_vl_, offs_d, stride_vd, tok_ok,
+                                              d_ok, UPCAST)
 
         # -- stage 4: unnormalised partials for the combine kernel
-        row = (b * Hkv * G + heads) * n_splits + pid_s  # [G_PAD]
-        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(m_ptr + row, m_i, mask=g_ok)
-        tl.store(l_ptr + row, l_i, mask=g_ok)
+        _store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, (b * Hkv * G + heads) * n_splits + pid_s, offs_d, D,
+                        g_ok, d_ok)
 
     @triton.jit
     def _splitk_combine_kernel(
