@@ -29,6 +29,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -124,6 +125,31 @@ def _summary(e: Exception) -> str:
     return " | ".join(picked)[:600] if picked else type(e).__name__
 
 
+#: a build lock older than this is left over from a build that was killed: it is removed (a real build of this
+#: source takes under a minute)
+STALE_LOCK_SECONDS = 600
+
+
+def clear_stale_lock(build_dir: str, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove ``build_dir/lock`` when it is older than ``max_age_s`` seconds; whether one was removed.
+
+    ``torch.utils.cpp_extension`` holds that file while it builds and waits for it to go away before
+    building; a build killed half-way leaves it behind, and every later build would wait forever.
+    """
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return False
+    if age <= max_age_s:
+        return False
+    try:
+        os.remove(lock)
+    except OSError:
+        return False
+    return True
+
+
 def _load(verbose: bool) -> bool:
     if os.environ.get("TINYSERVE_DISABLE_NATIVE", "") not in ("", "0"):
         _state["reason"] = "disabled by TINYSERVE_DISABLE_NATIVE"
@@ -161,6 +187,7 @@ def _load(verbose: bool) -> bool:
     build_dir = os.path.join(root, f"native-{key}")
     os.makedirs(build_dir, exist_ok=True)
     _state["build_dir"] = build_dir
+    clear_stale_lock(build_dir)
     cpp_extension.load(
         name=f"tinyserve_native_{key}",
         sources=[SOURCE],

@@ -2,16 +2,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_backend_state():
-    import tinyserve_compile as tc
-
-    torch._dynamo.reset()
-    tc.reset()
-    yield
-    torch._dynamo.reset()
+from backend_state import _fresh_backend_state  # noqa: E402,F401 (autouse)

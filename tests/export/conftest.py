@@ -2,7 +2,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "backend"))  # models.py, helpers.py
@@ -11,26 +10,22 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_backend_state():
-    import tinyserve_compile as tc
-
-    torch._dynamo.reset()
-    tc.reset()
-    yield
-    torch._dynamo.reset()
+from backend_state import _fresh_backend_state  # noqa: E402,F401 (autouse)
 
 
 L = 192  #: static cache length of the tiny-model exports
-SPARSE = {"token_budget": 32, "page_size": 16, "bounds_dtype": "float32"}  # K = 2 pages, 4x candidates = 8 of 12
+#: K = 2 pages, 4x candidates = 8 of 12, whole pages kept (pinned: the defaults differ)
+SPARSE = {"token_budget": 32, "page_size": 16, "bounds_dtype": "float32", "candidate_factor": 4, "candidate_extra": 0,
+          "keep_tokens": False}
 EXPORTS = {
     "llama_sparse": ("llama", SPARSE, 1),
-    "llama_one_stage": ("llama", {**SPARSE, "candidate_factor": 1, "bounds_dtype": "bfloat16"}, 1),
+    "llama_one_stage": ("llama", {**SPARSE, "candidate_factor": 1, "bounds_dtype": "bfloat16"}, 1),  # extra 0
     "gpt2_sparse": ("gpt2", SPARSE, 1),
     "llama_dense": ("llama", {"policy": "full"}, 1),
     "llama_batch2": ("llama", SPARSE, 2),
     # issue 10 phase 3: int8 bounds, 2 pages of extra candidates (N1 = 2*2 + 2 = 6 of 12), token-level keep
-    "llama_int8_tokens": ("llama", {**SPARSE, "bounds_dtype": "int8", "candidate_extra": 32, "keep_tokens": True}, 1),
+    "llama_int8_tokens": ("llama", {**SPARSE, "bounds_dtype": "int8", "candidate_factor": 2, "candidate_extra": 32,
+                                    "keep_tokens": True}, 1),
     "gpt2_int8_tokens": ("gpt2", {**SPARSE, "bounds_dtype": "int8", "candidate_extra": 32, "keep_tokens": True,
                                   "candidate_factor": 1}, 1),
 }
