@@ -1140,6 +1140,15 @@ inline void spin_wait(const std::atomic<int64_t>& x, int64_t want) {
   }
 }
 
+// log-sum-exp of n page log-sum-exps (one head's total over the candidates); -inf when none is above -inf or
+// their max is NaN
+inline float lse_total(const float* lse, int64_t n) {
+  const float mx = hmax(lse, n);
+  if (!(mx > NEG_INF)) return NEG_INF;
+  float* e = scratch_f<6>(n + VS);
+  return mx + std::log(exp_sub_to(lse, e, n, mx));
+}
+
 template <typename T, typename BT>
 struct Pipeline {
   const Ctx<T, BT>& c;
@@ -1436,12 +1445,7 @@ struct Pipeline {
     std::fill(share, share + kc, NEG_INF);
     for (int64_t g = 0; g < G; ++g) {
       const float* lse = plse + (bh * G + g) * N1;
-      const float mx = hmax(lse, kc);
-      float total = NEG_INF;
-      if (mx > NEG_INF) {
-        float* e = scratch_f<6>(kc + VS);
-        total = mx + std::log(exp_sub_to(lse, e, kc, mx));
-      }
+      const float total = lse_total(lse, kc);
       for (int64_t j = 0; j < kc; ++j) {
         const float x = lse[j] - total;
         if (!std::isnan(x)) share[j] = std::max(share[j], x);
@@ -1466,10 +1470,8 @@ struct Pipeline {
     for (int64_t g = 0; g < G; ++g) {
       // ---- lse over every candidate token of head g, from the page lse
       const float* lse = plse + (bh * G + g) * N1;
-      const float mx = hmax(lse, kc);
-      if (!(mx > NEG_INF)) continue;  // no finite logit (or NaN): every share is -inf or NaN
-      float* e = scratch_f<6>(kc + VS);
-      const float total = mx + std::log(exp_sub_to(lse, e, kc, mx));
+      const float total = lse_total(lse, kc);
+      if (!(total > NEG_INF)) continue;  // no finite logit (or NaN): every share is -inf or NaN
       // ---- share per slot, max over the group
       const float* x = lgc + (bh * G + g) * ld_lgc;
       int64_t i = 0;
