@@ -738,76 +738,13 @@ void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, 
   float* scr = scratch_f<0>(2 * VS * Dp);
   alignas(64) float mm[VS];
   alignas(64) float kb[VS];
-  for (int64_t p = p0; p < p1; p += VS) {
-    const int n = static_cast<int>(std::min<int64_t>(VS, p1 - p));
-    // ---- the block's bounds as contiguous fp32 rows (in place for fp32 bounds and full blocks)
-    const float* Mb;
-    const float* mb;
-    const bool pairs = bf16_pairs_used<BT>(D);
-    if (pairs) {
-#if TS_BF16_PAIRS
-      // ---- bf16 bounds in place (a partial block is copied, zero padded)
-      const c10::BFloat16* Mh = reinterpret_cast<const c10::BFloat16*>(M + p * D);
-      const c10::BFloat16* mh = reinterpret_cast<const c10::BFloat16*>(m + p * D);
-      if (n < VS) {
-        c10::BFloat16* h16 = reinterpret_cast<c10::BFloat16*>(scr);
-        std::memset(h16, 0, 2 * VS * D * sizeof(c10::BFloat16));
-        std::memcpy(h16, Mh, n * D * sizeof(c10::BFloat16));
-        std::memcpy(h16 + VS * D, mh, n * D * sizeof(c10::BFloat16));
-        Mh = h16;
-        mh = h16 + VS * D;
-      }
-      for (int j = 0; j < VS; ++j) kb[j] = j < n ? kab[p + j] : 0.f;
-      const Vec kbv = Vec::loadu(kb);
-      Vec best(NEG_INF);
-      for (int64_t g = 0; g < G; ++g) {
-        const Vec r = kern.bound16(Mh, mh, qp + g * Dp, qn + g * Dp, c.nv / 2);
-        const Vec slack = at::vec::fmadd(Vec(qa[g]), kbv, Vec(c.base));
-        Vec sc = at::vec::fmadd(Vec(c.factor), slack, r) * Vec(c.scale);
-        if (c.mask.kind != 0) {
-          if (g == 0 || c.mask.per_head) {
-            const int64_t hq = h * G + g;
-            for (int j = 0; j < VS; ++j) {
-              const int64_t pj = p + std::min(j, n - 1);
-              mm[j] = c.mask.range_max(b, hq, pj * S, std::min((pj + 1) * S, c.L));
-            }
-          }
-          sc = sc + Vec::loadu(mm);
-        }
-        best = at::vec::maximum(best, sc);
-      }
-      best.store(out + p, n);
-#endif
-      continue;
-    }
-    if (std::is_same_v<BT, float> && Dp == D && n == VS) {
-      Mb = reinterpret_cast<const float*>(M + p * D);
-      mb = reinterpret_cast<const float*>(m + p * D);
-    } else if constexpr (std::is_same_v<BT, int8_t>) {
-      // ---- int8 codes decoded to fp32 (code * step, the step from the page's kabs), zero padded
-      int8_rows_to_f32(M + p * D, kab + p, n, D, Dp, scr);
-      int8_rows_to_f32(m + p * D, kab + p, n, D, Dp, scr + VS * Dp);
-      std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
-      std::fill(scr + (VS + n) * Dp, scr + 2 * VS * Dp, 0.f);
-      Mb = scr;
-      mb = scr + VS * Dp;
-    } else {
-      const BT* src[VS];
-      for (int j = 0; j < n; ++j) src[j] = M + (p + j) * D;
-      rows_to_f32<BT>(src, n, D, Dp, scr);
-      for (int j = 0; j < n; ++j) src[j] = m + (p + j) * D;
-      rows_to_f32<BT>(src, n, D, Dp, scr + VS * Dp);
-      std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
-      std::fill(scr + (VS + n) * Dp, scr + 2 * VS * Dp, 0.f);
-      Mb = scr;
-      mb = scr + VS * Dp;
-    }
+  // scores of the n pages of the block at p, from bound_of(g) = r of every page for query head g
+  auto store_block = [&](int64_t p, int n, const auto& bound_of) {
     for (int j = 0; j < VS; ++j) kb[j] = j < n ? kab[p + j] : 0.f;
     const Vec kbv = Vec::loadu(kb);
     Vec best(NEG_INF);
     for (int64_t g = 0; g < G; ++g) {
-      // ---- r = sum_d max(q_d M_d, q_d m_d), VS pages at once
-      const Vec r = kern.bound(Mb, mb, qp + g * Dp, qn + g * Dp, c.nv);
+      const Vec r = bound_of(g);
       // ---- rounding slack, scale (as reference.page_scores), then the page max of the mask
       const Vec slack = at::vec::fmadd(Vec(qa[g]), kbv, Vec(c.base));
       Vec sc = at::vec::fmadd(Vec(c.factor), slack, r) * Vec(c.scale);
@@ -824,6 +761,51 @@ void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, 
       best = at::vec::maximum(best, sc);
     }
     best.store(out + p, n);
+  };
+  for (int64_t p = p0; p < p1; p += VS) {
+    const int n = static_cast<int>(std::min<int64_t>(VS, p1 - p));
+    if (bf16_pairs_used<BT>(D)) {
+#if TS_BF16_PAIRS
+      // ---- bf16 bounds in place (a partial block is copied, zero padded)
+      const c10::BFloat16* Mh = reinterpret_cast<const c10::BFloat16*>(M + p * D);
+      const c10::BFloat16* mh = reinterpret_cast<const c10::BFloat16*>(m + p * D);
+      if (n < VS) {
+        c10::BFloat16* h16 = reinterpret_cast<c10::BFloat16*>(scr);
+        std::memset(h16, 0, 2 * VS * D * sizeof(c10::BFloat16));
+        std::memcpy(h16, Mh, n * D * sizeof(c10::BFloat16));
+        std::memcpy(h16 + VS * D, mh, n * D * sizeof(c10::BFloat16));
+        Mh = h16;
+        mh = h16 + VS * D;
+      }
+      store_block(p, n, [&](int64_t g) { return kern.bound16(Mh, mh, qp + g * Dp, qn + g * Dp, c.nv / 2); });
+#endif
+      continue;
+    }
+    // ---- the block's bounds as contiguous fp32 rows (in place for fp32 bounds and full blocks)
+    const float* Mb;
+    const float* mb;
+    if (std::is_same_v<BT, float> && Dp == D && n == VS) {
+      Mb = reinterpret_cast<const float*>(M + p * D);
+      mb = reinterpret_cast<const float*>(m + p * D);
+    } else {
+      if constexpr (std::is_same_v<BT, int8_t>) {
+        // ---- int8 codes decoded to fp32 (code * step, the step from the page's kabs), zero padded
+        int8_rows_to_f32(M + p * D, kab + p, n, D, Dp, scr);
+        int8_rows_to_f32(m + p * D, kab + p, n, D, Dp, scr + VS * Dp);
+      } else {
+        const BT* src[VS];
+        for (int j = 0; j < n; ++j) src[j] = M + (p + j) * D;
+        rows_to_f32<BT>(src, n, D, Dp, scr);
+        for (int j = 0; j < n; ++j) src[j] = m + (p + j) * D;
+        rows_to_f32<BT>(src, n, D, Dp, scr + VS * Dp);
+      }
+      std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
+      std::fill(scr + (VS + n) * Dp, scr + 2 * VS * Dp, 0.f);
+      Mb = scr;
+      mb = scr + VS * Dp;
+    }
+    // ---- r = sum_d max(q_d M_d, q_d m_d), VS pages at once
+    store_block(p, n, [&](int64_t g) { return kern.bound(Mb, mb, qp + g * Dp, qn + g * Dp, c.nv); });
   }
 }
 
