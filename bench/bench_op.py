@@ -109,7 +109,6 @@ def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool,
     vl = torch.tensor([L], dtype=torch.int64)
     scale = 1.0 / D**0.5
     sel = (s["page"], s["budget"], s["sink"], s["cf"])
-    new = (s["extra"], s["tokens"]) if s["extra"] or s["tokens"] or s["bounds"] == "int8" else ()
     flush = _Flush() if cold else (lambda: None)
 
     def dense():
@@ -117,13 +116,14 @@ def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool,
 
     if native:
         def sparse():
-            return torch.ops.tinyserve_native.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, None, *new)
+            return torch.ops.tinyserve_native.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, None, s["extra"], s["tokens"])
     else:
         def sparse():
-            return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch", *new)
+            return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch", s["extra"], s["tokens"])
 
     def torch_path():
-        return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch", *new)
+        return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch", s["extra"],
+                                                 s["tokens"])
 
     fns = {"dense": dense, "sparse": sparse}
     if with_torch:

@@ -167,9 +167,9 @@ class EvalModel:
             kept[:, :, :n_pages_valid] = True
             frac, extra = 1.0, 0.0
         else:
-            tok = selected_token_mask(sel, unit, L, ctx.valid_len)[..., :vl]
-            kept = selected_token_mask(sel, unit, L, ctx.valid_len)
-            kept = torch.nn.functional.pad(kept, (0, ctx.n_pages * S - L)).reshape(1, Hkv, ctx.n_pages, S).any(-1)
+            attended = selected_token_mask(sel, unit, L, ctx.valid_len)  # [1,Hkv,L]
+            tok = attended[..., :vl]
+            kept = torch.nn.functional.pad(attended, (0, ctx.n_pages * S - L)).reshape(1, Hkv, ctx.n_pages, S).any(-1)
             frac = float(tok.float().mean())
             extra = 0.0
             if self.cfg.policy == "query_aware":  # the backend's cost model, minus the attended K/V counted in frac

@@ -23,14 +23,12 @@ neither the kernels nor :mod:`tinyserve_compile.cost` know them. Their bytes per
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from tinyserve_compile.kernels.reference import (PageBounds, Selection, page_scores, rank_candidates,
-                                                 select_pages)
-from tinyserve_compile.kernels.reference import refine_by_page_mass
-from tinyserve_compile.kernels.sparse_decode import attend_selection
+                                                 refine_by_page_mass, refine_by_token_mass, select_pages)
 from tinyserve_compile.policies import DecodeContext, PagePolicy, register_policy
 
 try:
@@ -90,10 +88,10 @@ class HierarchicalPolicy(PagePolicy):
     pages_per_super = 8
     factor = 4
 
-    def select(self, ctx: DecodeContext) -> Optional[Selection]:
+    def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
         vl = ctx.valid_len.reshape(-1).expand(ctx.q.shape[0])
         scores = scores_inside_superpages(ctx, self.pages_per_super, self.factor)
-        return select_pages(scores, vl, ctx.page_size, ctx.token_budget, ctx.sink_pages)
+        return select_pages(scores, vl, ctx.page_size, ctx.token_budget, ctx.sink_pages), ctx.page_size
 
 
 # ---------------------------------------------------------------------------------------------- key sketch
@@ -130,13 +128,13 @@ class SketchPolicy(PagePolicy):
     pages_per_super = 0
     factor = 4
 
-    def select(self, ctx: DecodeContext) -> Optional[Selection]:
+    def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
         B, Hq, _, D = ctx.q.shape
         S = ctx.page_size
         K = ctx.token_budget // S
         vl = ctx.valid_len.reshape(-1).expand(B)
         if int(((vl + S - 1) // S).max()) <= K:
-            return None
+            return None, S
         if self.pages_per_super:
             scores = scores_inside_superpages(ctx, self.pages_per_super, self.factor)
         else:
@@ -155,7 +153,7 @@ class SketchPolicy(PagePolicy):
         G = Hq // Hkv
         logits = (ctx.q.float().reshape(B, Hkv, G, D) @ kg.transpose(-1, -2)) * ctx.scale
         logits = logits.masked_fill(~ok[:, :, None, :], float("-inf"))
-        return rank_candidates(logits, cand, vl, S, K, ctx.sink_pages)[0]
+        return rank_candidates(logits, cand, vl, S, K, ctx.sink_pages)[0], S
 
 
 # ---------------------------------------------------------------------------------------------- registry
@@ -232,43 +230,16 @@ class TwoLevelPolicy(PagePolicy):
     token = False
     bq = ""
 
-    def select(self, ctx: DecodeContext) -> Optional[Selection]:
+    def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
         cand = two_level_candidates(ctx, self.coarse, self.extra, self.bq)
         if cand is None:
-            return None
-        B = ctx.q.shape[0]
-        vl = ctx.valid_len.reshape(-1).expand(B)
+            return None, ctx.page_size
+        vl = ctx.valid_len.reshape(-1).expand(ctx.q.shape[0])
+        if self.token:  # the token_budget single tokens (pages of one token)
+            return refine_by_token_mass(ctx.q, ctx.k_cache, cand, vl, None, ctx.scale, ctx.page_size,
+                                        ctx.token_budget, ctx.sink_pages), 1
         return refine_by_page_mass(ctx.q, ctx.k_cache, cand, vl, None, ctx.scale, ctx.page_size,
-                                   ctx.token_budget // ctx.page_size, ctx.sink_pages)
-
-    def select_tokens(self, ctx: DecodeContext) -> Optional[Selection]:
-        """The kept *tokens* ``[B, Hkv, token_budget]`` (pages of one token)."""
-        cand = two_level_candidates(ctx, self.coarse, self.extra, self.bq)
-        if cand is None:
-            return None
-        B, Hq, _, D = ctx.q.shape
-        S = ctx.page_size
-        Hkv, L = ctx.k_cache.shape[1], ctx.k_cache.shape[2]
-        vl = ctx.valid_len.reshape(-1).expand(B)
-        Kc = cand.idx.shape[-1]
-        tok = (cand.idx[..., None] * S + torch.arange(S, device=cand.idx.device)).flatten(2)  # [B,Hkv,Kc*S]
-        ok = cand.ok.repeat_interleave(S, dim=-1) & (tok < vl.reshape(B, 1, 1))
-        tok = tok.clamp(max=L - 1)
-        kg = ctx.k_cache.gather(2, tok[..., None].expand(-1, -1, -1, D)).float()
-        lg = (ctx.q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * ctx.scale
-        lg = lg.masked_fill(~ok[:, :, None, :], float("-inf"))
-        share = (lg - lg.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,Kc*S]
-        forced = (tok // S == ((vl - 1) // S).reshape(B, 1, 1)) | (tok < ctx.sink_pages * S)
-        share = share.masked_fill(forced & ok, float("inf")).masked_fill(~ok, float("-inf"))
-        top, pos = share.topk(min(ctx.token_budget, Kc * S), dim=-1)
-        return Selection(tok.gather(-1, pos), ok.gather(-1, pos) & (top > float("-inf")))
-
-    def __call__(self, ctx: DecodeContext) -> torch.Tensor:
-        if not self.token:
-            return super().__call__(ctx)
-        sel = self.select_tokens(ctx)
-        return attend_selection(ctx.q, ctx.k_cache, ctx.v_cache, sel, ctx.valid_len, None, ctx.scale,
-                                ctx.page_size if sel is None else 1)
+                                   ctx.token_budget // ctx.page_size, ctx.sink_pages), ctx.page_size
 
 
 TWO_LEVEL = {_register(f"tl{R}e{E}{'tok' if t else ''}", TwoLevelPolicy, coarse=R, extra=E, token=t): (R, E, t)

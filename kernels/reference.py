@@ -64,6 +64,7 @@ __all__ = [
     "rank_candidates",
     "choose_pages",
     "choose",
+    "choose_with",
     "candidate_pages",
     "rank_candidate_tokens",
     "refine_by_token_mass",
@@ -619,36 +620,48 @@ def rank_candidate_tokens(logits, cand: Selection, valid_len, page_size: int, n_
     return Selection(tok.gather(-1, pos), ok.gather(-1, pos) & (top > float("-inf"))), pos
 
 
+def choose_with(
+    score_fn, q, k_cache, valid_len, attn_mask, scale, page_size, token_budget, sink_pages=0, candidate_factor=1,
+    candidate_extra=0, keep_tokens=False,
+):
+    """Page selection around any page scorer: dense when every valid page fits in the budget (the scorer is
+    then not called), else the top pages by ``score_fn()`` (fp32 ``[B, Hkv, P]``), refined in a second stage
+    when :func:`candidate_pages` exceeds ``K``: whole pages (:func:`refine_by_page_mass`) or, with
+    ``keep_tokens``, single tokens (:func:`refine_by_token_mass`).
+
+    Returns ``(selection, unit)``: ``selection`` is None when attention is dense, else the kept pages
+    (``unit = page_size``) or the kept tokens (``unit = 1``). Shapes as in :func:`sparse_decode_reference`.
+    """
+    B, S = q.shape[0], page_size
+    K = token_budget // S
+    vl = _as_valid_len(valid_len, B, q.device)
+    n_valid = (vl + S - 1) // S
+    if int(n_valid.max()) <= K:
+        return None, S
+    scores = score_fn()
+    n1 = candidate_pages(S, token_budget, candidate_factor, candidate_extra)
+    if n1 <= K:
+        return select_pages(scores, vl, S, token_budget, sink_pages), S
+    cand = select_pages(scores, vl, S, token_budget, sink_pages, n_select=n1)
+    if cand is None:  # the candidates cover every valid page: rank them all
+        P = scores.shape[-1]
+        idx = torch.arange(P, device=q.device).expand(B, scores.shape[1], P)
+        cand = Selection(idx.contiguous(), (idx < n_valid.reshape(B, 1, 1)))
+    if not keep_tokens:
+        return refine_by_page_mass(q, k_cache, cand, vl, attn_mask, scale, S, K, sink_pages), S
+    return refine_by_token_mass(q, k_cache, cand, vl, attn_mask, scale, S, K * S, sink_pages), 1
+
+
 def choose(
     q, k_cache, bounds, valid_len, attn_mask, scale, page_size, token_budget, sink_pages=0, candidate_factor=1,
     candidate_extra=0, keep_tokens=False,
 ):
-    """Full query-aware selection: bound scan, then the optional two-stage refinement.
-
-    Returns ``(selection, unit)``: ``selection`` is None when attention is dense, else the kept pages
-    (``unit = page_size``) or, two-stage with ``keep_tokens``, the kept single tokens (``unit = 1``).
-    Shapes as in :func:`sparse_decode_reference`.
-    """
-    B, Hq, _, D = q.shape
+    """Full query-aware selection: :func:`choose_with` the bound of :func:`page_scores` (mask included)."""
+    B, Hq = q.shape[0], q.shape[1]
     L = k_cache.shape[2]
-    vl = _as_valid_len(valid_len, B, q.device)
-    K = token_budget // page_size
-    n1 = candidate_pages(page_size, token_budget, candidate_factor, candidate_extra)
-    mp = mask_page_max(attn_mask, B, Hq, L, page_size)
-    scores = page_scores(q, bounds, scale, mp)
-    if n1 <= K:
-        return select_pages(scores, vl, page_size, token_budget, sink_pages), page_size
-    cand = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=n1)
-    if cand is None:  # the candidates cover every valid page: rank them all
-        if select_pages(scores, vl, page_size, token_budget, sink_pages) is None:
-            return None, page_size  # dense when it fits
-        P = scores.shape[-1]
-        n_valid = (vl + page_size - 1) // page_size
-        idx = torch.arange(P, device=q.device).expand(B, scores.shape[1], P)
-        cand = Selection(idx.contiguous(), (idx < n_valid.reshape(B, 1, 1)))
-    if not keep_tokens:
-        return refine_by_page_mass(q, k_cache, cand, vl, attn_mask, scale, page_size, K, sink_pages), page_size
-    return refine_by_token_mass(q, k_cache, cand, vl, attn_mask, scale, page_size, K * page_size, sink_pages), 1
+    return choose_with(lambda: page_scores(q, bounds, scale, mask_page_max(attn_mask, B, Hq, L, page_size)), q,
+                       k_cache, valid_len, attn_mask, scale, page_size, token_budget, sink_pages, candidate_factor,
+                       candidate_extra, keep_tokens)
 
 
 def choose_pages(

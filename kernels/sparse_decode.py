@@ -303,6 +303,19 @@ def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, 
     return _attend_grouped(q, kg[:, :, :T], vg[:, :, :T], scale)
 
 
+def _attend_kept_tokens(q, v_cache, logits, cand: Selection, vl, page_size: int, K: int, sink_pages: int):
+    """Keep the ``K * page_size`` candidate tokens of highest share (:func:`.reference.rank_candidate_tokens`)
+    and attend them, reusing their logits: ``logits`` fp32 ``[B, Hkv, G, Kc*S]`` of the candidate pages
+    ``cand`` ``[B, Hkv, Kc]``; returns ``[B, Hq, 1, D]`` in the dtype of ``q``."""
+    B, Hkv, G, _ = logits.shape
+    D = v_cache.shape[-1]
+    final, slots = rank_candidate_tokens(logits, cand, vl, page_size, K * page_size, sink_pages)  # [B,Hkv,T]
+    kept = logits.gather(3, slots[:, :, None, :].expand(B, Hkv, G, slots.shape[-1]))  # [B,Hkv,G,T]
+    kept = kept.masked_fill(~final.ok[:, :, None, :], float("-inf"))
+    vg = v_cache.gather(2, final.idx[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T,D]
+    return softmax_attend(kept, vg).reshape(B, Hkv * G, 1, D).to(q.dtype)
+
+
 def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, sink_pages, n_cand,
                     keep_tokens=False):
     """Two-stage sparse decode for the common case (no mask, one valid length ``n``, contiguous caches).
@@ -364,12 +377,8 @@ def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, 
         logits[..., Kc * S - cut:] = float("-inf")
     if keep_tokens:
         # ---- stage 3 (tokens): the K*S best single tokens, their logits and values
-        final, slots = rank_candidate_tokens(logits, Selection(idx, torch.ones_like(idx, dtype=torch.bool)), vl, S,
-                                             K * S, sink_pages)  # [B,Hkv,T]
-        kept = logits.gather(3, slots[:, :, None, :].expand(B, Hkv, G, slots.shape[-1]))  # [B,Hkv,G,T]
-        kept = kept.masked_fill(~final.ok[:, :, None, :], float("-inf"))
-        vg = v_cache.gather(2, final.idx[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T,D]
-        return softmax_attend(kept, vg).reshape(B, Hq, 1, D).to(q.dtype)
+        return _attend_kept_tokens(q, v_cache, logits, Selection(idx, torch.ones_like(idx, dtype=torch.bool)), vl,
+                                   S, K, sink_pages)
     final, slots = rank_candidates(logits, Selection(idx, torch.ones_like(idx, dtype=torch.bool)), vl, S, K,
                                    sink_pages)
     # ---- stage 3: softmax over the kept pages' logits, values of those pages only
@@ -421,11 +430,7 @@ def _sparse_decode_torch(
         logits = (qg @ kg.transpose(-1, -2)) * scale
         logits = (logits + _gathered_mask(attn_mask, tok, B, Hq, L)).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
         if keep_tokens:
-            final, slots = rank_candidate_tokens(logits, sel, vl.clamp(max=L), page_size, K * page_size, sink_pages)
-            kept = logits.gather(3, slots[:, :, None, :].expand(B, Hkv, G, slots.shape[-1]))  # [B,Hkv,G,T']
-            kept = kept.masked_fill(~final.ok[:, :, None, :], float("-inf"))
-            vg = v_cache.gather(2, final.idx[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T',D]
-            return softmax_attend(kept, vg).reshape(B, Hq, 1, D).to(q.dtype)
+            return _attend_kept_tokens(q, v_cache, logits, sel, vl.clamp(max=L), page_size, K, sink_pages)
         final, slots = rank_candidates(logits, sel, vl, page_size, K, sink_pages)
         Kc = sel.idx.shape[-1]
         lp = logits.reshape(B, Hkv, G, Kc, page_size)
@@ -491,39 +496,21 @@ def _triton_allowed(q: torch.Tensor) -> bool:
     return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _new_selection(kmax, candidate_extra, keep_tokens) -> bool:
-    """Whether a call uses the options of issue 10's phase 3 (int8 bounds, extra candidates, kept tokens)."""
-    return kmax.dtype == torch.int8 or candidate_extra != 0 or keep_tokens
-
-
-def _native_has_new_selection() -> bool:
-    schema = str(torch.ops.tinyserve_native.sparse_decode.default._schema)
-    return "keep_tokens" in schema
-
-
-def _triton_has_new_selection() -> bool:
-    from . import triton_sparse_decode
-
-    return getattr(triton_sparse_decode, "SUPPORTS_NEW_SELECTION", False)
-
-
 def sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
          candidate_factor, kernel, candidate_extra=0, keep_tokens=False):
     args = (q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
             candidate_factor)
-    new = _new_selection(kmax, candidate_extra, keep_tokens)
-    extra = (candidate_extra, keep_tokens) if new else ()
     if kernel == "native" or (kernel == "auto" and q.device.type == "cpu"):
         # ---- the native C++ kernel: the CPU default when it builds (else the PyTorch path below)
         from .native import load_native, native_unavailable_reason
 
         if kernel == "native" and q.device.type != "cpu":
             raise ValueError(f"sparse_decode: argument 'kernel'='native' runs on CPU tensors only, got {q.device}")
-        if load_native() and (not new or _native_has_new_selection()):
-            return torch.ops.tinyserve_native.sparse_decode(*args, None, *extra)
+        if load_native():
+            return torch.ops.tinyserve_native.sparse_decode(*args, None, candidate_extra, keep_tokens)
         if kernel == "native":
-            why = native_unavailable_reason() or "this build predates int8 bounds / candidate_extra / keep_tokens"
-            raise ValueError(f"sparse_decode: argument 'kernel'='native' but the native kernel is unavailable: {why}")
+            raise ValueError(f"sparse_decode: argument 'kernel'='native' but the native kernel is unavailable: "
+                             f"{native_unavailable_reason()}")
         return _sparse_decode_torch(*args, candidate_extra, keep_tokens)
     use_triton = kernel == "triton" or (kernel == "auto" and q.is_cuda)
     if use_triton:
@@ -534,11 +521,10 @@ def sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_ma
             )
         from .triton_sparse_decode import sparse_decode_triton, triton_available
 
-        if triton_available() and (not new or _triton_has_new_selection()):
-            return sparse_decode_triton(*args, *extra)
+        if triton_available():
+            return sparse_decode_triton(*args, candidate_extra, keep_tokens)
         if kernel == "triton":
-            raise ValueError("sparse_decode: argument 'kernel'='triton' but triton is not installed, or its "
-                             "kernels predate int8 bounds / candidate_extra / keep_tokens")
+            raise ValueError("sparse_decode: argument 'kernel'='triton' but triton is not installed")
     return _sparse_decode_torch(*args, candidate_extra, keep_tokens)
 
 

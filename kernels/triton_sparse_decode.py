@@ -87,10 +87,6 @@ __all__ = ["triton_available", "select_pages_triton", "sparse_decode_triton"]
 _MASK_NONE, _MASK_BOOL, _MASK_FLOAT = 0, 1, 2
 
 
-#: the launchers take int8 bounds, ``candidate_extra`` and ``keep_tokens`` (issue 10, phase 3)
-SUPPORTS_NEW_SELECTION = True
-
-
 def triton_available() -> bool:
     """True when triton imports (the kernels below are defined)."""
     return _HAS_TRITON

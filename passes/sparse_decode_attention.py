@@ -60,8 +60,8 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
                 new = graph.call_function(
                     native,
                     (a["query"], k, v, kmax, kmin, kabs, valid_len, a["attn_mask"], float(scale),
-                     config.page_size, config.token_budget, config.sink_pages, config.candidate_factor, ctrl)
-                    + runtime.new_selection_args(config),
+                     config.page_size, config.token_budget, config.sink_pages, config.candidate_factor, ctrl,
+                     config.candidate_extra, config.keep_tokens),
                 )
             else:
                 new = graph.call_function(

@@ -240,26 +240,11 @@ def native_unavailable_reason() -> Optional[str]:
     return None if native.load_native() else native.native_unavailable_reason()
 
 
-def _native_has_new_selection() -> bool:
-    return "keep_tokens" in str(torch.ops.tinyserve_native.sparse_decode.default._schema)
-
-
-def write_op(device: torch.device, bounds_dtype: str = "bfloat16"):
-    """The cache-write op for a graph on ``device``: native on CPU when it builds (and knows ``bounds_dtype``)."""
-    if device.type == "cpu" and _native_loaded() and (bounds_dtype != "int8" or _native_has_new_selection()):
+def write_op(device: torch.device):
+    """The cache-write op for a graph on ``device``: native on CPU when it builds."""
+    if device.type == "cpu" and _native_loaded():
         return torch.ops.tinyserve_native.cache_write.default
     return torch.ops.tinyserve.cache_write.default
-
-
-def uses_new_selection(config) -> bool:
-    """Whether ``config`` selects with int8 bounds, extra candidates or kept tokens (issue 10, phase 3)."""
-    return config.bounds_dtype == "int8" or config.candidate_extra != 0 or config.keep_tokens
-
-
-def new_selection_args(config) -> tuple:
-    """The trailing ``(candidate_extra, keep_tokens)`` of the native op, only when they differ from the defaults
-    (so that a build that predates them keeps working for the settings it knows)."""
-    return (config.candidate_extra, config.keep_tokens) if uses_new_selection(config) else ()
 
 
 def native_decode_op(device: torch.device, config):
@@ -268,14 +253,10 @@ def native_decode_op(device: torch.device, config):
         if config.kernel == "native" and device.type != "cpu":
             raise ValueError(f"tinyserve option 'kernel'='native' runs on CPU tensors only, got {device}")
         return None
-    why = None
     if not _native_loaded():
-        why = native_unavailable_reason()
-    elif uses_new_selection(config) and not _native_has_new_selection():
-        why = "the native build predates int8 bounds / candidate_extra / keep_tokens"
-    if why is not None:
         if config.kernel == "native":
-            raise ValueError(f"tinyserve option 'kernel'='native': the native kernel is unavailable: {why}")
+            raise ValueError(f"tinyserve option 'kernel'='native': the native kernel is unavailable: "
+                             f"{native_unavailable_reason()}")
         return None
     return torch.ops.tinyserve_native.sparse_decode.default
 

@@ -117,3 +117,26 @@ def test_hierarchical_sketch_reduces_to_its_parts():
         proto_site_bytes("sketch4", 8192, h, d, it, 8, 2048, 2, 2)  # 8K: the superpage stage is skipped
     assert proto_site_bytes("hier8x4sketch4", 32768, h, d, it, 8, 2048, 2, 2) < \
         proto_site_bytes("sketch4", 32768, h, d, it, 8, 2048, 2, 2)
+
+
+@pytest.mark.parametrize("name,bq,keep", [("tl1e512", "", False), ("tl1e512tok", "", True),
+                                          ("tl1e512tokint8", "int8", True)])
+def test_two_level_with_fine_bounds_is_the_backend_selection(name, bq, keep):
+    """Bounds on pages of one page (``coarse=1``) make the two-level prototype the backend's own two-stage
+    selection with 512 extra candidates (int8 bounds decoded as the backend decodes them)."""
+    from tinyserve_compile.kernels.reference import sparse_decode_reference
+
+    q, k, v, b = _case(3, L=400, dtype=torch.int8 if bq else torch.bfloat16)
+    vl = torch.tensor([390])
+    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, 8, 64, 1, 1, {})
+    got = get_policy(name)(ctx)
+    want = sparse_decode_reference(q, k, v, vl, None, 0.25, 8, 64, 1, 1, b, 512, keep)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    other = sparse_decode_reference(q, k, v, vl, None, 0.25, 8, 64, 1, 1, b, 512, not keep)
+    assert not torch.allclose(got, other, atol=1e-4), "pages and tokens should keep different sets here"
+
+
+def test_two_level_bytes_are_the_cost_model_for_fine_bounds():
+    for ctx in (8192, 32768):
+        assert proto_site_bytes("tl1e1024", ctx, 3, 64, 4, 8, 2048, 1, 2) == \
+            sparse_site_bytes(ctx, 3, 64, 4, 8, 2048, 1, 2, 1024)

@@ -11,8 +11,7 @@ from typing import ClassVar, Dict, Optional, Tuple
 
 import torch
 
-from ..kernels.reference import (PageBounds, Selection, candidate_pages, mask_page_max, refine_by_page_mass,
-                                 refine_by_token_mass, select_pages)
+from ..kernels.reference import PageBounds, Selection, choose_with, mask_page_max
 from ..kernels.sparse_decode import attend_selection
 
 __all__ = ["DecodeContext", "PagePolicy", "register_policy", "get_policy", "POLICIES"]
@@ -86,24 +85,9 @@ class PagePolicy:
     def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
         """What to attend per KV head: ``(selection, unit)``, the selection None for dense attention, else
         pages (``unit = page_size``) or, two-stage with ``ctx.keep_tokens``, single tokens (``unit = 1``)."""
-        B, S = ctx.q.shape[0], ctx.page_size
-        K = ctx.token_budget // S
-        vl = ctx.valid_len.reshape(-1).expand(B)
-        if int(((vl + S - 1) // S).max()) <= K:
-            return None, S
-        scores = self.score(ctx)
-        n1 = candidate_pages(S, ctx.token_budget, ctx.candidate_factor, ctx.candidate_extra)
-        if n1 <= K:
-            return select_pages(scores, vl, S, ctx.token_budget, ctx.sink_pages), S
-        cand = select_pages(scores, vl, S, ctx.token_budget, ctx.sink_pages, n_select=n1)
-        if cand is None:
-            P = scores.shape[-1]
-            idx = torch.arange(P, device=scores.device).expand(B, scores.shape[1], P).contiguous()
-            cand = Selection(idx, idx < ((vl + S - 1) // S).reshape(B, 1, 1))
-        if ctx.keep_tokens:
-            return refine_by_token_mass(ctx.q, ctx.k_cache, cand, vl, ctx.attn_mask, ctx.scale, S, K * S,
-                                        ctx.sink_pages), 1
-        return refine_by_page_mass(ctx.q, ctx.k_cache, cand, vl, ctx.attn_mask, ctx.scale, S, K, ctx.sink_pages), S
+        return choose_with(lambda: self.score(ctx), ctx.q, ctx.k_cache, ctx.valid_len, ctx.attn_mask, ctx.scale,
+                           ctx.page_size, ctx.token_budget, ctx.sink_pages, ctx.candidate_factor, ctx.candidate_extra,
+                           ctx.keep_tokens)
 
     def select(self, ctx: DecodeContext) -> Optional[Selection]:
         """Pages (single tokens with ``ctx.keep_tokens``, two-stage) to attend per KV head, or None for dense."""
