@@ -3,11 +3,19 @@
 * :func:`perplexity` - teacher-forced decode perplexity and top-1 agreement with full attention.
 * :func:`passkey` - passkey retrieval grid.
 * :func:`diagnostics` - the paper's synthetic suite (repetition/copy, rare-token recall, aliasing).
+
+``python -m bench accuracy [--quick] [--parts ppl,passkey,diagnostics]`` runs them for the backend's defaults
+(:func:`bench.harness.default_sparse`), the paper's rule, the oracle, streaming and h2o, and writes
+``accuracy_ppl``, ``passkey`` and ``diagnostics`` (JSON + CSV) under ``--out``; ``python -m bench report``
+turns them into tables and plots.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 import os
+import sys
 import random
 import time
 from typing import Callable, Iterable, List, Optional, Sequence
@@ -16,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from .harness import FULL, EvalModel, Sparse, summarize_stats
+    from .harness import FULL, EvalModel, Sparse, default_sparse, summarize_stats
+    from .output import write_rows
 except ImportError:  # run as a script from bench/
-    from harness import FULL, EvalModel, Sparse, summarize_stats
+    from harness import FULL, EvalModel, Sparse, default_sparse, summarize_stats
+    from output import write_rows
 
 _MODEL = {}
 #: prefilled caches of the perplexity runs, reused across processes (results/ is git-ignored)
@@ -133,7 +143,7 @@ def passkey(contexts=(1024, 2048, 4096, 8192), depths=(0.0, 0.25, 0.5, 0.75, 1.0
     question), which go through the decode path, as does the 5-digit answer (greedy, 7 tokens).
     Success: the key's digits appear in the generated text. ``full`` is run once per prompt."""
     model, tok = load_model()
-    base = base or Sparse()
+    base = base or default_sparse()
     rng = random.Random(1234)
     rows = []
     grid = [(c, d) for c in contexts for d in depths]
@@ -257,3 +267,65 @@ def diagnostics(ctx: int = 4096, cfgs: Sequence[Sparse] = (), trials: int = 4, q
                 rows.append(dict(task=task, trial=t, ctx=ctx, label=cfg.label(), policy=cfg.policy,
                                  budget=cfg.token_budget, score=float(ans in out.replace(" ", "")), answer=out))
     return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench accuracy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="results", help="results folder (JSON/CSV)")
+    ap.add_argument("--quick", action="store_true", help="small grid, a few minutes on 2 cores")
+    ap.add_argument("--half", default="heldout", choices=("tune", "heldout"),
+                    help="text for perplexity: tune = first half of the sorted topics, heldout = second")
+    ap.add_argument("--parts", default="ppl,passkey,diagnostics")
+    a = ap.parse_args(argv)
+    if a.quick:
+        ctxs, budgets, steps = (1024, 2048), (256, 512), 32
+        pk = dict(contexts=(1024, 2048), depths=(0.0, 0.5, 1.0), budgets=(256, 512))
+        dg = dict(ctx=1024, trials=1)
+        dg_budgets = (256,)
+    else:
+        ctxs, budgets, steps = (2048, 4096, 8192), (256, 512, 1024, 2048), 128
+        pk = dict(contexts=(1024, 2048, 4096, 8192), depths=(0.0, 0.25, 0.5, 0.75, 1.0), budgets=(256, 512, 1024, 2048))
+        dg = dict(ctx=4096, trials=4)
+        dg_budgets = (512, 1024)
+    d = default_sparse()
+    series = {
+        "query_aware (defaults)": lambda b: dataclasses.replace(d, token_budget=b),
+        "query_aware (paper: no sink, one stage)": lambda b: Sparse(token_budget=b, page_size=16, dense_layers=2),
+        "oracle": lambda b: dataclasses.replace(d, policy="oracle", token_budget=b),
+        "streaming": lambda b: dataclasses.replace(d, policy="streaming", token_budget=b),
+        # one stage and whole pages: with more candidates than the budget the exact-mass refinement, not h2o,
+        # would pick what is kept
+        "h2o": lambda b: dataclasses.replace(d, policy="h2o", token_budget=b, candidate_factor=1, candidate_extra=0,
+                                             keep_tokens=False),
+    }
+    t0 = time.time()
+    if "ppl" in a.parts:
+        rows = []
+        for ctx in ctxs:
+            cfgs, names, collect = [], {}, []
+            for s, mk in series.items():
+                for b in budgets:
+                    c = mk(b)
+                    if c.label() in names:  # two series with one configuration: keep the first name
+                        continue
+                    cfgs.append(c)
+                    names[c.label()] = s
+                    if s.startswith("query_aware") or s == "oracle":
+                        collect.append(c)
+            for r in perplexity(ctx, cfgs, steps=steps, half=a.half, collect=collect):
+                r["series"] = names.get(r["label"], "full")
+                rows.append(r)
+            write_rows(rows, os.path.join(a.out, "accuracy_ppl.json"))
+    if "passkey" in a.parts:
+        pol = ("query_aware", "streaming", "oracle") if not a.quick else ("query_aware", "streaming")
+        write_rows(passkey(policies=pol, base=d, **pk), os.path.join(a.out, "passkey.json"))
+    if "diagnostics" in a.parts:
+        cfgs = [dataclasses.replace(d, policy=p, token_budget=b) for b in dg_budgets
+                for p in ("query_aware", "streaming", "oracle")]
+        write_rows(diagnostics(cfgs=cfgs, **dg), os.path.join(a.out, "diagnostics.json"))
+    print(f"accuracy done in {time.time() - t0:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Decode ms/token: eager HF, stock ``torch.compile`` (inductor) and ``backend="tinyserve"``, side by side.
 
-The one decode benchmark of the project (``python -m bench speed --parts decode`` calls :func:`run`).
+The one decode benchmark of the project (``python -m bench decode``).
 
 What one *point* (context, batch) does
 --------------------------------------
@@ -43,15 +43,15 @@ What one *point* (context, batch) does
   ``floor_ms`` = bytes over that bandwidth.
 
 Outputs: a table with ratios against the fastest stock provider (eager or inductor) at each point, the
-issue's targets, and with ``--json PATH``: the records (a list of dicts with at least ``provider``,
+decode targets, and with ``--json PATH``: the records (a list of dicts with at least ``provider``,
 ``context``, ``batch``, ``ms_per_token``), a ``.csv`` and a ``.png`` next to it.
 
 Usage::
 
-    python bench/bench_decode.py --quick --json results/decode/decode.json      # 2K, batch 1 and 8
-    python bench/bench_decode.py --paper --json results/decode/decode.json      # 2K-32K, batch 1 and 8
-    python bench/bench_decode.py --contexts 8192 --batches 1 --options '{"token_budget": 1024}'
-    python bench/bench_decode.py --model random --device cuda --dtype bf16 --contexts 8192 32768 --batches 1
+    python -m bench decode --quick --json results/decode/decode.json      # 2K, batch 1 and 8
+    python -m bench decode --paper --json results/decode/decode.json      # 2K-32K, batch 1 and 8
+    python -m bench decode --contexts 8192 --batches 1 --options '{"token_budget": 1024}'
+    python -m bench decode --model random --device cuda --dtype bf16 --contexts 8192 32768 --batches 1
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 #: the paper's selection rule: pages of 16, the bound alone, no sink page ("tinyserve-paper")
 PAPER = {"page_size": 16, "candidate_factor": 1, "candidate_extra": 0, "keep_tokens": False, "sink_pages": 0,
          "bounds_dtype": "float32"}
-#: the defaults before issue 10's phase 3 ("tinyserve-previous", with --previous): bf16 bounds, c=2, whole pages
+#: the earlier defaults ("tinyserve-previous", with --previous): bf16 bounds, c=2, whole pages
 PREVIOUS = {"candidate_factor": 2, "candidate_extra": 0, "keep_tokens": False, "bounds_dtype": "bfloat16"}
 STOCK = ("eager", "inductor")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -90,7 +90,7 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
 TINY_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
 SMOLLM2_MAX_CONTEXT = 8192
-#: (context, batch, minimum speed-up over the fastest stock provider) from issue 9
+#: the decode targets: (context, batch, minimum speed-up over the fastest stock provider)
 TARGETS = ((2048, 1, 0.95), (8192, 1, 1.3), (32768, 1, 2.5), (8192, 8, 2.0))
 COMPILE_TARGET = 1.5  # tinyserve compile time at most 1.5x inductor's
 
@@ -451,7 +451,8 @@ def table(rows: List[dict]) -> str:
 
 
 def targets(rows: List[dict]) -> List[dict]:
-    """Issue 9's decode targets for every tinyserve provider at the points that were run."""
+    """The decode targets (:data:`TARGETS`, :data:`COMPILE_TARGET`) for every tinyserve provider at the points
+    that were run."""
     out = []
     for ctx, batch, want in TARGETS:
         for r in rows:
@@ -526,7 +527,7 @@ def main(argv=None):
     ap.add_argument("--providers", default="eager,inductor,tinyserve", help="subset of eager,inductor,tinyserve")
     ap.add_argument("--options", default="{}", help="tinyserve options as JSON, e.g. '{\"token_budget\": 1024}'")
     ap.add_argument("--previous", action="store_true",
-                    help="also time tinyserve with the defaults before issue 10's phase 3 (tinyserve-previous)")
+                    help="also time tinyserve with the earlier defaults (tinyserve-previous)")
     ap.add_argument("--paper", action="store_true",
                     help="also time tinyserve with the paper's selection (pages of 16, the bound alone, no sink)")
     ap.add_argument("--budgets", type=int, nargs="+", default=None,

@@ -1,8 +1,7 @@
-"""GPU benchmark of the Triton sparse-decode kernels: correctness at scale, then timings (issue 4, section 4).
+"""GPU benchmark of the Triton sparse-decode kernels: correctness at scale, then timings.
 
-NOT YET RUN ON A GPU. It was written in a session without one; only ``--dry-run``
-(tiny shapes, CPU, Triton interpreter) has been executed. Its numbers on CPU are
-meaningless; it exists so that the script's logic is known to work.
+``--dry-run`` (tiny shapes, CPU, Triton interpreter) checks the script's logic; its numbers on CPU are
+meaningless.
 
 One call on a lent GPU (H200 by default) does:
 
@@ -23,20 +22,24 @@ One call on a lent GPU (H200 by default) does:
    at contexts 4K/16K/32K/128K, budget 2048, batch 1 and 8, fp16 and bf16,
    Hq=32 / Hkv=8 / D=128 (Llama-3-8B attention), for each selection setting
    (``--settings``): ``paper`` (pages of 16, the bound alone, no sink page, fp32
-   bounds) and ``defaults`` (the backend's: pages of 8, one sink page, two-stage
-   with 4x candidates, bf16 bounds rounded outward).
+   bounds) and ``defaults`` (every selection field of ``TinyServeConfig()``: pages of 8,
+   one sink page, two stages with ``candidate_extra`` extra candidates keeping single
+   tokens, int8 bounds rounded outward). Each row records the path the Triton kernels
+   took: ``stages`` (1 or 2) and ``kept`` ("pages" or "tokens").
 3. **Report**: ms, speedup of ``sparse`` over the fastest SDPA backend and over
-   ``dense``, and the GB/s of the bytes the sparse path actually touches (fp32
-   bounds of the valid pages, the selected K/V pages, scores) against the device
+   ``dense``, and the GB/s of the bytes the sparse path actually touches (the
+   bounds of the valid pages, the candidates' keys, the kept K/V, scores) against the device
    peak (``--peak-gbs``, default 4800 for an H200). Targets checked: >= 8x over
    SDPA at 32K, >= 70% of peak on the bytes touched.
 
 Usage::
 
-    python bench/bench_kernel_gpu.py --check-only --out-dir results/check  # correctness only, every shape
-    python bench/bench_kernel_gpu.py --out-dir results/          # full run: table + json/csv/png
-    python bench/bench_kernel_gpu.py --quick --json q.json       # 4K and 32K, batch 1, fp16
-    TRITON_INTERPRET=1 python bench/bench_kernel_gpu.py --dry-run --out-dir /tmp/dry   # CPU logic check
+    python -m bench gpu --check-only --out-dir results/check  # correctness only, every shape
+    python -m bench gpu --out-dir results/                    # full run: table + json/csv/png
+    python -m bench gpu --quick --json q.json                 # 4K and 32K, batch 1, fp16
+    python -m bench gpu --dry-run --out-dir /tmp/dry          # CPU logic check (Triton interpreter)
+
+(``python bench/bench_kernel_gpu.py ...`` runs the same.)
 """
 from __future__ import annotations
 
@@ -58,9 +61,10 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tinyserve_compile import config as C  # noqa: E402
+from tinyserve_compile.config import TinyServeConfig  # noqa: E402
 from tinyserve_compile.cost import sparse_site_bytes  # noqa: E402
 from tinyserve_compile.kernels import reference as ref  # noqa: E402
+from tinyserve_compile.kernels.reference import candidate_pages  # noqa: E402
 from tinyserve_compile.kernels import sparse_decode  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -71,10 +75,19 @@ FULL = dict(contexts=[4096, 16384, 32768, 131072], batches=[1, 8], dtypes=["fp16
             budget=2048)
 QUICK = dict(FULL, contexts=[4096, 32768], batches=[1], dtypes=["fp16"])
 DRY = dict(contexts=[128, 384], batches=[1, 2], dtypes=["fp16", "bf16"], hq=6, hkv=2, d=32, budget=64)
+#: the key of each selection field in a setting, and the ``TinyServeConfig`` field it stands for
+SETTING_FIELDS = dict(page="page_size", sink="sink_pages", cf="candidate_factor", extra="candidate_extra",
+                      tokens="keep_tokens", bounds="bounds_dtype")
+
+
+def config_setting(config: TinyServeConfig) -> dict:
+    """The selection setting of a backend configuration (the budget comes from the shape grid)."""
+    return {key: getattr(config, field) for key, field in SETTING_FIELDS.items()}
+
+
 #: selection settings: the paper's (pages of 16, the bound alone, no sink, fp32 bounds) and the backend's defaults
-SETTINGS = {"paper": dict(page=16, sink=0, cf=1, bounds="float32"),
-            "defaults": dict(page=C.DEFAULT_PAGE_SIZE, sink=C.DEFAULT_SINK_PAGES, cf=C.DEFAULT_CANDIDATE_FACTOR,
-                             bounds=C.DEFAULT_BOUNDS_DTYPE)}
+SETTINGS = {"paper": dict(page=16, sink=0, cf=1, extra=0, tokens=False, bounds="float32"),
+            "defaults": config_setting(TinyServeConfig())}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -97,7 +110,8 @@ def time_ms(fn, device, iters: int) -> float:
     return statistics.median(ts)
 
 
-def bytes_touched(method: str, B, hkv, hq, L, D, S, budget, itemsize, cf: int = 1, bounds_itemsize: int = 4) -> int:
+def bytes_touched(method: str, B, hkv, hq, L, D, S, budget, itemsize, cf: int = 1, bounds_itemsize: int = 4,
+                  extra: int = 0) -> int:
     """Bytes a method must read/write at least: the K/V it attends, the bounds it scans (the cost model of
     :func:`tinyserve_compile.cost.sparse_site_bytes`, per batch row), the page scores it writes and reads, q/out."""
     P = math.ceil(L / S)
@@ -108,9 +122,10 @@ def bytes_touched(method: str, B, hkv, hq, L, D, S, budget, itemsize, cf: int = 
     scores = 2 * B * hkv * P * 4
     if method == "select":
         bounds = B * hkv * P * (2 * D * bounds_itemsize + 4)
-        cand = B * hkv * min(L, cf * budget) * D * itemsize if cf > 1 else 0
+        n1 = candidate_pages(S, budget, cf, extra)
+        cand = B * hkv * min(L, n1 * S) * D * itemsize if n1 > budget // S else 0
         return bounds + cand + scores + B * hq * D * itemsize
-    return B * sparse_site_bytes(L, hkv, D, itemsize, S, budget, cf, bounds_itemsize) + scores + qo
+    return B * sparse_site_bytes(L, hkv, D, itemsize, S, budget, cf, bounds_itemsize, extra) + scores + qo
 
 
 def peak_gbs_for(device, override):
@@ -142,30 +157,40 @@ def make_inputs(B, hq, hkv, L, D, dtype, device, seed=0):
     return q, k, v
 
 
-def check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes, sink=0, cf=1):
-    """Worst normalised error vs the reference, and the share of KV heads with the reference's pages."""
+def check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes, sink=0, cf=1, extra=0, tokens=False):
+    """Worst normalised error vs the reference, the share of KV heads that keep the reference's pages (or
+    tokens), and the path the Triton selection took: ``stages`` (1, 2, or 0 when dense) and ``kept``."""
     B, hq, _, D = q.shape
     hkv, L = k.shape[1], k.shape[2]
     scale = D ** -0.5
-    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, sink, cf)
+    sel = (S, budget, sink, cf, extra, tokens)
+    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, *sel)
     ref_bytes = 3 * B * hq * L * D * 4
     if ref_bytes <= ref_budget_bytes:
-        want = ref.sparse_decode_reference(q, k, v, vl, None, scale, S, budget, sink, cf, bounds=bounds)
+        want = ref.sparse_decode_reference(q, k, v, vl, None, scale, S, budget, sink, cf, bounds=bounds,
+                                           candidate_extra=extra, keep_tokens=tokens)
         oracle = "reference"
     else:
-        want = sparse_decode(q, k, v, bounds, vl, None, scale, S, budget, sink, cf, kernel="torch")
+        want = sparse_decode(q, k, v, bounds, vl, None, scale, S, budget, sink, cf, kernel="torch",
+                             candidate_extra=extra, keep_tokens=tokens)
         oracle = "kernel=torch"
     atol, rtol = TOL[q.dtype]
     err = (out.float() - want.float()).abs()
     excess = float((err / (atol + rtol * want.float().abs())).max())
-    sel_ref = ref.choose_pages(q, k, bounds, vl, None, scale, S, budget, sink, cf)
-    sel_tri = tsd.select_pages_triton(q, k, *bounds, vl, None, scale, S, budget, sink, cf)
+    sel_ref, unit = ref.choose(q, k, bounds, vl, None, scale, *sel)
+    sel_tri = tsd.select_pages_triton(q, k, *bounds, vl, None, scale, *sel)
     if sel_ref is None or sel_tri is None:
         agree = 1.0 if (sel_ref is None) == (sel_tri is None) else float("nan")
     else:
         same = ((sel_ref.idx == sel_tri.idx) | ~(sel_ref.ok & sel_tri.ok)).all(-1)
         agree = float(same.float().mean())
-    return dict(max_abs_err=float(err.max()), tol_ratio=excess, ok=excess <= 1.0, pages_agree=agree, oracle=oracle)
+    # the path taken: dense (no selection), one stage, or two stages keeping whole pages or single tokens
+    K = budget // S
+    stages = 0 if sel_tri is None else (2 if candidate_pages(S, budget, cf, extra) > K else 1)
+    kept = "all" if sel_tri is None else ("tokens" if sel_tri.idx.shape[-1] > K else "pages")
+    return dict(max_abs_err=float(err.max()), tol_ratio=excess, ok=excess <= 1.0, pages_agree=agree, oracle=oracle,
+                stages=stages, kept=kept,
+                ref_kept="all" if sel_ref is None else ("tokens" if unit == 1 else "pages"))
 
 
 def sdpa_fn(backend_name, q, k, v, device):
@@ -194,14 +219,15 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
                 check_only=False):
     dtype = DTYPES[dname]
     hq, hkv, D, budget = cfg["hq"], cfg["hkv"], cfg["d"], cfg["budget"]
-    S, sink, cf, bdt = (SETTINGS[setting][k_] for k_ in ("page", "sink", "cf", "bounds"))
+    S, sink, cf, extra, tokens, bdt = (SETTINGS[setting][k_] for k_ in ("page", "sink", "cf", "extra", "tokens",
+                                                                         "bounds"))
     q, k, v = make_inputs(B, hq, hkv, L, D, dtype, device)
     bounds = ref.page_bounds(k, S, dtype=getattr(torch, bdt))  # stored as the backend stores them
     vl = torch.full((B,), L, dtype=torch.int64, device=device)
     scale = D ** -0.5
     row = dict(context=L, batch=B, dtype=dname, setting=setting, hq=hq, hkv=hkv, head_dim=D, page=S, budget=budget,
-               sink_pages=sink, candidate_factor=cf, bounds_dtype=bdt)
-    row.update(check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes, sink, cf))
+               sink_pages=sink, candidate_factor=cf, candidate_extra=extra, keep_tokens=tokens, bounds_dtype=bdt)
+    row.update(check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes, sink, cf, extra, tokens))
     if check_only:
         log(fmt_check(row))
         del q, k, v, bounds
@@ -209,8 +235,9 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
             torch.cuda.empty_cache()
         return row
     fns = {
-        "sparse": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, sink, cf),
-        "select": lambda: tsd._select(q, k, *bounds, vl, None, scale, S, budget, sink, cf),
+        "sparse": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, sink, cf, extra,
+                                                   tokens),
+        "select": lambda: tsd._select(q, k, *bounds, vl, None, scale, S, budget, sink, cf, extra, tokens),
         "dense": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, L + S, 0, 1),
     }
     for name in ("sdpa_flash", "sdpa_efficient"):
@@ -226,7 +253,7 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
             continue
         ms = time_ms(fns[name], device, iters)
         row[f"{name}_ms"] = ms
-        nbytes = bytes_touched(name, B, hkv, hq, L, D, S, budget, itemsize, cf, bounds[0].element_size())
+        nbytes = bytes_touched(name, B, hkv, hq, L, D, S, budget, itemsize, cf, bounds[0].element_size(), extra)
         row[f"{name}_gbs"] = nbytes / (ms * 1e-3) / 1e9
     sdpa = [row[f"{n}_ms"] for n in ("sdpa_flash", "sdpa_efficient") if row[f"{n}_ms"] is not None]
     row["speedup_vs_sdpa"] = (min(sdpa) / row["sparse_ms"]) if sdpa else None
@@ -243,29 +270,38 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
 # report
 # ---------------------------------------------------------------------------------------------------------------------
 
-HEADER = (f"{'setting':>8} {'ctx':>7} {'B':>2} {'dt':>4} | {'ok':>3} {'pages=':>6} | {'sparse':>8} {'select':>8} "
-          f"{'dense':>8} {'flash':>8} {'effic':>8} (ms) | {'x sdpa':>6} {'x dense':>7} | {'GB/s':>7} {'%peak':>6}")
-CHECK_HEADER = f"{'setting':>8} {'ctx':>7} {'B':>2} {'dt':>4} | {'ok':>3} {'pages=':>6} {'max abs err':>11} {'x tol':>6} oracle"
+HEADER = (f"{'setting':>8} {'path':>8} {'ctx':>7} {'B':>2} {'dt':>4} | {'ok':>3} {'pages=':>6} | "
+          f"{'sparse':>8} {'select':>8} {'dense':>8} {'flash':>8} {'effic':>8} (ms) | "
+          f"{'x sdpa':>6} {'x dense':>7} | {'GB/s':>7} {'%peak':>6}")
+CHECK_HEADER = (f"{'setting':>8} {'path':>8} {'ctx':>7} {'B':>2} {'dt':>4} | {'ok':>3} {'pages=':>6} "
+                f"{'max abs err':>11} {'x tol':>6} oracle")
 
 
 def _f(x, w=8, p=3):
     return f"{'n/a':>{w}}" if x is None else f"{x:>{w}.{p}f}"
 
 
+def _path(r):
+    """The selection path of a row: stages and what is kept, e.g. ``2/tokens``."""
+    return f"{r['stages']}/{r['kept']}"
+
+
 def fmt_check(r):
-    return (f"{r['setting']:>8} {r['context']:>7} {r['batch']:>2} {r['dtype']:>4} | {('yes' if r['ok'] else 'NO'):>3} "
+    return (f"{r['setting']:>8} {_path(r):>8} {r['context']:>7} {r['batch']:>2} {r['dtype']:>4} | "
+            f"{('yes' if r['ok'] else 'NO'):>3} "
             f"{r['pages_agree']:>6.2f} {r['max_abs_err']:>11.2e} {r['tol_ratio']:>6.2f} {r['oracle']}")
 
 
 def fmt_row(r):
-    return (f"{r['setting']:>8} {r['context']:>7} {r['batch']:>2} {r['dtype']:>4} | {('yes' if r['ok'] else 'NO'):>3} "
+    return (f"{r['setting']:>8} {_path(r):>8} {r['context']:>7} {r['batch']:>2} {r['dtype']:>4} | "
+            f"{('yes' if r['ok'] else 'NO'):>3} "
             f"{r['pages_agree']:>6.2f} | {_f(r['sparse_ms'])} {_f(r['select_ms'])} {_f(r['dense_ms'])} "
             f"{_f(r['sdpa_flash_ms'])} {_f(r['sdpa_efficient_ms'])}      | {_f(r['speedup_vs_sdpa'], 6, 2)} "
             f"{_f(r['speedup_vs_dense'], 7, 2)} | {_f(r['sparse_gbs'], 7, 0)} {_f(r.get('sparse_pct_peak'), 6, 1)}")
 
 
 def check_targets(rows, peak):
-    """The issue's targets, per setting: >= 8x over SDPA at 32K (budget 2048), >= 70% of peak on bytes touched."""
+    """The targets, per setting: >= 8x over SDPA at 32K (budget 2048), >= 70% of peak on bytes touched."""
     out = []
     for setting in dict.fromkeys(r["setting"] for r in rows):
         rs = [r for r in rows if r["setting"] == setting and r.get("sparse_ms") is not None]
@@ -344,8 +380,9 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--check-only", action="store_true",
                    help="correctness against the reference at every shape, no timing (exit 1 on a mismatch)")
-    p.add_argument("--settings", nargs="*", choices=sorted(SETTINGS), default=["paper", "defaults"],
-                   help="selection settings: paper (page 16, bound only, no sink) and the backend's defaults")
+    p.add_argument("--settings", nargs="*", choices=sorted(SETTINGS), default=["defaults", "paper"],
+                   help="selection settings: the backend's defaults (TinyServeConfig()) and paper (page 16, bound "
+                   "only, no sink, one stage, fp32 bounds)")
     p.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
     p.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     p.add_argument("--dtypes", nargs="*", choices=sorted(DTYPES), help="override the dtypes")

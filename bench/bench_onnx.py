@@ -22,12 +22,14 @@ does not depend on what they hold); the ONNX state gets its page bounds from
 ``decode_state``. Bytes per step: the weights plus the K/V state the attention
 reads (``tinyserve_compile.cost``), next to the read bandwidth measured in the run.
 
-Exports are cached in ``--export-dir`` (one file per model, context and options).
+Exports are cached in ``--export-dir`` (one file per model, context and options). ``--profile DIR``
+turns on ONNX Runtime's profiler for every ONNX session and writes its JSON traces under ``DIR`` (off by
+default: a trace of one run takes tens of MB).
 
 Usage::
 
-    python bench/bench_onnx.py --json results/onnx/onnx.json              # 2K, 8K, 32K
-    python bench/bench_onnx.py --quick --label contended --json results/onnx_quick/onnx.json
+    python -m bench onnx --json results/onnx/onnx.json              # 2K, 8K, 32K
+    python -m bench onnx --quick --label contended --json results/onnx_quick/onnx.json
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -93,8 +96,24 @@ def _filled_cache(model, ctx: int, length: int, seed: int = 0):
     return cache
 
 
+def _profiled(dec, prefix: str):
+    """``dec`` (an ``OrtDecoder``) with its session rebuilt under ONNX Runtime's profiler, which writes
+    ``<prefix>_<date>.json`` when :meth:`end_profiling` of the session is called."""
+    import onnxruntime as ort
+
+    old = dec.session
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = old.get_session_options().intra_op_num_threads
+    so.log_severity_level = 3
+    so.enable_profiling = True
+    so.profile_file_prefix = prefix
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    dec.session = ort.InferenceSession(dec.path, so, providers=old.get_providers())
+    return dec
+
+
 def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, export_dir: str, threads,
-                kind: str = "auto", only=None):
+                kind: str = "auto", only=None, profile_dir: Optional[str] = None):
     from tinyserve_compile.export import decode_state
     from tinyserve_compile.onnx_runtime import OrtDecoder
 
@@ -121,6 +140,9 @@ def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, exp
     for p, opts in ((ORT_DENSE, dense_opts), (ort_ts_name, sparse_opts)):
         if p in providers:
             dec = OrtDecoder(paths[p], threads=threads)
+            if profile_dir:
+                tag = "ort_dense" if p == ORT_DENSE else "ort_tinyserve"
+                dec = _profiled(dec, os.path.join(profile_dir, f"onnxruntime_profile_{tag}_{ctx}"))
             dec.load_state(decode_state(source, options=opts))  # a copy of the same random cache, before any step
             fns[p] = dec
 
@@ -146,6 +168,7 @@ def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, exp
                     step(p, i)
                     times[p].append(time.perf_counter() - t0)
     torch._dynamo.reset()
+    profiles = {p: fns[p].session.end_profiling() for p in (ORT_DENSE, ort_ts_name) if p in fns and profile_dir}
     cfg = TinyServeConfig.from_options(sparse_opts)
     weights = weight_bytes(model)
     rows = []
@@ -154,6 +177,8 @@ def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, exp
         rows.append(dict(provider=p, context=ctx, model=which, budget=budget, ms_per_token=statistics.median(times[p]) * 1e3,
                          steps=len(times[p]), warmup_s=warm_s[p], export_s=export_s.get(p),
                          kv_bytes_per_token=kv, weight_bytes=weights, bytes_per_step=kv + weights))
+        if p in profiles:
+            rows[-1]["profile"] = profiles[p]
     return rows
 
 
@@ -173,6 +198,8 @@ def main(argv=None):
                     help="a subset: eager inductor tinyserve ort-dense ort-tinyserve (default: all)")
     ap.add_argument("--export-dir", default="results/onnx_exports", help="exported files are cached here")
     ap.add_argument("--json", help="write records here (a .csv and .png go next to it)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="ONNX Runtime's profiler on, traces written under DIR (e.g. results/onnx_profile)")
     a = ap.parse_args(argv)
     if a.quick:
         a.contexts, a.steps, a.rounds, a.warmup = [2048, 8192], 4, 2, 2
@@ -186,7 +213,8 @@ def main(argv=None):
     only = None if a.providers is None else [short[p] for p in a.providers]
     rows = []
     for ctx in a.contexts:
-        rows += run_context(ctx, a.budget, a.steps, a.rounds, a.warmup, a.export_dir, a.threads, a.model, only)
+        rows += run_context(ctx, a.budget, a.steps, a.rounds, a.warmup, a.export_dir, a.threads, a.model, only,
+                            a.profile)
     load1 = os.getloadavg()
     ts_name, ort_ts_name = _names(a.budget)
     label = f" [{a.label}]" if a.label else ""
@@ -211,7 +239,7 @@ def main(argv=None):
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
         with open(os.path.splitext(a.json)[0] + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             w.writeheader()
             w.writerows(rows)
         import matplotlib

@@ -1,11 +1,12 @@
 """Op benchmark on this CPU: the sparse decode op against dense torch SDPA, side by side.
 
-Shape (issue 2, section 4): B=1, 9 query heads / 3 KV heads, D=64, fp32 and bf16,
-contexts 4K/16K/64K (1K..256K with ``--full``). Two selection settings:
+Shape: B=1, 9 query heads / 3 KV heads, D=64, fp32 and bf16,
+contexts 4K/16K/64K (1K..256K with ``--full``). Selection settings (``--settings``, default the first two):
 
-* ``defaults``: the backend's defaults (:mod:`tinyserve_compile.config`: page size, budget, sink pages,
-  candidate factor and extra candidates, kept tokens or pages, bounds dtype);
-* ``paper``: the paper's rule (page 16, budget 2048, no sinks, one stage, fp32 bounds).
+* ``defaults``: the backend's defaults (every selection field of ``TinyServeConfig()``: page size, budget,
+  sink pages, candidate factor and extra candidates, kept tokens or pages, bounds dtype);
+* ``paper``: the paper's rule (page 16, budget 2048, no sinks, one stage, fp32 bounds);
+* ``previous``: the earlier defaults (pages of 8, one sink, c=2 keeping whole pages, bf16 bounds).
 
 Providers, timed in one interleaved loop (rotating order, median of ``--reps``):
 ``dense`` = ``F.scaled_dot_product_attention(enable_gqa=True)`` over the whole cache,
@@ -22,9 +23,9 @@ measured in the same run (``stream_gbps``: one ``sum`` over 256 MB, median of 7)
 
 Usage::
 
-    python bench/bench_op.py --quick                  # < 2 minutes
-    python bench/bench_op.py --out-dir results/       # table + results/bench_op.{json,csv,png}
-    python bench/bench_op.py --full --json results/bench_op_full.json
+    python -m bench op --quick                  # < 2 minutes
+    python -m bench op --out-dir results/       # table + results/bench_op.{json,csv,png}
+    python -m bench op --full --json results/bench_op_full.json
 """
 from __future__ import annotations
 
@@ -40,19 +41,27 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tinyserve_compile import config as C
+from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.cost import sparse_site_bytes
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_
 from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
 
 B, HQ, HKV, D = 1, 9, 3, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: the key of each selection field in a setting, and the ``TinyServeConfig`` field it stands for
+SETTING_FIELDS = dict(page="page_size", budget="token_budget", sink="sink_pages", cf="candidate_factor",
+                      bounds="bounds_dtype", extra="candidate_extra", tokens="keep_tokens")
+
+
+def config_setting(config: TinyServeConfig) -> dict:
+    """The selection setting of a backend configuration."""
+    return {key: getattr(config, field) for key, field in SETTING_FIELDS.items()}
+
+
 SETTINGS = {
-    "defaults": dict(page=C.DEFAULT_PAGE_SIZE, budget=C.DEFAULT_TOKEN_BUDGET, sink=C.DEFAULT_SINK_PAGES,
-                     cf=C.DEFAULT_CANDIDATE_FACTOR, bounds=C.DEFAULT_BOUNDS_DTYPE, extra=C.DEFAULT_CANDIDATE_EXTRA,
-                     tokens=C.DEFAULT_KEEP_TOKENS),
+    "defaults": config_setting(TinyServeConfig()),
     "paper": dict(page=16, budget=2048, sink=0, cf=1, bounds="float32", extra=0, tokens=False),
-    # the defaults before issue 10's phase 3, for side-by-side runs
+    # the earlier defaults (bf16 bounds, c=2, whole pages), for side-by-side runs
     "previous": dict(page=8, budget=2048, sink=1, cf=2, bounds="bfloat16", extra=0, tokens=False),
 }
 

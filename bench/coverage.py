@@ -337,7 +337,7 @@ def _check_isolated(arch, timeout: float) -> Dict:
     import subprocess
 
     try:
-        p = subprocess.run([sys.executable, "-m", "bench.coverage", arch], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-m", "bench.coverage", "--one", arch], capture_output=True, text=True,
                            timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"arch": arch, "status": "wrong", "decode_sites": 0, "rewritten": 0, "graphs": 0,
@@ -376,7 +376,37 @@ def table(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # one architecture, its row as one JSON line (see ``_check_isolated``)
+def main(argv=None) -> int:
+    """``python -m bench coverage``: the sweep and its table; exit status 1 when an architecture is wrong."""
+    import argparse
     import json
 
-    print(json.dumps(_check_quietly(sys.argv[1]), default=float))
+    ap = argparse.ArgumentParser(prog="python -m bench coverage",
+                                 description="every decoder-only HF architecture through the backend")
+    ap.add_argument("--json", default="", help="write the rows here (JSON, and CSV next to it)")
+    ap.add_argument("--archs", default="", help="comma-separated model types (default: all)")
+    ap.add_argument("--quick", action="store_true", help="a few architectures (what CI runs)")
+    ap.add_argument("--in-process", action="store_true", help="no fresh interpreter per architecture")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # one architecture, its row as one JSON line
+    a = ap.parse_args(argv)
+    if a.one:  # the child process of _check_isolated
+        print(json.dumps(_check_quietly(a.one), default=float))
+        return 0
+    try:
+        from .output import write_rows
+    except ImportError:
+        from output import write_rows
+
+    archs = a.archs.split(",") if a.archs else (list(QUICK) if a.quick else architectures())
+    rows = sweep(archs, isolate=not a.in_process)
+    print(table(rows))
+    if a.json:
+        write_rows([{k: v for k, v in r.items() if k != "trace"} for r in rows], a.json)
+    wrong = [r for r in rows if r["status"] == "wrong"]
+    for r in wrong:
+        print(f"\n{r['arch']}: {r['reasons']}\n{r.get('trace', '')}", file=sys.stderr)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check (issue 9, item 6): everything to run when a machine with one CUDA GPU is lent, in < 8 minutes.
+# The GPU check: everything to run when a machine with one CUDA GPU is lent, in < 8 minutes. It times the
+# shipped defaults (every selection field of TinyServeConfig(): pages of 8, a sink page, two stages with
+# extra candidates keeping single tokens, int8 bounds) first, then the paper's rule.
 #
 #   pip install -e '.[dev]'              # nothing else is installed; torch with CUDA and triton must be there
 #   bash bench/gpu_check.sh              # JSON, logs and summary.json under ${OUT:-results/gpu}
@@ -8,15 +10,18 @@
 #
 # Steps, each under `timeout` (seconds; the sum stays under 8 minutes):
 #   env           30  torch.cuda.is_available() (exit 2 otherwise), versions, device name
-#   kernel_check  90  bench/bench_kernel_gpu.py --check-only: the Triton path against the reference (or the
-#                     op's PyTorch path where the reference does not fit) at every benchmark shape, both
-#                     selection settings (paper, defaults)
-#   kernel_bench  90  bench/bench_kernel_gpu.py: timings vs SDPA flash/efficient, GB/s vs the device peak
-#   decode_8k    150  bench/bench_decode.py: eager HF, inductor, tinyserve; random-init Llama of SmolLM2's
-#                     shape, bf16, batch 1, 8K; compiles cold (compile_s comparable between providers)
+#   kernel_check  90  python -m bench gpu --check-only: the Triton path against the reference (or the op's
+#                     PyTorch path where the reference does not fit) at every benchmark shape, both selection
+#                     settings (defaults, paper)
+#   kernel_bench  90  python -m bench gpu: timings vs SDPA flash/efficient, GB/s vs the device peak, the
+#                     defaults first
+#   decode_8k    150  python -m bench decode: eager HF, inductor, tinyserve with its defaults; random-init
+#                     Llama of SmolLM2's shape, bf16, batch 1, 8K; compiles cold (compile_s comparable
+#                     between providers)
 #   decode_32k    90  the same at 32K, compiles reusing the caches of the 8K step (compile_s not comparable)
-# then a summary (stdout and $OUT/summary.json). Exit status: 0 when every step passed, 1 otherwise, 2 without
-# a GPU. TIMEOUT_SCALE=N multiplies every limit (the tests use it for --dry-run on a loaded CPU).
+# then a summary (stdout and $OUT/summary.json), with the selection path of each kernel row (stages/kept:
+# the defaults run 2/tokens). Exit status: 0 when every step passed, 1 otherwise, 2 without a GPU.
+# TIMEOUT_SCALE=N multiplies every limit (the tests use it for --dry-run on a loaded CPU).
 set -u
 cd "$(dirname "$0")/.."
 DRY=0
@@ -45,7 +50,7 @@ run() {
 if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1
     CHECK_ARGS=(--dry-run --contexts 384 --batches 2 --dtypes bf16)
-    BENCH_ARGS=(--dry-run --contexts 128 --batches 2 --dtypes bf16 --settings paper)
+    BENCH_ARGS=(--dry-run --contexts 128 --batches 2 --dtypes bf16)
     DEC_ARGS=(--model tiny --device cpu --dtype bf16 --providers eager,tinyserve --steps 2 --rounds 1 --warmup 1
               --options '{"token_budget": 64, "lower": "eager"}' --prefill-cache "$OUT/prefill" --warm-compile)
     CTX_8K=384
@@ -82,11 +87,14 @@ fi
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.mem --format=csv \
     > "$OUT/nvidia_smi.csv" 2>&1
 
-run kernel_check 90 "$PY" bench/bench_kernel_gpu.py --check-only ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} --out-dir "$OUT/kernel_check"
-run kernel_bench 90 "$PY" bench/bench_kernel_gpu.py ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --out-dir "$OUT/kernel_bench"
-run decode_8k 150 "$PY" bench/bench_decode.py "${DEC_ARGS[@]}" --contexts "$CTX_8K" --batches 1 \
+# the selection settings, the shipped defaults first (a step cut by its time limit has timed them)
+SETTINGS=(--settings defaults paper)
+run kernel_check 90 "$PY" -m bench gpu --check-only "${SETTINGS[@]}" ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} \
+    --out-dir "$OUT/kernel_check"
+run kernel_bench 90 "$PY" -m bench gpu "${SETTINGS[@]}" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --out-dir "$OUT/kernel_bench"
+run decode_8k 150 "$PY" -m bench decode "${DEC_ARGS[@]}" --contexts "$CTX_8K" --batches 1 \
     --json "$OUT/decode_8k/decode.json"
-run decode_32k 90 "$PY" bench/bench_decode.py "${DEC_ARGS[@]}" --contexts "$CTX_32K" --batches 1 --warm-compile \
+run decode_32k 90 "$PY" -m bench decode "${DEC_ARGS[@]}" --contexts "$CTX_32K" --batches 1 --warm-compile \
     --json "$OUT/decode_32k/decode.json"
 
 # ---- summary (stdout and $OUT/summary.json)
@@ -114,20 +122,26 @@ if chk:
     summary["kernel_check"] = c = dict(device=chk["meta"]["device"], shapes=len(rows),
                                        failures=sum(not r["ok"] for r in rows),
                                        worst_tol_ratio=max(r["tol_ratio"] for r in rows),
-                                       min_pages_agree=min(r["pages_agree"] for r in rows))
+                                       min_pages_agree=min(r["pages_agree"] for r in rows),
+                                       paths={s: sorted({f"{r['stages']}/{r['kept']}" for r in rows
+                                                         if r["setting"] == s})
+                                              for s in dict.fromkeys(r["setting"] for r in rows)})
     print(f"  kernel check on {c['device']}: {c['shapes']} shapes, {c['failures']} failures, worst error "
           f"{c['worst_tol_ratio']:.2f}x tolerance, same pages as the reference in >= {c['min_pages_agree']:.0%} "
           "of KV heads")
+    print("  selection paths (stages/kept): " + ", ".join(f"{k} {' '.join(v)}" for k, v in c["paths"].items()))
 bench = load("kernel_bench/bench_kernel_gpu.json")
 if bench:
-    keys = ("setting", "context", "batch", "dtype", "sparse_ms", "speedup_vs_sdpa", "speedup_vs_dense", "sparse_gbs",
+    keys = ("setting", "stages", "kept", "bounds_dtype", "context", "batch", "dtype", "sparse_ms", "speedup_vs_sdpa",
+            "speedup_vs_dense", "sparse_gbs",
             "sparse_pct_peak")
     summary["kernel_bench"] = [{k: r.get(k) for k in keys} for r in bench["rows"]]
     print("  kernel bench: sparse ms, speed-up vs the fastest SDPA backend, % of peak bandwidth")
     for r in summary["kernel_bench"]:
         sp = "n/a" if r["speedup_vs_sdpa"] is None else f"{r['speedup_vs_sdpa']:.2f}x"
         pk = "n/a" if r["sparse_pct_peak"] is None else f"{r['sparse_pct_peak']:.0f}%"
-        print(f"    {r['setting']:>8} {r['context']:>7} B={r['batch']} {r['dtype']}: {r['sparse_ms']:.3f} ms {sp:>7} {pk:>5}")
+        print(f"    {r['setting']:>8} {r['stages']}/{r['kept']:<6} {r['context']:>7} B={r['batch']} {r['dtype']}: "
+              f"{r['sparse_ms']:.3f} ms {sp:>7} {pk:>5}")
     summary["kernel_targets"] = bench["targets"]
     for t in bench["targets"]:
         print(f"    target {t['target']}: {t['worst']:.2f} -> {'met' if t['met'] else 'MISSED'}")

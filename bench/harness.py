@@ -33,7 +33,11 @@ ATTN_NAME = "tinyserve_eval"
 
 @dataclass(frozen=True)
 class Sparse:
-    """One decode configuration (mirrors the backend options)."""
+    """One decode configuration (mirrors the backend options).
+
+    The field defaults are the paper's rule (pages of 16, no sink page, one stage) with bf16 bounds: the
+    base the study grids vary. :func:`default_sparse` gives the backend's defaults.
+    """
 
     policy: str = "query_aware"
     token_budget: int = 2048
@@ -73,6 +77,16 @@ class Sparse:
 
 
 FULL = Sparse(policy="full", dense_layers=0)
+
+
+def default_sparse(**changes) -> Sparse:
+    """The backend's default configuration: every field of :class:`Sparse` that ``TinyServeConfig`` has,
+    taken from ``TinyServeConfig()``, then ``changes``."""
+    from tinyserve_compile.config import TinyServeConfig
+
+    config = TinyServeConfig()
+    shared = {f.name for f in dataclasses.fields(Sparse)} & {f.name for f in dataclasses.fields(config)}
+    return dataclasses.replace(Sparse(**{name: getattr(config, name) for name in shared}), **changes)
 
 _ACTIVE: List["EvalModel"] = []
 

@@ -1,4 +1,4 @@
-"""Issue 10 prototypes: cheaper selections, measured in the study's harness only.
+"""Prototypes of cheaper selections, measured in the study's harness only.
 
 They are page-selection policies registered under their own names on import, so the harness
 (:class:`bench.harness.EvalModel`) runs them like any other policy; they are **not** backend options:

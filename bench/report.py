@@ -1,4 +1,12 @@
-"""Tables (markdown) and PNG plots from the JSON results of ``python -m bench accuracy/speed``."""
+"""Tables (markdown) and PNG plots from the JSON results of ``python -m bench accuracy`` and ``python -m bench study``.
+
+``python -m bench report [--out results] [--img docs/img]`` reads ``accuracy_ppl.json``, ``passkey.json``,
+``diagnostics.json`` and every ``study_*.json`` of the results folder, writes ``report.md`` there and the
+plots to ``--img``. A study file of one window per cell gets :func:`study_table`; a study of several windows
+per cell (rows with ``window``), with its tuning and held-out halves named ``<prefix>_tune.json`` and
+``<prefix>_heldout.json``, gets :func:`window_report`. The decode, op, ONNX and GPU benchmarks print and
+write their own tables.
+"""
 from __future__ import annotations
 
 import json
@@ -6,6 +14,11 @@ import math
 import os
 from collections import defaultdict
 from typing import List
+
+from tinyserve_compile.config import TinyServeConfig
+
+#: the backend's defaults (the variant starred in the plots)
+_DEFAULTS = TinyServeConfig()
 
 
 def _load(path):
@@ -131,23 +144,6 @@ def plot_passkey(rows, path):
     plt.close(fig)
 
 
-def plot_speed(rows, path):
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for p in dict.fromkeys(r["provider"] for r in rows):
-        pts = sorted((r["ctx"], r["ms_per_token"]) for r in rows if r["provider"] == p and "ms_per_token" in r)
-        if pts:
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("decode ms/token")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
 #: SmolLM2-135M attention shape (KV heads, head dim) and the fp32 cache of the study
 SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM, CACHE_ITEMSIZE = 3, 64, 4
 
@@ -191,7 +187,7 @@ def bytes_fraction(r) -> float:
 
 
 def plot_frontier(rows, path, budget_key="budget"):
-    """+ppl vs fraction of KV bytes read per sparse layer, per variant (issue 6 frontier)."""
+    """+ppl vs fraction of KV bytes read per sparse layer, per variant (a study of one window per cell)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for b, mk in zip(sorted({r["budget"] for r in rows if r["policy"] != "full"}), "os^v"):
@@ -259,41 +255,33 @@ def report(results_dir="results", img_dir="docs/img") -> str:
         for lab in labels:
             parts.append(f"| {lab} | " + " | ".join(
                 f"{100 * sum(acc[(t, lab)]) / len(acc[(t, lab)]):.1f}%" if acc[(t, lab)] else "-" for t in tasks) + " |")
-    for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
-        if name.startswith("study_") and name.endswith(".json"):  # issue 6 (one window); issue 10: study10_*
-            rows = _load(os.path.join(results_dir, name))
-            for r in rows:
-                r.setdefault("series", r.get("variant", r["label"]))
-            parts += ["", f"### Selection study `{name}`", study_table(rows), "", stats_table(rows)]
-            if any("stat_bytes_fraction" in r for r in rows):
-                plot_frontier(rows, os.path.join(img_dir, name.replace(".json", "_frontier.png")))
-    if os.path.exists(os.path.join(results_dir, "study10_tune.json")):
-        parts += ["", "### Selection study (issue 10)", study10_report(results_dir, img_dir)]
-    # decode rows at batch 1 (batch 8 is in decode.json) and the op rows
-    sp = [r for r in _load(os.path.join(results_dir, "speed.json")) or [] if r.get("batch", 1) == 1]
-    if sp:
-        plot_speed([r for r in sp if "provider" in r], os.path.join(img_dir, "speed_ms_per_token.png"))
-        parts += ["", "### Decode speed", "| provider | ctx | ms/token | compile s |", "|---|---|---|---|"]
-        for r in sp:
-            if "provider" in r:
-                parts.append(f"| {r['provider']} | {r['ctx']} | {r.get('ms_per_token', float('nan')):.1f} | "
-                             f"{r.get('compile_s', float('nan')):.1f} |" if "error" not in r else
-                             f"| {r['provider']} | {r['ctx']} | error: {r['error'][:80]} | |")
-    ops = [r for r in (sp or []) if r.get("kind") == "op"]
-    if ops:
-        parts += ["", "### Attention op vs SDPA (fp32, 9/3 heads, D=64, budget 2048)",
-                  "| context | page | sinks | candidate factor | SDPA ms | op ms | speed-up |", "|---|---|---|---|---|---|---|"]
-        for r in ops:
-            parts.append(f"| {r['context']} | {r['page_size']} | {r['sink_pages']} | {r['candidate_factor']} | "
-                         f"{r['dense_ms']:.2f} | {r['sparse_ms']:.2f} | {r['ratio']:.1f}x |")
+    names = sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []
+    prefixes = []
+    for name in names:
+        if not (name.startswith("study_") and name.endswith(".json")):
+            continue
+        rows = _load(os.path.join(results_dir, name))
+        prefix, half = name[:-5].rsplit("_", 1)
+        if half in ("tune", "heldout") and any("window" in r for r in rows):  # several windows per cell
+            if prefix not in prefixes:  # one report per tune/heldout pair
+                prefixes.append(prefix)
+            continue
+        for r in rows:
+            r.setdefault("series", r.get("variant", r["label"]))
+        parts += ["", f"### Selection study `{name}`", study_table(rows), "", stats_table(rows)]
+        if any("stat_bytes_fraction" in r for r in rows):
+            plot_frontier(rows, os.path.join(img_dir, name.replace(".json", "_frontier.png")))
+    for prefix in prefixes:
+        parts += ["", f"### Selection study `{prefix}` (several windows per cell)",
+                  window_report(results_dir, img_dir, prefix)]
     text = "\n".join(parts)
     with open(os.path.join(results_dir, "report.md"), "w") as f:
         f.write(text)
     return text
 
 
-# ---------------------------------------------------------------------------------------------- issue 10
-#: issue 10's targets (held-out text, 8K, mean over windows; bytes per sparse layer and step, budget 2048)
+# ---------------------------------------------------------------------------------------------- several windows
+#: the selection targets (held-out text, 8K, mean over windows; bytes per sparse layer and step, budget 2048)
 TARGETS = dict(ppl_2048=0.005, ppl_512=0.03, top1_2048=0.98, bytes_8k=0.35, bytes_32k=0.12)
 
 
@@ -312,7 +300,7 @@ def _row_extra(r: dict) -> int:
     return int(part[1:]) if part else 0
 
 
-def phase3_table(rows: List[dict]) -> str:
+def means_table(rows: List[dict]) -> str:
     """Markdown: per variant, +ppl (mean (sd)) and top-1 at 512 and 2048, and bytes at 8K / 32K (budget 2048,
     :func:`site_bytes_share` with the row's ``candidate_extra`` and bounds dtype)."""
     groups = defaultdict(list)
@@ -341,10 +329,10 @@ def phase3_table(rows: List[dict]) -> str:
     return "\n".join(out)
 
 
-def plot_phase3_frontier(rows: List[dict], path: str, targets=((512, 0.03), (2048, 0.005)), byte_target=0.35):
+def plot_means_frontier(rows: List[dict], path: str, targets=((512, 0.03), (2048, 0.005)), byte_target=0.35):
     """Two panels (budget 512 and 2048): +ppl (mean, sd error bars over the windows) against bytes per sparse layer
     and step at 8K / budget 2048 (share of dense K+V), every ``query_aware`` variant of ``rows``; the oracle (which
-    reads every key) as a dashed line; the issue's targets as grey lines."""
+    reads every key) as a dashed line; the targets as grey lines."""
     plt = _plt()
     if plt is None:
         return
@@ -364,12 +352,13 @@ def plot_phase3_frontier(rows: List[dict], path: str, targets=((512, 0.03), (204
             r0 = rs[0]
             x = 100 * site_bytes_share("query_aware", 8192, 2048, r0["page_size"], r0.get("candidate_factor", 1),
                                        r0.get("bounds_dtype") or "float32", candidate_extra=_row_extra(r0))
-            new = r0.get("bounds_dtype") == "int8" and _row_extra(r0) == 1024 and "keep tokens" in v
-            ax.errorbar([x], [st["mean"]], yerr=[st["std"]], fmt="*" if new else "o", ms=12 if new else 6,
+            shipped = (r0.get("bounds_dtype") == _DEFAULTS.bounds_dtype and _row_extra(r0) == _DEFAULTS.candidate_extra
+                       and ("keep tokens" in v) == _DEFAULTS.keep_tokens and r0["page_size"] == _DEFAULTS.page_size)
+            ax.errorbar([x], [st["mean"]], yerr=[st["std"]], fmt="*" if shipped else "o", ms=12 if shipped else 6,
                         capsize=3, label=v)
         ax.axhline(100 * ppl_target, color="grey", lw=0.8)
         ax.axvline(100 * byte_target, color="grey", lw=0.8)
-        ax.set_title(f"budget {budget}: held-out +ppl (mean ± sd, 4 windows)")
+        ax.set_title(f"budget {budget}: +ppl (mean ± sd over windows; star: the defaults)")
         ax.set_xlabel("bytes per sparse layer and step, % of dense K+V (8K, budget 2048)")
         ax.set_ylabel("+ppl vs full attention, %")
         ax.grid(alpha=0.3)
@@ -409,7 +398,7 @@ def _pm(s: dict, pct=True, signed=True) -> str:
             + f.format(k * s["max"]) + "]")
 
 
-def study10_table(summary: List[dict], mark: str = "") -> str:
+def window_table(summary: List[dict], mark: str = "") -> str:
     """Markdown: per variant, +ppl and top-1 at each budget (mean ± std [min, max] over windows), the gap to
     the oracle, and bytes per sparse layer and step at budget 2048 (share of dense K+V) at 8K and 32K."""
     budgets = sorted({e["budget"] for e in summary})
@@ -436,7 +425,7 @@ def study10_table(summary: List[dict], mark: str = "") -> str:
 
 
 def targets_check(summary: List[dict]) -> List[dict]:
-    """Per variant, each issue-10 target met or missed (quality from ``summary``, bytes from the cost model)."""
+    """Per variant, each of :data:`TARGETS` met or missed (quality from ``summary``, bytes from the cost model)."""
     out = []
     for v in dict.fromkeys(e["variant"] for e in summary):
         e = {e["budget"]: e for e in summary if e["variant"] == v}
@@ -471,9 +460,9 @@ def _short(v: str) -> str:
             .replace("superpages of 8 pages, 4x, ", "").replace(",", ""))
 
 
-def plot_frontier10(summary: List[dict], path: str, title: str = ""):
+def plot_window_frontier(summary: List[dict], path: str, title: str = ""):
     """Quality against bytes per sparse layer and step at 8K, one column per budget: +ppl (top row) and
-    top-1 agreement (bottom row), mean with min..max over windows as error bars; issue 10's targets dashed."""
+    top-1 agreement (bottom row), mean with min..max over windows as error bars; the targets dashed."""
     plt = _plt()
     budgets = sorted({e["budget"] for e in summary})
     fig, axes = plt.subplots(2, len(budgets), figsize=(7.5 * len(budgets), 9), squeeze=False)
@@ -530,9 +519,13 @@ def bytes_table(summary: List[dict]) -> str:
     return "\n".join(out)
 
 
-def study10_report(results_dir: str = "results", img_dir: str = "docs/img", prefix: str = "study10") -> str:
-    """Tables (markdown) and frontier PNGs of the issue-10 study from ``results/<prefix>_{tune,heldout}.json``;
-    the summaries go to ``<img_dir>/<prefix>_summary.json`` and the per-window rows next to them."""
+def window_report(results_dir: str = "results", img_dir: str = "docs/img", prefix: str = "study_frontier") -> str:
+    """Tables (markdown) and PNGs of a study of several windows per cell from
+    ``results/<prefix>_{tune,heldout}.json``: bytes per variant, the per-window spread (:func:`window_table`),
+    the targets (:func:`targets_table`) and the means (:func:`means_table`); plots
+    ``<img_dir>/<prefix>_<half>_frontier.png`` (:func:`plot_window_frontier`) and
+    ``<img_dir>/<prefix>_<half>_means.png`` (:func:`plot_means_frontier`). The summaries go to
+    ``<img_dir>/<prefix>_summary.json`` and the per-window rows next to them."""
     os.makedirs(img_dir, exist_ok=True)
     parts, dump = [], {}
     for half in ("tune", "heldout"):
@@ -546,22 +539,37 @@ def study10_report(results_dir: str = "results", img_dir: str = "docs/img", pref
         full = [r for r in rows if r["policy"] == "full"]
         offs = sorted({r["offset"] for r in full})
         fulls = ", ".join(f"{r['ppl']:.2f}" for r in sorted(full, key=lambda r: r["offset"]))
-        if half == "tune":
+        if half == "tune" or "tune" not in dump:
             parts += ["### Bytes read per sparse layer and step (share of dense K+V, `tinyserve_compile.cost`; "
                       "prototypes: `bench.prototypes.proto_site_bytes`)", "", bytes_table(summ), ""]
         parts += [f"### {'Tuning' if half == 'tune' else 'Held-out'} text: {len(offs)} windows at token offsets "
                   f"{', '.join(map(str, offs))} (full-attention ppl {fulls}; {full[0]['steps']} teacher-forced "
                   f"predictions each, context {full[0]['ctx']})", "",
-                  "Cells: mean ± std [min, max] over windows.", "", study10_table(summ), "",
-                  "Targets (issue 10), on the means:", "", targets_table(summ), ""]
-        plot_frontier10(summ, os.path.join(img_dir, f"{prefix}_{half}_frontier.png"),
-                        "tuning text," if half == "tune" else "held-out text,")
+                  "Cells: mean ± std [min, max] over windows.", "", window_table(summ), "",
+                  "Targets, on the means:", "", targets_table(summ), "",
+                  "Means (sd) and bytes with each variant's extra candidates:", "", means_table(rows), ""]
+        label = "tuning text," if half == "tune" else "held-out text,"
+        plot_window_frontier(summ, os.path.join(img_dir, f"{prefix}_{half}_frontier.png"), label)
+        plot_means_frontier(rows, os.path.join(img_dir, f"{prefix}_{half}_means.png"))
     with open(os.path.join(img_dir, f"{prefix}_summary.json"), "w") as f:
         json.dump(dump, f, indent=1)
     return "\n".join(parts)
 
 
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="results", help="the results folder the benchmarks wrote")
+    ap.add_argument("--img", default="docs/img", help="where the PNGs go")
+    ap.add_argument("--windows", default="", help="only the window report of this study prefix "
+                    "(e.g. study_defaults: results/study_defaults_{tune,heldout}.json)")
+    a = ap.parse_args(argv)
+    print(window_report(a.out, a.img, a.windows) if a.windows else report(a.out, a.img))
+    return 0
+
+
 if __name__ == "__main__":
     import sys
 
-    print(study10_report(*sys.argv[1:]))
+    sys.exit(main())

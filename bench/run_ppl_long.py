@@ -6,9 +6,9 @@ import dataclasses
 import json
 import os
 
-from bench.__main__ import _write, default_sparse
 from bench.accuracy import perplexity
-from bench.harness import Sparse
+from bench.harness import Sparse, default_sparse
+from bench.output import write_rows
 
 if __name__ == "__main__":
     d = default_sparse()
@@ -26,4 +26,4 @@ if __name__ == "__main__":
         for r in perplexity(ctx, list(series), steps=128, half="heldout", collect=collect):
             r["series"] = next((s for c, s in series.items() if c.label() == r["label"]), "full")
             rows.append(r)
-        _write(rows, path)
+        write_rows(rows, path)

@@ -1,4 +1,4 @@
-"""Selection study (issues 6 and 10): quality of page-selection variants against the bytes they read.
+"""Selection study: quality of page-selection variants against the bytes they read.
 
 Every cell is measured on several *windows* (non-overlapping stretches of the tuning or held-out
 text, see :func:`window_offsets`): per window, ``ctx - steps`` tokens are prefilled densely (the
@@ -6,8 +6,10 @@ prefill is cached on disk) and ``steps`` tokens are teacher-forced through the d
 (:func:`bench.accuracy.perplexity`). Rows are written after every window, and ``--resume`` skips
 the (window, configuration) pairs already in ``--out``. Aggregate with :func:`bench.report.study_summary`.
 
-``python -m bench.study --half tune --windows 4 --steps 64 --out results/study10_tune.json``
-``python -m bench.study --half heldout --grid heldout --windows 4 --steps 64 --out results/study10_heldout.json``
+``python -m bench study --half tune --windows 4 --steps 64 --out results/study_frontier_tune.json``
+``python -m bench study --half heldout --grid heldout --windows 4 --steps 64 --out results/study_frontier_heldout.json``
+``python -m bench study --half heldout --grid defaults --windows 4 --steps 64 --out results/study_defaults_heldout.json``
+(then ``python -m bench report``: a ``<prefix>_tune.json`` / ``<prefix>_heldout.json`` pair is one report).
 """
 from __future__ import annotations
 
@@ -46,14 +48,15 @@ def variant_name(cfg: Sparse) -> str:
 def grid(name: str, budget: int) -> List[Sparse]:
     """The configurations of one grid at one budget, most important first.
 
-    ``frontier`` (tuning text): the one-stage bound (the only kind whose bytes can meet issue 10's
-    targets) with pages of 8/12/16 and a sink, pages of 8/16 without one, fp32 bounds for pages of 8/16
+    ``frontier`` (tuning text): the one-stage bound (the only kind whose bytes can meet the byte
+    targets of :data:`bench.report.TARGETS`) with pages of 8/12/16 and a sink, pages of 8/16 without one, fp32 bounds for pages of 8/16
     with a sink, two-stage c=2/4 with a sink, and the oracle (pages of 8, sink). ``tail``: the rest of
     pages 8/16 x sinks 0/1 x c 1/2/4 (two-stage without a sink). ``heldout``: the candidates for the
-    defaults (one stage, pages of 8/12/16, a sink), today's defaults (pages of 8, sink, c=4), the oracle,
+    defaults (one stage, pages of 8/12/16, a sink), two stages with c=4 (pages of 8, sink), the oracle,
     and the tuning text's best two-stage compromise (pages of 8, sink, c=2).
-    ``phase3`` (issue 10, the backend's own options): int8 bounds with ``candidate_extra`` 512/1024 keeping
-    tokens, int8 with 1024 extra keeping pages, bf16 with 1024 extra keeping tokens, and int8 with c=2.
+    ``defaults`` (the backend's own options, pages of 8, a sink): int8 bounds with ``candidate_extra``
+    512/1024 keeping tokens (1024: the defaults), int8 with 1024 extra keeping pages, bf16 with 1024 extra
+    keeping tokens, and int8 with c=2.
     ``none``: nothing (with ``--extra``: only the extra configurations).
     """
     b = dict(token_budget=budget, dense_layers=2)
@@ -68,13 +71,13 @@ def grid(name: str, budget: int) -> List[Sparse]:
     if name == "heldout":
         return one + [Sparse(**b, page_size=8, sink_pages=1, candidate_factor=4), oracle,
                       Sparse(**b, page_size=8, sink_pages=1, candidate_factor=2)]
-    if name == "phase3":
-        p3 = dict(**b, page_size=8, sink_pages=1)
-        return [Sparse(**p3, bounds_dtype="int8", candidate_extra=1024, keep_tokens=True),
-                Sparse(**p3, bounds_dtype="int8", candidate_extra=512, keep_tokens=True),
-                Sparse(**p3, bounds_dtype="int8", candidate_extra=1024),
-                Sparse(**p3, candidate_extra=1024, keep_tokens=True),
-                Sparse(**p3, bounds_dtype="int8", candidate_factor=2)]
+    if name == "defaults":
+        d = dict(**b, page_size=8, sink_pages=1)
+        return [Sparse(**d, bounds_dtype="int8", candidate_extra=1024, keep_tokens=True),
+                Sparse(**d, bounds_dtype="int8", candidate_extra=512, keep_tokens=True),
+                Sparse(**d, bounds_dtype="int8", candidate_extra=1024),
+                Sparse(**d, candidate_extra=1024, keep_tokens=True),
+                Sparse(**d, bounds_dtype="int8", candidate_factor=2)]
     if name == "none":  # only --extra
         return []
     raise ValueError(f"unknown grid {name!r}")
@@ -94,11 +97,11 @@ def window_offsets(half: str, ctx: int, n: int) -> List[int]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench study", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--half", default="tune", choices=("tune", "heldout"))
-    ap.add_argument("--grid", default="frontier", choices=("frontier", "tail", "heldout", "phase3", "none"))
+    ap.add_argument("--grid", default="frontier", choices=("frontier", "tail", "heldout", "defaults", "none"))
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--budgets", default="512,2048")
     ap.add_argument("--only", default="", help="semicolon-separated variant names (default: the whole grid)")

@@ -1,5 +1,6 @@
-"""``bench/bench_kernel_gpu.py --dry-run`` and ``bench/gpu_check.sh --dry-run``: the GPU benchmark's and the
-GPU check's logic on tiny CPU shapes (Triton interpreter, tiny random Llama)."""
+"""``python -m bench gpu --dry-run`` and ``bench/gpu_check.sh --dry-run``: the GPU benchmark's and the GPU
+check's logic on tiny CPU shapes (Triton interpreter, tiny random Llama). The ``defaults`` setting runs the
+shipped selection: two stages keeping single tokens, int8 bounds."""
 from __future__ import annotations
 
 import json
@@ -18,14 +19,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_kernel_gpu_dry_run(tmp_path):
+    from tinyserve_compile.config import TinyServeConfig
+
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, str(ROOT / "bench" / "bench_kernel_gpu.py"), "--dry-run", "--contexts", "128",
-           "--batches", "2", "--dtypes", "bf16", "--settings", "paper", "--out-dir", str(tmp_path)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    cmd = [sys.executable, "-m", "bench", "gpu", "--dry-run", "--contexts", "128", "--batches", "2", "--dtypes",
+           "bf16", "--settings", "defaults", "--out-dir", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / "bench_kernel_gpu.json").read_text())
     (row,) = data["rows"]
     assert row["ok"] and row["pages_agree"] == 1.0, row
+    # the shipped defaults: every selection field of TinyServeConfig(), two stages keeping single tokens
+    c = TinyServeConfig()
+    assert (row["page"], row["sink_pages"], row["candidate_factor"], row["candidate_extra"], row["keep_tokens"],
+            row["bounds_dtype"]) == (c.page_size, c.sink_pages, c.candidate_factor, c.candidate_extra,
+                                     c.keep_tokens, c.bounds_dtype)
+    assert (row["stages"], row["kept"], row["ref_kept"]) == (2, "tokens", "tokens"), row
     assert row["sparse_ms"] > 0 and row["dense_ms"] > 0 and row["select_ms"] > 0
     assert (tmp_path / "bench_kernel_gpu.csv").stat().st_size > 0
     assert (tmp_path / "bench_kernel_gpu.png").stat().st_size > 0
@@ -47,9 +56,15 @@ def test_gpu_check_dry_run(tmp_path):
     assert [s["step"] for s in summary["steps"]] == ["env", "kernel_check", "kernel_bench", "decode_8k", "decode_32k"]
     assert sum(s["limit"] for s in summary["steps"]) <= 8 * 60  # the whole check fits in 8 minutes
     check = json.loads((tmp_path / "kernel_check" / "bench_kernel_gpu.json").read_text())
-    assert {r["setting"] for r in check["rows"]} == {"paper", "defaults"}
+    assert [r["setting"] for r in check["rows"]] == ["defaults", "paper"]
     assert all(r["ok"] and r["pages_agree"] == 1.0 for r in check["rows"]), check["rows"]
-    assert summary["kernel_check"]["failures"] == 0 and summary["kernel_bench"][0]["sparse_ms"] > 0
+    assert summary["kernel_check"]["failures"] == 0
+    assert summary["kernel_check"]["paths"] == {"defaults": ["2/tokens"], "paper": ["1/pages"]}
+    # the kernel bench times the shipped defaults first: two stages, kept tokens, int8 bounds
+    bench = summary["kernel_bench"]
+    assert [(r["setting"], r["stages"], r["kept"], r["bounds_dtype"]) for r in bench] == [
+        ("defaults", 2, "tokens", "int8"), ("paper", 1, "pages", "float32")]
+    assert all(r["sparse_ms"] > 0 for r in bench)
     dec = summary["decode"]
     assert [(r["context"], r["provider"]) for r in dec] == [(384, "eager"), (384, "tinyserve"), (512, "eager"),
                                                             (512, "tinyserve")]

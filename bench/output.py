@@ -1,0 +1,21 @@
+"""Result rows to disk: a JSON list and a CSV with the same stem."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from typing import List
+
+
+def write_rows(rows: List[dict], path: str) -> None:
+    """Write ``rows`` to ``path`` (JSON, a list of dicts) and to the ``.csv`` next to it (the union of the keys)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(os.path.splitext(path)[0] + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {path} (+ .csv)", file=sys.stderr)

@@ -1,0 +1,110 @@
+"""The bench command line (``python -m bench <command>``) and the benchmarks' "defaults": every benchmark that
+says it runs the backend's defaults takes every selection field from ``TinyServeConfig()``."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import __main__ as cli  # noqa: E402
+from tinyserve_compile.config import TinyServeConfig  # noqa: E402
+
+#: the fields of TinyServeConfig that are not part of the selection rule
+NOT_SELECTION = {"dense_layers", "policy", "lower", "kernel", "strict"}
+SELECTION = [f.name for f in dataclasses.fields(TinyServeConfig) if f.name not in NOT_SELECTION]
+PRESENT = [c for c, (module, _) in cli.COMMANDS.items() if (ROOT / "bench" / f"{module}.py").exists()]
+
+
+def test_commands_are_the_documented_ones():
+    assert list(cli.COMMANDS) == ["op", "decode", "onnx", "gpu", "accuracy", "study", "coverage", "clients",
+                                  "serve", "report"]
+    res = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    for command in cli.COMMANDS:
+        assert f"  {command} " in res.stdout
+
+
+@pytest.mark.parametrize("command", PRESENT)
+def test_help_of_each_command(command, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the dispatcher sets argv[0] for argparse
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m bench {command}")
+
+
+def test_a_missing_module_is_named(monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setitem(cli.COMMANDS, "later", ("no_such_bench_module", "a module of another branch"))
+    with pytest.raises(SystemExit, match=r"python -m bench later: bench/no_such_bench_module\.py is not in this"):
+        cli.main(["later", "--help"])
+
+
+def test_unknown_command(capsys):
+    assert cli.main(["speed"]) == 2
+    assert "unknown command 'speed'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ defaults
+def test_harness_defaults_are_the_config():
+    from bench.harness import Sparse, default_sparse
+
+    config, sparse = TinyServeConfig(), default_sparse()
+    shared = {f.name for f in dataclasses.fields(Sparse)} & {f.name for f in dataclasses.fields(config)}
+    assert set(SELECTION) | {"policy", "dense_layers"} <= shared
+    assert {name: getattr(sparse, name) for name in shared} == {name: getattr(config, name) for name in shared}
+    assert default_sparse(token_budget=512).token_budget == 512
+
+
+def test_gpu_bench_defaults_are_the_config():
+    from bench import bench_kernel_gpu as g
+
+    config = TinyServeConfig()
+    assert set(g.SETTING_FIELDS.values()) == set(SELECTION) - {"token_budget"}  # the budget is the shape's
+    assert {g.SETTING_FIELDS[k]: v for k, v in g.SETTINGS["defaults"].items()} == \
+        {name: getattr(config, name) for name in g.SETTING_FIELDS.values()}
+    assert g.FULL["budget"] == config.token_budget
+    assert set(g.SETTINGS["paper"]) == set(g.SETTINGS["defaults"])
+
+
+def test_op_bench_defaults_are_the_config():
+    from bench import bench_op
+
+    config = TinyServeConfig()
+    assert set(bench_op.SETTING_FIELDS.values()) == set(SELECTION)
+    assert {bench_op.SETTING_FIELDS[k]: v for k, v in bench_op.SETTINGS["defaults"].items()} == \
+        {name: getattr(config, name) for name in SELECTION}
+    assert all(set(s) == set(bench_op.SETTINGS["defaults"]) for s in bench_op.SETTINGS.values())
+
+
+# ------------------------------------------------------------------------------------------------ ONNX profile
+def test_onnx_profile_is_opt_in(tmp_path):
+    """ONNX Runtime's profiler runs only with --profile, and writes under the folder given, not the cwd."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("transformers")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    common = ["--model", "tiny", "--contexts", "100", "--budget", "32", "--steps", "1", "--rounds", "1",
+              "--warmup", "1", "--providers", "ort-dense", "--export-dir", str(tmp_path / "exports")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code = "import json, sys; from bench.bench_onnx import main; print(json.dumps(main(sys.argv[1:])))"
+    plain = subprocess.run([sys.executable, "-c", code, *common], capture_output=True, text=True, cwd=work, env=env,
+                           timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "profile" not in plain.stdout.splitlines()[-1]
+    prof = tmp_path / "prof"
+    res = subprocess.run([sys.executable, "-c", code, *common, "--profile", str(prof)], capture_output=True,
+                         text=True, cwd=work, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (written,) = prof.iterdir()
+    assert written.name.startswith("onnxruntime_profile_ort_dense_100") and written.stat().st_size > 0
+    assert str(written) in res.stdout
+    assert list(work.iterdir()) == []
