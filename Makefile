@@ -1,6 +1,9 @@
 # Two entry points, both set up a virtualenv first:
 #   make demo   - SmolLM2 passkey demo, stock torch.compile vs backend="tinyserve"
 #   make test   - the test suite (what CI runs)
+# and two benchmarks (python -m bench --help lists every one):
+#   make bench-op      - the op alone against SDPA (python -m bench op)
+#   make bench-decode  - decode ms/token, eager / inductor / tinyserve (python -m bench decode)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tinyserve-installed
@@ -24,4 +27,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench-op: setup
-	$(PY) bench/bench_op.py
+	$(PY) -m bench op
+
+bench-decode: setup
+	$(PY) -m bench decode
