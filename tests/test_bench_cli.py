@@ -108,3 +108,31 @@ def test_onnx_profile_is_opt_in(tmp_path):
     assert written.name.startswith("onnxruntime_profile_ort_dense_100") and written.stat().st_size > 0
     assert str(written) in res.stdout
     assert list(work.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------ report
+def test_report_of_the_stored_study(tmp_path, capsys):
+    """``python -m bench report`` on the stored rows of the defaults' study: one window report for the
+    tune/heldout pair, the defaults meet every target on the held-out means, and the plots are written."""
+    pytest.importorskip("matplotlib")
+    import shutil
+
+    from bench import report
+
+    results, img = tmp_path / "results", tmp_path / "img"
+    results.mkdir()
+    for half in ("tune", "heldout"):
+        shutil.copy(ROOT / "docs" / "bench" / f"study_defaults_{half}.json", results)
+    assert cli.main(["report", "--out", str(results), "--img", str(img)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("### Selection study `study_defaults` (several windows per cell)") == 1
+    assert (results / "report.md").read_text().strip() == text.strip()
+    for half in ("tune", "heldout"):
+        for kind in ("frontier", "means"):
+            assert (img / f"study_defaults_{half}_{kind}.png").stat().st_size > 0
+    rows = report.json.loads((results / "study_defaults_heldout.json").read_text())
+    c = TinyServeConfig()
+    (checked,) = [t for t in report.targets_check(report.study_summary(rows))
+                  if t["variant"] == f"pages {c.page_size}, sink {c.sink_pages}, c={c.candidate_factor} "
+                                     f"+{c.candidate_extra}, keep tokens, int8 bounds"]
+    assert all(checked["met"].values()), checked

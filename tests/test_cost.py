@@ -28,9 +28,9 @@ def test_kv_bytes_per_token_dense_layers_and_sparse_layers():
     assert sparse < dense / 2
 
 
-def test_defaults_read_what_issue_10_allows():
+def test_defaults_read_within_the_byte_targets():
     """The defaults' bytes per sparse layer and step (fp32 cache, SmolLM2's 3 KV heads of 64): at most 35% of
-    dense K+V at 8K and 12% at 32K, budget 2048 (issue 10's targets)."""
+    dense K+V at 8K and 12% at 32K, budget 2048 (the byte targets of the selection study)."""
     cfg = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
     ts = TinyServeConfig()
     for ctx, cap in ((8192, 0.35), (32768, 0.12)):

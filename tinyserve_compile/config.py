@@ -34,7 +34,7 @@ DEFAULT_DENSE_LAYERS = 2
 #: attention-sink pages always kept (0 = the paper's rule; 1 chosen in the selection-quality study)
 DEFAULT_SINK_PAGES = 1
 #: two-stage selection: the bound keeps ``candidate_factor * K + candidate_extra // page_size`` candidate pages,
-#: exact logits over their keys pick what is attended (two-stage when that exceeds K). The issue-10 study
+#: exact logits over their keys pick what is attended (two-stage when that exceeds K). The selection study
 #: (docs/selection_study.md, 4 windows per cell, chosen on the tuning text) settled on 1 and 1024 extra tokens:
 #: a fixed margin, not a multiple of the budget, fixes the bound's misranking near the cut at every budget, and
 #: 1024 is the most the byte targets allow at budget 2048 (34.5% of dense K+V at 8K, 11.0% at 32K).

@@ -1,4 +1,4 @@
-"""``dense_layers`` counts the model's layers in execution order, however many graphs Dynamo makes (issue 12, item 1)."""
+"""``dense_layers`` counts the model's layers in execution order, however many graphs Dynamo makes."""
 from __future__ import annotations
 
 import pytest

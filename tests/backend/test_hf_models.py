@@ -51,7 +51,7 @@ def test_small_budget_matches_sparse_reference(family):
         assert torch.equal(st.bounds.kmax, fresh.kmax) and torch.equal(st.bounds.kmin, fresh.kmin)
 
 
-SELECTIONS = {  # issue 10, phase 3: int8 bounds, extra candidates, kept tokens (and each alone)
+SELECTIONS = {  # the default selection (int8 bounds, extra candidates, kept tokens), and each alone
     "int8+extra+tokens": {"bounds_dtype": "int8", "candidate_factor": 1, "candidate_extra": 32, "keep_tokens": True},
     "extra pages": {"candidate_factor": 1, "candidate_extra": 16, "keep_tokens": False, "bounds_dtype": "bfloat16"},
     "int8 one stage": {"bounds_dtype": "int8", "candidate_factor": 1, "candidate_extra": 0},

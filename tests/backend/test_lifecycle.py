@@ -1,4 +1,4 @@
-"""Page bounds stay equal to a rebuild from scratch for the cache buffer's whole life (issue 3, section 3)."""
+"""Page bounds stay equal to a rebuild from scratch for the cache buffer's whole life."""
 from __future__ import annotations
 
 import torch
