@@ -10,8 +10,10 @@ What enabling does, and why each piece is needed (transformers 5.24):
 * **The attention function.** ``"tinyserve_paged"`` is registered in transformers' ``AttentionInterface`` and set
   as the model's attention implementation. CB then builds no block-diagonal mask (it builds one only for ``sdpa``
   and ``paged|eager``), and each layer's attention receives the query of every request packed in one row with the
-  per-request lengths (``cu_seq_lens_q``, ``cu_seq_lens_k``) and read indices. Decode rows (one query token) go
-  sparse; prefill rows (several query tokens) attend densely and causally over their own history. Every row reads
+  per-request lengths (``cu_seq_lens_q``, ``cu_seq_lens_k``) and read indices. Decode rows (one generated token)
+  go sparse; prefill rows (prompt chunks, one token long or more) attend densely and causally over their own
+  history. Which rows decode is recorded when CB prepares the batch (``ContinuousBatchingIOs.prepare_batch_tensors``
+  is wrapped for that). Every row reads
   only its own request's pages: nothing gathers every request's history.
 * **The cache write.** ``PagedAttentionCache.update`` writes the new keys and values and then gathers every
   request's whole history with ``index_select``. For models that are enabled, it is replaced by a write that also
@@ -31,7 +33,7 @@ Installed transformers versions other than :data:`SUPPORTED_TRANSFORMERS` are re
 What CB + tinyserve does not cover (each raises a clear error at :func:`enable_continuous_batching`): sliding-
 window layers, policies other than ``query_aware``, the CUDA block-table decode path. Selection uses the PyTorch
 path of the paged op (no native CPU kernel yet). Counters (``tinyserve_compile.counters``): ``cb_sparse_rows``,
-``cb_dense_rows`` with ``cb_dense:<reason>``, ``cb_prefill_rows``, ``cb_stale``, ``cb_rebuilt_pages``,
+``cb_dense_rows`` with ``cb_dense:<reason>``, ``cb_prefill_rows``, ``cb_mixed_steps``, ``cb_stale``, ``cb_rebuilt_pages``,
 ``cb_kv_bytes`` (key, value and bound bytes the attention reads).
 """
 from __future__ import annotations
@@ -75,6 +77,8 @@ _ENABLED: Dict[int, tuple] = {}
 _ORIGINAL: Dict[str, Any] = {}
 #: per cache allocator (weakly held): its pages' bounds
 _STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: address of a batch's ``cu_seq_lens_q`` storage -> which of its rows decode a generated token
+_DECODE_ROWS: Dict[int, list] = {}
 
 
 def _check_transformers():
@@ -171,8 +175,12 @@ def _install():
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
     _ORIGINAL["update"] = PagedAttentionCache.update
     _ORIGINAL["switch"] = ContinuousBatchingManager.switch_to_cb_friendly_attn
+    _ORIGINAL["prepare"] = ContinuousBatchingIOs.prepare_batch_tensors
+    ContinuousBatchingIOs.prepare_batch_tensors = _prepare
     _ORIGINAL["had_name"] = ATTENTION_NAME in AttentionInterface._global_mapping
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
     PagedAttentionCache.update = _update
@@ -186,8 +194,12 @@ def _uninstall():
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
     PagedAttentionCache.update = _ORIGINAL["update"]
     ContinuousBatchingManager.switch_to_cb_friendly_attn = _ORIGINAL["switch"]
+    ContinuousBatchingIOs.prepare_batch_tensors = _ORIGINAL["prepare"]
+    _DECODE_ROWS.clear()
     if not _ORIGINAL["had_name"]:
         AttentionInterface._global_mapping.pop(ATTENTION_NAME, None)
     _ORIGINAL.clear()
@@ -198,6 +210,16 @@ def _switch(self, model, auto_switch_to_flash: bool = True):
     if _settings(model.config.get_text_config()) is not None:
         return None
     return _ORIGINAL["switch"](self, model, auto_switch_to_flash)
+
+
+def _prepare(self, requests_in_batch, *args, **kwargs):
+    """CB's batch preparation, recording which rows decode: one query token at or past the end of the prompt.
+    A prompt chunk of one token is prefill (dense, as the static path prefills it), not decode."""
+    if _settings(self.config) is not None:
+        rows = [fs.query_length == 1 and fs.state.position_offset >= len(fs.state.initial_tokens)
+                for fs in requests_in_batch]
+        _DECODE_ROWS[self.cumulative_seqlens_q.data_ptr()] = rows
+    return _ORIGINAL["prepare"](self, requests_in_batch, *args, **kwargs)
 
 
 class _PagedState:
@@ -358,7 +380,11 @@ def _paged_attention(query, key, value, scaling, cu_q, cu_k, call: _LayerCall):
     has_reads = call.read_index.numel() > 0
     sparse_layer = call.layer_idx >= cfg.dense_layers
     itemsize = call.k_view.element_size()
-    decode = [i for i in range(n) if q_len[i] == 1 and has_reads and sparse_layer]
+    is_decode = _DECODE_ROWS.get(cu_q.data_ptr())
+    if is_decode is None:
+        raise RuntimeError("tinyserve continuous batching found no record of this batch's decode rows (asynchronous "
+                           "batching is not supported: set ContinuousBatchingConfig(use_async_batching=False))")
+    decode = [i for i in range(min(n, len(is_decode))) if is_decode[i] and has_reads and sparse_layer]
     # ---- prefill rows (and decode rows of the dense first layers): dense, each over its own history
     for i in range(n):
         if q_len[i] == 0 or i in decode:
@@ -372,11 +398,13 @@ def _paged_attention(query, key, value, scaling, cu_q, cu_k, call: _LayerCall):
             k, v = key[:, :, cq[i]:cq[i + 1]], value[:, :, cq[i]:cq[i + 1]]
         out[0, cq[i]:cq[i + 1]] = _dense_row(q, k, v, scale)
         counters["cb_kv_bytes"] += 2 * k.shape[2] * Hkv * D * itemsize
-        if q_len[i] > 1 or not has_reads:
+        if i >= len(is_decode) or not is_decode[i]:
             counters["cb_prefill_rows"] += 1
         else:
             counters["cb_dense_rows"] += 1
             counters["cb_dense:first dense_layers layers"] += 1
+    if decode and any(q_len[i] > 0 and not (i < len(is_decode) and is_decode[i]) for i in range(n)):
+        counters["cb_mixed_steps"] += 1  # a layer call with prefill rows (dense) next to decode rows (sparse)
     if not decode:
         return out, None
     # ---- decode rows: page tables from the page-aligned entries of the read index

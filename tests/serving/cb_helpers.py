@@ -26,7 +26,9 @@ def prompts(lengths, seed: int = 0):
 def gen_config(max_new_tokens: int, **kw):
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0, **kw)
+    base = dict(do_sample=False, eos_token_id=-1, pad_token_id=0)
+    base.update(kw)
+    return GenerationConfig(max_new_tokens=max_new_tokens, **base)
 
 
 def cb_config(**kw):
