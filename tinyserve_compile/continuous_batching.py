@@ -34,7 +34,8 @@ What CB + tinyserve does not cover (each raises a clear error at :func:`enable_c
 window layers, policies other than ``query_aware``, the CUDA block-table decode path. Selection uses the PyTorch
 path of the paged op (no native CPU kernel yet). Counters (``tinyserve_compile.counters``): ``cb_sparse_rows``,
 ``cb_dense_rows`` with ``cb_dense:<reason>``, ``cb_prefill_rows``, ``cb_mixed_steps``, ``cb_stale``, ``cb_rebuilt_pages``,
-``cb_kv_bytes`` (key, value and bound bytes the attention reads).
+``cb_kv_bytes`` (key, value and bound bytes the attention reads), ``cb_dense_kv_bytes`` (what a dense read of the
+same rows reads: stock CB's gather), ``cb_steps`` (forward steps).
 """
 from __future__ import annotations
 
@@ -385,6 +386,9 @@ def _paged_attention(query, key, value, scaling, cu_q, cu_k, call: _LayerCall):
         raise RuntimeError("tinyserve continuous batching found no record of this batch's decode rows (asynchronous "
                            "batching is not supported: set ContinuousBatchingConfig(use_async_batching=False))")
     decode = [i for i in range(min(n, len(is_decode))) if is_decode[i] and has_reads and sparse_layer]
+    if call.layer_idx == 0:
+        counters["cb_steps"] += 1
+    counters["cb_dense_kv_bytes"] += 2 * sum(k_len) * Hkv * D * itemsize  # a dense read of the same rows
     # ---- prefill rows (and decode rows of the dense first layers): dense, each over its own history
     for i in range(n):
         if q_len[i] == 0 or i in decode:
