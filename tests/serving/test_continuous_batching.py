@@ -125,6 +125,21 @@ def test_forked_requests_rebuild_stale_bounds(model, checked_bounds):
         assert list(out[f"req_{i}__child#0"].generated_tokens) == want
 
 
+def test_compiled_varlen_path_gives_the_eager_tokens(model):
+    """CB's compiled forward (Inductor; inputs padded to fixed intervals) around the paged attention, which runs
+    eagerly between graphs as CB's own cache update does: the same tokens as eager CB + tinyserve."""
+    from transformers import CompileConfig
+
+    inputs = prompts([9, 50, 100], seed=7)
+    tc.enable_continuous_batching(model, SMALL)
+    eager = run_batch(model, inputs, 6)
+    rows = tc.counters["cb_sparse_rows"]
+    compiled = run_batch(model, inputs, 6, varlen_compile_config=CompileConfig(backend="inductor", mode=None),
+                         q_padding_interval_size=16, kv_padding_interval_size=128)
+    assert compiled == eager
+    assert tc.counters["cb_sparse_rows"] > rows  # the compiled run went through the paged op too
+
+
 def test_enable_is_explicit_and_reversible(model):
     from transformers import AttentionInterface
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
