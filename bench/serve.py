@@ -303,6 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--kv-pad", type=int, default=4096, help="compiled providers: KV padding interval")
     ap.add_argument("--options", default="{}", help="tinyserve options as JSON (token_budget, page_size, ...)")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per provider before giving up")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="results/serve")
     ap.add_argument("--quick", action="store_true", help="tiny model, 6 short requests: checks the pipeline")
     a = ap.parse_args(argv)
@@ -318,6 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from tqdm import tqdm
 
     torch.set_grad_enabled(False)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     model, name = load_model(a.model)
     prompt_lens = [int(x) for x in a.prompt_lens.split(",")]
     reqs = workload(a.model, model.config.vocab_size, a.requests, prompt_lens, a.interval)
