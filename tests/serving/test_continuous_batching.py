@@ -59,6 +59,8 @@ def test_budget_covering_every_request_gives_stock_tokens(model):
     # every decode row of layers 2 and 3 went through the paged op; layers 0 and 1 are dense_layers=2
     assert c["cb_sparse_rows"] == c["cb_dense:first dense_layers layers"] == c["cb_dense_rows"] > 0
     assert c["cb_prefill_rows"] > 0 and c["cb_mixed_steps"] > 0  # chunked prefills shared steps with decodes
+    report = str(tc.explain())
+    assert "continuous batching:" in report and "dense:first dense_layers layers=" in report
 
 
 def test_small_budget_each_request_equals_static_backend_alone(model):
