@@ -152,11 +152,15 @@ def enable_continuous_batching(model, options=None) -> TinyServeConfig:
 
 def disable_continuous_batching(model) -> None:
     """Undo :func:`enable_continuous_batching`: the model's previous attention implementation comes back, and the
-    patches leave transformers when no model is enabled any more. A no-op for a model that is not enabled."""
+    patches leave transformers when no model is enabled any more. A no-op for a model that is not enabled; refused
+    while the model holds a cached CB manager (built without the mask stock attention needs)."""
     text = model.config.get_text_config()
     st = _settings(text)
     if st is None:
         return
+    if getattr(model, "_cached_continuous_batching_manager", None) is not None:
+        raise ValueError("argument 'model' holds a cached continuous batching manager built for tinyserve (no "
+                         "attention mask); call model.destroy_cached_continuous_batching_manager() first")
     del _ENABLED[id(text)]
     model.set_attn_implementation(st.previous_attn)
     for key in [k for k, (ref, _) in _ENABLED.items() if ref() is None]:

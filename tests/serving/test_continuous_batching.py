@@ -106,6 +106,8 @@ def test_foreign_writes_make_bounds_stale(model, checked_bounds):
             allocator.cache_tensor.neg_()
         out = model.generate_batch(inputs, generation_config=gen_config(4), progress_bar=False,
                                    persistent_manager=True)
+    with pytest.raises(ValueError, match="destroy_cached_continuous_batching_manager"):
+        tc.disable_continuous_batching(model)  # its manager has no mask for stock attention
     model.destroy_cached_continuous_batching_manager()
     assert len(out) == 2 and all(r.error is None for r in out.values()), [r.error for r in out.values()]
     assert tc.counters["cb_stale"] >= 1 and tc.counters["cb_rebuilt_pages"] > before and checked_bounds[0] > 0
