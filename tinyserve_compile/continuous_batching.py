@@ -390,12 +390,13 @@ def _paged_attention(query, key, value, scaling, cu_q, cu_k, call: _LayerCall):
         raise RuntimeError("tinyserve continuous batching found no record of this batch's decode rows (asynchronous "
                            "batching is not supported: set ContinuousBatchingConfig(use_async_batching=False))")
     decode = [i for i in range(min(n, len(is_decode))) if is_decode[i] and has_reads and sparse_layer]
+    sparse_rows = set(decode)
     if call.layer_idx == 0:
         counters["cb_steps"] += 1
     counters["cb_dense_kv_bytes"] += 2 * sum(k_len) * Hkv * D * itemsize  # a dense read of the same rows
     # ---- prefill rows (and decode rows of the dense first layers): dense, each over its own history
     for i in range(n):
-        if q_len[i] == 0 or i in decode:
+        if q_len[i] == 0 or i in sparse_rows:
             continue
         q = query[:, :, cq[i]:cq[i + 1]]  # [1,Hq,Tq,D]
         if has_reads:
