@@ -11,7 +11,8 @@ from .config import TinyServeConfig
 from .explain import counters, explain, reset
 
 __version__ = "0.1.0"
-__all__ = ["tinyserve_backend", "TinyServeConfig", "counters", "explain", "reset", "export_onnx"]
+__all__ = ["tinyserve_backend", "TinyServeConfig", "counters", "explain", "reset", "export_onnx",
+           "enable_continuous_batching", "disable_continuous_batching"]
 
 
 def __getattr__(name):
@@ -20,6 +21,11 @@ def __getattr__(name):
         from .export import export_onnx
 
         return export_onnx
+    if name in ("enable_continuous_batching", "disable_continuous_batching"):
+        # loaded on first use: nothing of transformers is touched at import
+        from . import continuous_batching
+
+        return getattr(continuous_batching, name)
     raise AttributeError(f"module 'tinyserve_compile' has no attribute {name!r}")
 
 _register()

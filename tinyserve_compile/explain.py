@@ -67,6 +67,9 @@ class ExplainReport:
             for s in g["sites"]:
                 why = f"  ({s['reason']})" if s["reason"] else ""
                 lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{why}")
+        cb = {k: v for k, v in c.items() if k.startswith("cb_")}
+        if cb:  # continuous batching (tinyserve_compile.continuous_batching): rows per kind, dense reasons
+            lines.append("  continuous batching: " + ", ".join(f"{k[3:]}={v}" for k, v in sorted(cb.items())))
         if self.native_kernel:
             lines.append(f"  native CPU kernel: {self.native_kernel}")
         if self.runtime:

@@ -1,0 +1,302 @@
+"""Query-aware sparse decode over a paged KV buffer shared by many requests (continuous batching).
+
+The static path (:mod:`reference`) owns one contiguous ``[B, Hkv, L, D]`` cache per batch row. A continuous-batching
+engine instead keeps one flat token buffer per layer, ``[N, Hkv, D]``, carved into pages that requests borrow and
+give back. Here each decode row ``r`` is described by its page table:
+
+* ``page_rows[r, p]``: the buffer row holding the first token of the request's ``p``-th page (its tokens are the
+  ``page_size`` rows that follow);
+* ``page_ids[r, p]``: the physical page id, which indexes the page bounds (bounds live with the buffer, keyed by
+  physical page, so a page keeps its bound whichever request reads it);
+* ``seq_lens[r]``: the request's length; pages past it are padding.
+
+Selection is exactly the static path's, per row: the bound ``r_j = sum_i max(q_i*M_ji, q_i*m_ji)`` of
+:func:`reference.page_scores`, the newest page and the sink pages forced, dense when every page of the row fits in
+the budget, and the two-stage candidates of :func:`reference.candidate_pages` ranked by exact logits
+(:func:`reference.rank_candidates` / :func:`reference.rank_candidate_tokens`). The reference
+(:func:`paged_sparse_decode_reference`) copies each row's history into a contiguous cache and calls
+:func:`reference.sparse_decode_reference`; the fast path (:func:`paged_sparse_decode`) reads only the bounds of the
+row's pages and the keys and values of the pages and tokens it selects, through the page table.
+
+Bounds are maintained by :func:`paged_write_` (the write of new keys and values plus the bounds of the pages they
+touch): a page's bound is rebuilt from its slots ``0..s`` where ``s`` is the highest slot written, so a write at a
+page's first slot discards whatever a previous owner of the page left there.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .reference import (
+    PageBounds,
+    Selection,
+    _selected_tokens,
+    candidate_pages,
+    page_scores,
+    rank_candidate_tokens,
+    rank_candidates,
+    select_pages,
+    softmax_attend,
+    sparse_decode_reference,
+    store_bounds,
+)
+
+__all__ = [
+    "gather_pages",
+    "paged_page_bounds",
+    "paged_write_",
+    "paged_sparse_decode_reference",
+    "paged_sparse_decode",
+]
+
+
+def _check_table(page_rows: torch.Tensor, page_ids: torch.Tensor, seq_lens: torch.Tensor, q: Optional[torch.Tensor]):
+    if page_rows.dim() != 2 or page_ids.shape != page_rows.shape:
+        raise ValueError(f"argument 'page_rows' and 'page_ids' must be [R, P] of one shape, got "
+                         f"{tuple(page_rows.shape)} and {tuple(page_ids.shape)}")
+    if seq_lens.shape != (page_rows.shape[0],):
+        raise ValueError(f"argument 'seq_lens' must be [R] = [{page_rows.shape[0]}], got {tuple(seq_lens.shape)}")
+    if q is not None and (q.dim() != 4 or q.shape[0] != page_rows.shape[0] or q.shape[2] != 1):
+        raise ValueError(f"argument 'q' must be [R, Hq, 1, D] with R = {page_rows.shape[0]}, got {tuple(q.shape)}")
+
+
+def gather_pages(tokens: torch.Tensor, page_rows: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Every slot of the listed pages, in page order.
+
+    Parameters
+    ----------
+    tokens : torch.Tensor
+        ``[N, Hkv, D]`` the paged buffer of one layer (keys or values), any dtype.
+    page_rows : torch.Tensor
+        int64 ``[R, P]`` first buffer row of each page.
+    page_size : int
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, Hkv, P * page_size, D]``, dtype of ``tokens``.
+    """
+    R, P = page_rows.shape
+    rows = (page_rows[:, :, None] + torch.arange(page_size, device=page_rows.device)).reshape(R, P * page_size)
+    return tokens[rows].permute(0, 2, 1, 3)  # [R,P*S,Hkv,D] -> [R,Hkv,P*S,D]
+
+
+def paged_page_bounds(tokens: torch.Tensor, page_rows: torch.Tensor, n_slots: torch.Tensor, page_size: int,
+                      dtype: torch.dtype = torch.float32) -> PageBounds:
+    """Bounds of single pages over their first ``n_slots`` slots, as :func:`reference.page_bounds` computes them.
+
+    Parameters
+    ----------
+    tokens : torch.Tensor
+        ``[N, Hkv, D]`` keys of one layer.
+    page_rows : torch.Tensor
+        int64 ``[n]`` first buffer row of each page.
+    n_slots : torch.Tensor
+        int64 ``[n]`` valid slots of each page (``0..page_size``; 0 gives the zero bounds of an empty page).
+    page_size : int
+    dtype : torch.dtype
+        Storage dtype of ``kmax``/``kmin`` (see :func:`reference.store_bounds`).
+
+    Returns
+    -------
+    PageBounds
+        ``kmax``/``kmin`` ``[n, Hkv, D]``, ``kabs`` ``[n, Hkv]``.
+    """
+    k = gather_pages(tokens, page_rows[:, None], page_size).float()  # [n,Hkv,S,D]
+    keep = (torch.arange(page_size, device=k.device)[None, :] < n_slots[:, None])[:, None, :, None]  # [n,1,S,1]
+    kmax = torch.where(keep, k, float("-inf")).amax(2)  # [n,Hkv,D]
+    kmin = torch.where(keep, k, float("inf")).amin(2)
+    empty = torch.isinf(kmax)
+    return store_bounds(kmax.masked_fill(empty, 0.0), kmin.masked_fill(empty, 0.0), dtype)
+
+
+def paged_write_(k_tokens: torch.Tensor, v_tokens: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 write_rows: torch.Tensor, bounds: PageBounds, fresh: torch.Tensor, page_size: int,
+                 rows_per_block: int, pages_per_block: int) -> torch.Tensor:
+    """Write new keys and values into the paged buffer and rebuild the bounds of every page they touch.
+
+    A page's bound is rebuilt over its slots ``0..s`` with ``s`` the highest slot written in it by this call
+    (requests write their pages in order, so those are exactly its valid slots): a write at the first slot of a
+    page given back by a finished request resets its bound.
+
+    Parameters
+    ----------
+    k_tokens, v_tokens : torch.Tensor
+        ``[N, Hkv, D]`` the layer's paged buffer (views; written in place).
+    key, value : torch.Tensor
+        ``[T, Hkv, D]`` new keys and values, dtype of the buffer.
+    write_rows : torch.Tensor
+        int64 ``[T]`` buffer row of each new token.
+    bounds : PageBounds
+        ``kmax``/``kmin`` ``[NP, Hkv, D]``, ``kabs`` ``[NP, Hkv]`` indexed by physical page id (updated in place).
+    fresh : torch.Tensor
+        bool ``[NP]``: the page's bound is current (set for the pages rebuilt here).
+    page_size : int
+        Tokens per page ``S``.
+    rows_per_block, pages_per_block : int
+        The buffer is a sequence of blocks of ``rows_per_block`` rows whose first ``pages_per_block * S`` rows
+        are this layer's pages: the page of row ``w`` is ``(w // rows_per_block) * pages_per_block
+        + (w % rows_per_block) // S`` and its first row is ``w - (w % rows_per_block) % S``.
+
+    Returns
+    -------
+    torch.Tensor
+        int64 ``[n]`` the physical ids of the pages rebuilt.
+    """
+    # ---- stage 1: the write itself
+    k_tokens.index_copy_(0, write_rows, key)
+    v_tokens.index_copy_(0, write_rows, value)
+    # ---- stage 2: touched pages and the highest slot written in each
+    off = write_rows % rows_per_block
+    pid = (write_rows // rows_per_block) * pages_per_block + off // page_size  # [T]
+    pages, inv = torch.unique(pid, return_inverse=True)
+    slot = off % page_size
+    top = torch.zeros_like(pages).scatter_reduce_(0, inv, slot, "amax", include_self=False)
+    first = torch.zeros_like(pages).scatter_reduce_(0, inv, write_rows - slot, "amax", include_self=False)
+    # ---- stage 3: rebuild their bounds from the buffer
+    new = paged_page_bounds(k_tokens, first, top + 1, page_size, bounds.kmax.dtype)
+    bounds.kmax[pages] = new.kmax
+    bounds.kmin[pages] = new.kmin
+    bounds.kabs[pages] = new.kabs
+    fresh[pages] = True
+    return pages
+
+
+def _row_bounds(bounds: PageBounds, page_ids: torch.Tensor) -> PageBounds:
+    """Bounds of each row's pages: ``[R, Hkv, P, D]`` (``kabs`` ``[R, Hkv, P]``)."""
+    return PageBounds(bounds.kmax[page_ids].permute(0, 2, 1, 3), bounds.kmin[page_ids].permute(0, 2, 1, 3),
+                      bounds.kabs[page_ids].permute(0, 2, 1))
+
+
+def paged_sparse_decode_reference(
+    q: torch.Tensor,
+    k_tokens: torch.Tensor,
+    v_tokens: torch.Tensor,
+    page_rows: torch.Tensor,
+    page_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bounds: PageBounds,
+    scale: Optional[float] = None,
+    page_size: int = 16,
+    token_budget: int = 2048,
+    sink_pages: int = 0,
+    candidate_factor: int = 1,
+    candidate_extra: int = 0,
+    keep_tokens: bool = False,
+) -> torch.Tensor:
+    """Paged sparse decode, written for clarity: each row's history copied out and passed to
+    :func:`reference.sparse_decode_reference` with the bounds of its pages.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[R, Hq, 1, D]`` one query token per row.
+    k_tokens, v_tokens : torch.Tensor
+        ``[N, Hkv, D]`` the layer's paged buffer, dtype of ``q``.
+    page_rows, page_ids : torch.Tensor
+        int64 ``[R, P]`` first buffer row and physical id of each page of each row (entries past the row's pages
+        are ignored).
+    seq_lens : torch.Tensor
+        int64 ``[R]`` tokens of each row (``>= 1``).
+    bounds : PageBounds
+        ``[NP, Hkv, D]`` / ``[NP, Hkv]`` indexed by physical page id.
+    scale, page_size, token_budget, sink_pages, candidate_factor, candidate_extra, keep_tokens
+        As in :func:`reference.sparse_decode_reference`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, Hq, 1, D]``, dtype of ``q``.
+    """
+    _check_table(page_rows, page_ids, seq_lens, q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = []
+    for r in range(q.shape[0]):
+        L = int(seq_lens[r])
+        P = (L + page_size - 1) // page_size
+        k = gather_pages(k_tokens, page_rows[r:r + 1, :P], page_size)[:, :, :L]  # [1,Hkv,L,D]
+        v = gather_pages(v_tokens, page_rows[r:r + 1, :P], page_size)[:, :, :L]
+        b = _row_bounds(bounds, page_ids[r:r + 1, :P])
+        out.append(sparse_decode_reference(q[r:r + 1], k, v, L, None, scale, page_size, token_budget, sink_pages,
+                                           candidate_factor, b, candidate_extra, keep_tokens))
+    return torch.cat(out, 0)
+
+
+def paged_sparse_decode(
+    q: torch.Tensor,
+    k_tokens: torch.Tensor,
+    v_tokens: torch.Tensor,
+    page_rows: torch.Tensor,
+    page_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    bounds: PageBounds,
+    scale: Optional[float] = None,
+    page_size: int = 16,
+    token_budget: int = 2048,
+    sink_pages: int = 0,
+    candidate_factor: int = 1,
+    candidate_extra: int = 0,
+    keep_tokens: bool = False,
+) -> torch.Tensor:
+    """Paged sparse decode for a batch of rows of different lengths, reading the buffer through the page table.
+
+    Same arguments, result and selection as :func:`paged_sparse_decode_reference`. Reads the bounds of each row's
+    pages, then only the keys of the candidate pages and the values of the kept tokens (every key and value of a
+    row whose pages all fit in the budget).
+    """
+    _check_table(page_rows, page_ids, seq_lens, q)
+    R, Hq, _, D = q.shape
+    Hkv = k_tokens.shape[1]
+    G, S = Hq // Hkv, page_size
+    P = page_rows.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    vl = seq_lens.to(torch.int64)
+    K = token_budget // S
+    n_valid = (vl + S - 1) // S  # [R]
+    heads = torch.arange(Hkv, device=q.device)[None, :, None]  # [1,Hkv,1]
+
+    def rows_of(tok):  # logical token positions [R,Hkv,T] -> buffer rows [R,Hkv,T]
+        page = tok // S
+        return page_rows.gather(1, page.reshape(R, -1)).reshape(page.shape) + tok % S
+
+    def logits_of(tok, ok):  # exact masked logits [R,Hkv,G,T] of the listed tokens
+        kg = k_tokens[rows_of(tok), heads].float()  # [R,Hkv,T,D]
+        lg = (q.float().reshape(R, Hkv, G, D) @ kg.transpose(-1, -2)) * scale
+        return lg.masked_fill(~ok[:, :, None, :], float("-inf"))
+
+    # ---- stage 1: which tokens are read: all of them when every row fits, else the bound picks pages
+    if int(n_valid.max()) <= K:
+        sel = Selection(torch.arange(P, device=q.device).expand(R, Hkv, P), torch.ones(R, Hkv, P, dtype=torch.bool,
+                                                                                       device=q.device))
+        tok, ok = _selected_tokens(sel, S, P * S, vl)  # [R,Hkv,P*S]
+        logits = logits_of(tok, ok)
+    else:
+        scores = page_scores(q, _row_bounds(bounds, page_ids), scale)  # [R,Hkv,P]
+        n1 = candidate_pages(S, token_budget, candidate_factor, candidate_extra)
+        if n1 <= K:
+            sel = select_pages(scores, vl, S, token_budget, sink_pages)
+            tok, ok = _selected_tokens(sel, S, P * S, vl)
+            logits = logits_of(tok, ok)
+        else:
+            # ---- stage 2: candidates by the bound, ranked by their exact logits (no values read)
+            cand = select_pages(scores, vl, S, token_budget, sink_pages, n_select=n1)
+            if cand is None:  # the candidates cover every valid page
+                idx = torch.arange(P, device=q.device).expand(R, Hkv, P).contiguous()
+                cand = Selection(idx, idx < n_valid.reshape(R, 1, 1))
+            ctok, cok = _selected_tokens(cand, S, P * S, vl)  # [R,Hkv,Kc*S]
+            clogits = logits_of(ctok, cok)  # [R,Hkv,G,Kc*S]
+            if keep_tokens:
+                kept, pos = rank_candidate_tokens(clogits, cand, vl, S, K * S, sink_pages)  # pos: token slots
+                tok, ok = kept.idx, kept.ok
+            else:
+                kept, pslot = rank_candidates(clogits, cand, vl, S, K, sink_pages)  # pslot: page slots
+                pos = (pslot[..., None] * S + torch.arange(S, device=q.device)).reshape(R, Hkv, -1)
+                tok, ok = _selected_tokens(kept, S, P * S, vl)
+            logits = clogits.gather(3, pos[:, :, None, :].expand(R, Hkv, G, pos.shape[-1]))
+            logits = logits.masked_fill(~ok[:, :, None, :], float("-inf"))
+    # ---- stage 3: exact attention over the kept tokens
+    v = v_tokens[rows_of(tok), heads].float()  # [R,Hkv,T,D]
+    out = softmax_attend(logits, v)  # [R,Hkv,G,D]
+    return out.reshape(R, Hq, 1, D).to(q.dtype)
