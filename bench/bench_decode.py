@@ -44,7 +44,8 @@ What one *point* (context, batch) does
 
 * **Weights** (``--weights``, ``bench/weights.py``): ``fp32``/``bf16`` set the model's dtype; ``int8``/``int4``
   quantize every linear weight with torchao (weight-only) before any provider compiles, activations and KV
-  cache in ``--dtype``. The cache then holds the prefill of the unquantized model of that dtype.
+  cache in ``--dtype`` (default bf16 for them: torchao's CPU paths are slow with fp32 activations). The cache
+  then holds the prefill of the unquantized model of that dtype.
 * **llama.cpp** (``--llamacpp``, ``bench/llamacpp.py``): the same GGUF run by llama.cpp (F32/F32, F16/F16,
   Q4_1/F16), batch 1, in the same rounds as the other providers; the module doc says how it fills and times.
 
@@ -569,7 +570,8 @@ def main(argv=None):
     ap.add_argument("--model", default="auto", choices=("auto", "smollm2", "random", "tiny"))
     ap.add_argument("--fill", default="auto", choices=("auto", "prefill", "random"),
                     help="cache contents: a stored dense prefill, or random K/V (auto: random for the random model)")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="activations (default fp32)")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="activations (default fp32; bf16 with --weights int8/int4)")
     ap.add_argument("--weights", default=None, choices=WEIGHTS,
                     help="fp32/bf16: the model's dtype; int8/int4: torchao weight-only quantization of every linear "
                          "layer before compiling, for every provider (bench/weights.py)")

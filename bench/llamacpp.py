@@ -13,8 +13,12 @@ Flash attention on, ``--threads`` threads (default: torch's thread count), batch
 
 Two ways to run llama.cpp
 -------------------------
-* **llama-cpp-python** (``pip install llama-cpp-python``, built from its sdist; see the README): one ``Llama``
-  per provider and point. *Fill*: ``eval`` of the first ``context`` tokens of the same prompt as the PyTorch
+* **llama-cpp-python**: one ``Llama`` per provider and point. Install it into the project's venv; pip builds
+  llama.cpp from the sdist with cmake and a C++ compiler (about 190 compile steps)::
+
+      CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 .venv/bin/pip install llama-cpp-python
+
+  *Fill*: ``eval`` of the first ``context`` tokens of the same prompt as the PyTorch
   providers' prefill (batches of 512). *Timing*: as for the PyTorch providers, each round rolls the cache
   back to ``context`` tokens, runs one untimed step and then ``steps`` timed single-token ``eval`` calls
   (one ``llama_decode`` each, no sampling), interleaved with the other providers' rounds. GGUF conversion

@@ -33,17 +33,18 @@ def test_weights_int8_through_bench_decode(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["provider"] for r in rows] == ["eager", "tinyserve"]
     assert RECORD_KEYS <= set(rows[0]) and RECORD_KEYS <= set(rows[1])
-    assert all(r["weights"] == "int8" and r["dtype"] == "float32" for r in rows)
+    assert all(r["weights"] == "int8" and r["dtype"] == "bfloat16" for r in rows)  # bf16 activations by default
     assert rows[1]["sparse_sites"] >= 2, rows[1]
-    # int8 codes plus one fp32 scale per output row: about a quarter of the fp32 bytes, never more than a third
+    # int8 codes plus one scale per output row: about a quarter of the fp32 bytes (half of bf16's)
     model, _ = bd.model_for("tiny", 64, torch.float32, torch.device("cpu"))
-    assert rows[0]["weight_bytes"] < bd.weight_bytes(model) / 3
+    assert rows[0]["weight_bytes"] < bd.weight_bytes(model) * 0.3
 
 
 def test_weights_and_dtype_must_agree():
     with pytest.raises(SystemExit):
         bd.main(["--model", "tiny", "--weights", "bf16", "--dtype", "fp32"])
-    assert bd.weights_dtype("bf16", None) == "bf16" and bd.weights_dtype("int4", "bf16") == "bf16"
+    assert bd.weights_dtype("bf16", None) == "bf16" and bd.weights_dtype("int4", None) == "bf16"
+    assert bd.weights_dtype("int8", "fp32") == "fp32"
     assert bd.weights_dtype(None, None) == "fp32"
 
 
