@@ -11,9 +11,12 @@ What each choice of :data:`WEIGHTS` does to an fp32 (or bf16) HF model:
 * ``int4``: ``torchao.prototype.quantization.int4.PrototypeInt4WeightOnlyConfig(group_size=32)`` on every
   ``nn.Linear``: asymmetric int4 with a scale and a zero point per group of 32 input channels (the blocks of
   llama.cpp's Q4_1), packed for ATen's CPU kernel (``Int4OpaqueTensor``, ``_weight_int4pack_mm_for_cpu``).
-  torchao 0.18's ``Int4WeightOnlyConfig`` has no CPU packing format: its ``plain`` format needs the
-  ``mslk`` package and CUDA kernels (``ImportError: Requires mslk >= 1.0.0``), ``tile_packed_to_4d`` needs a
-  CUDA device of compute capability 8.0 or more.
+  torchao 0.18's ``Int4WeightOnlyConfig`` has no CPU packing format (tried on a CPU-only torch 2.13.0):
+  ``plain`` and ``preshuffled`` raise ``ImportError: Requires mslk >= 1.0.0`` (CUDA kernels),
+  ``tile_packed_to_4d`` ``AssertionError: Torch not compiled with CUDA enabled``, ``plain_int32``
+  ``NotImplementedError: Int4PlainInt32Tensor does not support device 'cpu' yet``. ``IntxWeightOnlyConfig``
+  with ``torch.int4`` runs on CPU but stores one int4 value per int8 byte (``IntxUnpackedToInt8Tensor``): no
+  fewer bytes than int8.
 
 The output head is quantized too (it is an ``nn.Linear``); with tied embeddings this unties it: the input
 embedding keeps the model's dtype and a decode step reads one row of it. ``set_inductor_config=False``:
