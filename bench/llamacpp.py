@@ -105,7 +105,10 @@ def _quantize_with_python(src: str, dst: str, weights: str, threads: int) -> Non
     params.token_embedding_type = GGML_TYPES[weights.lower()]
     params.output_tensor_type = GGML_TYPES[weights.lower()]
     params.nthread = threads
-    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    with suppress_stdout_stderr(disable=False):  # llama.cpp logs every tensor it converts
+        rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({src} -> {weights}) returned {rc}")
 
