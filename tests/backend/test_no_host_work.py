@@ -1,5 +1,5 @@
 """The rewritten decode graph needs no data-dependent host read: it runs under FakeTensorMode with a ShapeEnv
-(issue 9, item 3). Foreign-write checks and layer ranks live in the wrapper, once per call, not in the graph."""
+. Foreign-write checks and layer ranks live in the wrapper, once per call, not in the graph."""
 from __future__ import annotations
 
 import torch
