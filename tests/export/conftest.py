@@ -36,7 +36,7 @@ def exports(tmp_path_factory):
     """The tiny-model exports, made once per session on first use: ``{name: ExportInfo}``."""
     from models import hf_model
 
-    from tinyserve_compile.export import export_onnx
+    from tinyserve_compile.onnx.export import export_onnx
 
     root = tmp_path_factory.mktemp("onnx")
     made = {}
