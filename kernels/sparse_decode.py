@@ -318,7 +318,9 @@ def _attend_kept_tokens(q, v_cache, logits, cand: Selection, vl, page_size: int,
     final, slots = rank_candidate_tokens(logits, cand, vl, page_size, K * page_size, sink_pages)  # [B,Hkv,T]
     kept = logits.gather(3, slots[:, :, None, :].expand(B, Hkv, G, slots.shape[-1]))  # [B,Hkv,G,T]
     kept = kept.masked_fill(~final.ok[:, :, None, :], float("-inf"))
-    vg = v_cache.gather(2, final.idx[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T,D]
+    L = v_cache.shape[2]
+    # slots of the partial last page past L are never kept (masked above); clamp them for the gather
+    vg = v_cache.gather(2, final.idx.clamp(max=L - 1)[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T,D]
     return softmax_attend(kept, vg).reshape(B, Hkv * G, 1, D).to(q.dtype)
 
 
