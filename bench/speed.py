@@ -19,6 +19,7 @@ def op_speed(contexts: Sequence[int] = (16384, 65536), reps: int = 30, configs=N
     import torch.nn.functional as F
 
     from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_
+    from tinyserve_compile.kernels.spec import SelectionSpec
 
     configs = configs or [dict(page_size=16, sink_pages=0, candidate_factor=1)]
     rows = []
@@ -37,7 +38,8 @@ def op_speed(contexts: Sequence[int] = (16384, 65536), reps: int = 30, configs=N
                 return F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
 
             def sparse():
-                return op(q, k, v, *bounds, vl, None, 0.125, S, 2048, c["sink_pages"], c["candidate_factor"], "torch")
+                spec = SelectionSpec(S, 2048, c["sink_pages"], c["candidate_factor"], 0, False, torch.float32)
+                return op(q, k, v, *bounds, vl, None, 0.125, spec.to_list(), "torch", None)
 
             for _ in range(3):
                 dense(), sparse()
