@@ -102,8 +102,10 @@ class SelectionSpec:
 
     @property
     def n_candidates(self) -> int:
-        """Candidate pages of the first stage, ``candidate_factor * K + candidate_extra // page_size``."""
-        return self.candidate_factor * self.n_pages + self.candidate_extra // self.page_size
+        """Candidate pages of the first stage (:func:`.reference.candidate_pages`, the one formula)."""
+        from .reference import candidate_pages
+
+        return candidate_pages(self.page_size, self.token_budget, self.candidate_factor, self.candidate_extra)
 
     @property
     def two_stage(self) -> bool:

@@ -205,7 +205,7 @@ inline void prefetch_row(const void* p, int64_t bytes, int locality) {
   }
 }
 
-// phase timing for development builds (-DTS_PROFILE): averages printed to stderr every 500 calls
+// stage timing for development builds (-DTS_PROFILE): averages printed to stderr every 500 calls
 #ifdef TS_PROFILE
 // thread CPU time (meaningful with one thread; robust to preemption on a busy machine)
 struct Prof {

@@ -23,7 +23,7 @@ EXPORTS = {
     "gpt2_sparse": ("gpt2", SPARSE, 1),
     "llama_dense": ("llama", {"policy": "full"}, 1),
     "llama_batch2": ("llama", SPARSE, 2),
-    # issue 10 phase 3: int8 bounds, 2 pages of extra candidates (N1 = 2*2 + 2 = 6 of 12), token-level keep
+    # int8 bounds, 2 pages of extra candidates (N1 = 2*2 + 2 = 6 of 12), token-level keep
     "llama_int8_tokens": ("llama", {**SPARSE, "bounds_dtype": "int8", "candidate_factor": 2, "candidate_extra": 32,
                                     "keep_tokens": True}, 1),
     "gpt2_int8_tokens": ("gpt2", {**SPARSE, "bounds_dtype": "int8", "candidate_extra": 32, "keep_tokens": True,

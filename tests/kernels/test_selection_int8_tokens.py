@@ -106,7 +106,7 @@ def test_cost_counts_extra_candidates_and_int8_bounds():
     bounds8 = h * pages8k * (2 * d * 1 + 4)
     got = sparse_site_bytes(8192, h, d, it, 8, 2048, 1, 1, 1024)
     assert got == bounds8 + h * 3072 * d * it + h * 2048 * d * it
-    # the byte targets at 8K and 32K, budget 2048, fp32 cache
+    # the byte targets of the selection study at 8K and 32K, budget 2048, fp32 cache
     dense = lambda ctx: 2 * ctx * h * d * it  # noqa: E731
     assert got / dense(8192) <= 0.35
     assert sparse_site_bytes(32768, h, d, it, 8, 2048, 1, 1, 1024) / dense(32768) <= 0.12

@@ -1,4 +1,4 @@
-"""Issue-10 prototypes of bench/prototypes.py (hierarchical bounds, key sketch for the second stage), against the
+"""The selection prototypes of bench/prototypes.py (hierarchical bounds, key sketch for the second stage), against the
 reference: superpage bounds are still upper bounds; with every superpage kept the hierarchical selection is the
 one-stage bound's; with a fine sketch the second stage is the exact two-stage selection; byte counts agree with
 tinyserve_compile.cost where the algorithms coincide."""
