@@ -55,6 +55,9 @@ AXES = {
 }
 N_CASES = 36
 
+#: one row per (test, implementation): filled by the tests, printed by the conftest's terminal summary
+RESULTS: list = []
+
 
 @dataclass(frozen=True)
 class Case:

@@ -9,8 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))  # triton_interp, shared with the kernels
 
-#: one row per (test, implementation): filled by the tests, printed by :func:`pytest_terminal_summary`
-RESULTS: list = []
+from conformance_cases import RESULTS  # noqa: E402  (one row per test: filled by the tests, printed below)
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,7 @@ import zlib
 import pytest
 import torch
 
-from conformance_cases import BOUND_CASES, CASES, IMPLS, TOL, case_inputs, comparable_pages, run_writer
-from conftest import RESULTS
+from conformance_cases import BOUND_CASES, CASES, IMPLS, RESULTS, TOL, case_inputs, comparable_pages, run_writer
 
 # log(0) = -inf is how a fully masked candidate page gets its -inf log-sum-exp in the interpreter; numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
