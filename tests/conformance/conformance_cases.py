@@ -21,8 +21,6 @@ pages, so it runs the cases without a mask, with ``L % page_size == 0``, in fp32
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import itertools
 import math
 import random
@@ -209,14 +207,11 @@ class _TwinStep(torch.nn.Module):
 
 def export_and_run(module, args, path, int8_write="tensorrt"):
     """``torch.onnx.export`` of ``module`` with the tinyserve translations, then one ONNX Runtime run."""
-    from tinyserve_compile.onnx import ops  # noqa: F401  (registers the export ops)
-    from tinyserve_compile.onnx.translate import translation_table
+    from export_helpers import export_module, ort_run  # tests/export, on the path through the conftest
 
-    with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
-        prog = torch.onnx.export(module, args, dynamo=True, opset_version=18,
-                                 custom_translation_table=translation_table(int8_write))
-    prog.save(str(path))
-    return _ort(path, args)
+    from tinyserve_compile.onnx import ops  # noqa: F401  (registers the export ops)
+
+    return ort_run(export_module(module, args, path, int8_write), args)
 
 
 def run_onnx(c, q, k, v, vl, mask, bounds, scale, tmp_path=None):
@@ -274,6 +269,8 @@ class _TwinWrite(torch.nn.Module):
 
 
 def _run_onnx_writer(k, S, bd, g, tmp_path):
+    from export_helpers import ort_run
+
     B, Hkv, L, D = k.shape
     module = _TwinWrite(SelectionSpec(S, S, 0, 1, 0, False, bd))
     bounds = ref.page_bounds(k, S, dtype=bd)
@@ -284,22 +281,8 @@ def _run_onnx_writer(k, S, bd, g, tmp_path):
             path = tmp_path / "twin_write.onnx"
             got = export_and_run(module, args, path)
         else:
-            got = _ort(path, args)
+            got = ort_run(path, args)
         k, bounds = got[0], ref.PageBounds(*got[1:])
         out.append((bounds, ref.page_bounds(k, S, dtype=bd)))
     return out
 
-
-def _ort(path, args):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    b = sess.io_binding()
-    for i, a in zip(sess.get_inputs(), args):
-        b.bind_ortvalue_input(i.name, ort.OrtValue.from_dlpack(a.contiguous()))
-    for o in sess.get_outputs():
-        b.bind_output(o.name)
-    sess.run_with_iobinding(b)
-    return [torch.from_dlpack(o).clone() for o in b.get_outputs()]

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))  # triton_interp, shared with the kernels
+for _shared in ("kernels", "export"):  # triton_interp and export_helpers, shared with those folders' tests
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / _shared))
 
 from conformance_cases import RESULTS  # noqa: E402  (one row per test: filled by the tests, printed below)
 
