@@ -66,6 +66,7 @@ from tinyserve_compile.cost import sparse_site_bytes  # noqa: E402
 from tinyserve_compile.kernels import reference as ref  # noqa: E402
 from tinyserve_compile.kernels.reference import candidate_pages  # noqa: E402
 from tinyserve_compile.kernels import sparse_decode  # noqa: E402
+from tinyserve_compile.kernels.spec import SelectionSpec  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 TOL = {torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2), torch.float32: (3e-5, 3e-5)}
@@ -157,36 +158,33 @@ def make_inputs(B, hq, hkv, L, D, dtype, device, seed=0):
     return q, k, v
 
 
-def check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes, sink=0, cf=1, extra=0, tokens=False):
+def check_correctness(tsd, q, k, v, bounds, vl, spec, ref_budget_bytes):
     """Worst normalised error vs the reference, the share of KV heads that keep the reference's pages (or
     tokens), and the path the Triton selection took: ``stages`` (1, 2, or 0 when dense) and ``kept``."""
     B, hq, _, D = q.shape
     hkv, L = k.shape[1], k.shape[2]
     scale = D ** -0.5
-    sel = (S, budget, sink, cf, extra, tokens)
-    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, *sel)
+    out = tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, spec)
     ref_bytes = 3 * B * hq * L * D * 4
     if ref_bytes <= ref_budget_bytes:
-        want = ref.sparse_decode_reference(q, k, v, vl, None, scale, S, budget, sink, cf, bounds=bounds,
-                                           candidate_extra=extra, keep_tokens=tokens)
+        want = ref.sparse_decode_reference(q, k, v, vl, None, scale, spec, bounds)
         oracle = "reference"
     else:
-        want = sparse_decode(q, k, v, bounds, vl, None, scale, S, budget, sink, cf, kernel="torch",
-                             candidate_extra=extra, keep_tokens=tokens)
+        want = sparse_decode(q, k, v, bounds, vl, None, scale, spec, kernel="torch")
         oracle = "kernel=torch"
     atol, rtol = TOL[q.dtype]
     err = (out.float() - want.float()).abs()
     excess = float((err / (atol + rtol * want.float().abs())).max())
-    sel_ref, unit = ref.choose(q, k, bounds, vl, None, scale, *sel)
-    sel_tri = tsd.select_pages_triton(q, k, *bounds, vl, None, scale, *sel)
+    sel_ref, unit = ref.choose(q, k, bounds, vl, None, scale, spec)
+    sel_tri = tsd.select_pages_triton(q, k, *bounds, vl, None, scale, spec)
     if sel_ref is None or sel_tri is None:
         agree = 1.0 if (sel_ref is None) == (sel_tri is None) else float("nan")
     else:
         same = ((sel_ref.idx == sel_tri.idx) | ~(sel_ref.ok & sel_tri.ok)).all(-1)
         agree = float(same.float().mean())
     # the path taken: dense (no selection), one stage, or two stages keeping whole pages or single tokens
-    K = budget // S
-    stages = 0 if sel_tri is None else (2 if candidate_pages(S, budget, cf, extra) > K else 1)
+    K = spec.n_pages
+    stages = 0 if sel_tri is None else (2 if spec.two_stage else 1)
     kept = "all" if sel_tri is None else ("tokens" if sel_tri.idx.shape[-1] > K else "pages")
     return dict(max_abs_err=float(err.max()), tol_ratio=excess, ok=excess <= 1.0, pages_agree=agree, oracle=oracle,
                 stages=stages, kept=kept,
@@ -227,7 +225,8 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
     scale = D ** -0.5
     row = dict(context=L, batch=B, dtype=dname, setting=setting, hq=hq, hkv=hkv, head_dim=D, page=S, budget=budget,
                sink_pages=sink, candidate_factor=cf, candidate_extra=extra, keep_tokens=tokens, bounds_dtype=bdt)
-    row.update(check_correctness(tsd, q, k, v, bounds, vl, S, budget, ref_budget_bytes, sink, cf, extra, tokens))
+    spec = SelectionSpec(S, budget, sink, cf, extra, tokens, getattr(torch, bdt))
+    row.update(check_correctness(tsd, q, k, v, bounds, vl, spec, ref_budget_bytes))
     if check_only:
         log(fmt_check(row))
         del q, k, v, bounds
@@ -235,10 +234,10 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
             torch.cuda.empty_cache()
         return row
     fns = {
-        "sparse": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, budget, sink, cf, extra,
-                                                   tokens),
-        "select": lambda: tsd._select(q, k, *bounds, vl, None, scale, S, budget, sink, cf, extra, tokens),
-        "dense": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, S, L + S, 0, 1),
+        "sparse": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale, spec),
+        "select": lambda: tsd._select(q, k, *bounds, vl, None, scale, spec),
+        "dense": lambda: tsd.sparse_decode_triton(q, k, v, *bounds, vl, None, scale,
+                                                  SelectionSpec(S, L + S, 0, 1, 0, False, getattr(torch, bdt))),
     }
     for name in ("sdpa_flash", "sdpa_efficient"):
         fn, how = sdpa_fn(name, q, k, v, device)

@@ -63,10 +63,10 @@ def _names(budget: int):
 
 def _export(model, which: str, L: int, options, export_dir: str, batch: int = 1):
     """Export (or reuse) the decode step of ``model`` at cache length ``L``: (path, seconds or None if cached)."""
-    from tinyserve_compile.export import export_onnx
+    from tinyserve_compile.onnx.export import export_onnx
 
-    import tinyserve_compile.export as ex
-    import tinyserve_compile.onnx_translate as tr
+    import tinyserve_compile.onnx.export as ex
+    import tinyserve_compile.onnx.translate as tr
 
     code = "".join(open(m.__file__).read() for m in (ex, tr))  # a changed lowering invalidates the cache
     key = json.dumps([which, L, sorted(options.items()), batch, "inplace", hashlib.sha1(code.encode()).hexdigest()])
@@ -114,8 +114,8 @@ def _profiled(dec, prefix: str):
 
 def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, export_dir: str, threads,
                 kind: str = "auto", only=None, profile_dir: Optional[str] = None):
-    from tinyserve_compile.export import decode_state
-    from tinyserve_compile.onnx_runtime import OrtDecoder
+    from tinyserve_compile.onnx.export import decode_state
+    from tinyserve_compile.onnx.runtime import OrtDecoder
 
     model, which = model_for(kind, ctx, torch.float32, torch.device("cpu"))
     S = TinyServeConfig().page_size

@@ -10,7 +10,7 @@ contexts 4K/16K/64K (1K..256K with ``--full``). Selection settings (``--settings
 
 Providers, timed in one interleaved loop (rotating order, median of ``--reps``):
 ``dense`` = ``F.scaled_dot_product_attention(enable_gqa=True)`` over the whole cache,
-``sparse`` = the native kernel ``torch.ops.tinyserve_native.sparse_decode`` (the CPU
+``sparse`` = the native kernel, ``torch.ops.tinyserve.sparse_decode(..., "native")`` (the CPU
 default; the PyTorch path if the native kernel cannot be built, said in the output),
 ``torch`` = the PyTorch path ``torch.ops.tinyserve.sparse_decode(..., "torch")``
 (a variant column; ``--no-torch`` skips it). By default every timed call starts
@@ -45,6 +45,7 @@ from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.cost import sparse_site_bytes
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_
 from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
+from tinyserve_compile.kernels.spec import SelectionSpec
 
 B, HQ, HKV, D = 1, 9, 3, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -117,22 +118,19 @@ def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool,
     bounds = rebuild_bounds_(k, allocate_bounds(k, s["page"], bdt), s["page"])  # [1,3,P,64] x2, [1,3,P]
     vl = torch.tensor([L], dtype=torch.int64)
     scale = 1.0 / D**0.5
-    sel = (s["page"], s["budget"], s["sink"], s["cf"])
+    spec = SelectionSpec(s["page"], s["budget"], s["sink"], s["cf"], s["extra"], s["tokens"], bdt).to_list()
     flush = _Flush() if cold else (lambda: None)
 
     def dense():
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
-    if native:
-        def sparse():
-            return torch.ops.tinyserve_native.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, None, s["extra"], s["tokens"])
-    else:
-        def sparse():
-            return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch", s["extra"], s["tokens"])
+    kernel = "native" if native else "torch"
+
+    def sparse():
+        return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, spec, kernel, None)
 
     def torch_path():
-        return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, *sel, "torch", s["extra"],
-                                                 s["tokens"])
+        return torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, vl, None, scale, spec, "torch", None)
 
     fns = {"dense": dense, "sparse": sparse}
     if with_torch:
@@ -276,7 +274,7 @@ def main(argv=None) -> int:
     bw = read_bandwidth_gbs(256)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()} "
           f"({os.cpu_count()} cpus); read bandwidth (sum over 256 MB) {bw:.1f} GB/s")
-    print("sparse kernel: " + ("native (tinyserve_native::sparse_decode)" if native else
+    print("sparse kernel: " + ("native (tinyserve::sparse_decode, kernel=native)" if native else
                                f"PyTorch path (native unavailable: {native_unavailable_reason()})"))
     q = torch.randn(1, HQ, 1, D)
     kv = torch.randn(1, HKV, 4096, D)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from tinyserve_compile.cost import sparse_site_bytes
 from tinyserve_compile.kernels.bounds import allocate_bounds, rebuild_bounds_, update_bounds_
+from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.kernels.reference import choose_pages, dropped_mass_bound, selected_token_mask
 from tinyserve_compile.policies import DecodeContext, get_policy
 
@@ -161,9 +162,10 @@ class EvalModel:
             bounds = allocate_bounds(key, S, getattr(torch, cfg.bounds_dtype))
             bounds = self.bounds[layer] = rebuild_bounds_(key, bounds, S)
         update_bounds_(key, bounds, torch.tensor([self.pos]), S)
-        ctx = DecodeContext(query, key, value, bounds, torch.tensor([vl]), None, float(scale), S,
-                            cfg.budget_for(layer), cfg.sink_pages, cfg.candidate_factor,
-                            self.states.setdefault(layer, {}), "auto", cfg.candidate_extra, cfg.keep_tokens)
+        spec = SelectionSpec(S, cfg.budget_for(layer), cfg.sink_pages, cfg.candidate_factor, cfg.candidate_extra,
+                             cfg.keep_tokens, getattr(torch, cfg.bounds_dtype))
+        ctx = DecodeContext(query, key, value, bounds, torch.tensor([vl]), None, float(scale), spec,
+                            self.states.setdefault(layer, {}), "auto")
         pol = get_policy(cfg.policy)
         if self.collect:
             self._collect(layer, pol, ctx)

@@ -1,16 +1,27 @@
-"""Page-bounds maintenance ops: ``tinyserve::rebuild_bounds`` and ``tinyserve::update_bounds``.
+"""Page-bounds maintenance: the ``tinyserve::cache_write`` op (a key write plus the bounds of the pages it
+touches), and :func:`rebuild_bounds_` / :func:`update_bounds_` for code outside compiled graphs.
 
 Maintained bounds cover every one of a page's ``S`` slots, written or not, so that
 any sequence of writes (appends, overwrites, roll-backs) leaves them equal to a
 rebuild from scratch: a touched page is recomputed whole, never merged.
+
+``tinyserve::cache_write`` is registered once, with one kernel per device chosen by the
+dispatcher: on CPU the native C++ kernel when it builds, on CUDA the Triton bounds kernel
+(:mod:`.triton_bounds`, no host sync) when Triton is installed, else (and on any other
+device) the PyTorch path :func:`cache_write_torch`.
 """
 from __future__ import annotations
+
+import functools
+from typing import List
 
 import torch
 
 from .reference import BOUNDS_DTYPES, PageBounds, num_pages, page_bounds, store_bounds
+from .spec import SelectionSpec
 
-__all__ = ["allocate_bounds", "rebuild_bounds_", "update_bounds_"]
+__all__ = ["allocate_bounds", "rebuild_bounds_", "update_bounds_", "cache_write_torch", "cache_write_impl",
+           "CACHE_WRITE_IMPLS"]
 
 
 def allocate_bounds(k_cache: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float32) -> PageBounds:
@@ -64,15 +75,6 @@ def rebuild_bounds_impl(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.T
     kabs.copy_(b.kabs)
 
 
-_rebuild_bounds_op = torch.library.custom_op("tinyserve::rebuild_bounds", rebuild_bounds_impl,
-                                             mutates_args=("kmax", "kmin", "kabs"))
-
-
-@_rebuild_bounds_op.register_fake
-def _(k_cache, kmax, kmin, kabs, page_size):
-    return None
-
-
 def update_bounds_impl(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
                        positions: torch.Tensor, page_size: int) -> None:
     B, H, L, D = k_cache.shape
@@ -103,15 +105,6 @@ def update_bounds_impl(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Te
     kabs.index_copy_(2, pages, b.kabs)
 
 
-_update_bounds_op = torch.library.custom_op("tinyserve::update_bounds", update_bounds_impl,
-                                            mutates_args=("kmax", "kmin", "kabs"))
-
-
-@_update_bounds_op.register_fake
-def _(k_cache, kmax, kmin, kabs, positions, page_size):
-    return None
-
-
 def rebuild_bounds_(k_cache: torch.Tensor, bounds: PageBounds, page_size: int) -> PageBounds:
     """Recompute every page of ``bounds`` from ``k_cache`` in place (O(L*D)).
 
@@ -124,7 +117,7 @@ def rebuild_bounds_(k_cache: torch.Tensor, bounds: PageBounds, page_size: int) -
     page_size : int
     """
     _check("rebuild_bounds_", k_cache, *bounds, page_size)
-    torch.ops.tinyserve.rebuild_bounds(k_cache, *bounds, page_size)
+    rebuild_bounds_impl(k_cache, *bounds, page_size)
     return bounds
 
 
@@ -144,5 +137,119 @@ def update_bounds_(k_cache: torch.Tensor, bounds: PageBounds, positions: torch.T
     _check("update_bounds_", k_cache, *bounds, page_size)
     if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
         raise ValueError("update_bounds_: argument 'positions' must be an integer tensor of written positions")
-    torch.ops.tinyserve.update_bounds(k_cache, *bounds, positions, page_size)
+    update_bounds_impl(k_cache, *bounds, positions, page_size)
     return bounds
+
+
+# ---- tinyserve::cache_write -------------------------------------------------------------------------------------
+def _positions(positions: torch.Tensor) -> torch.Tensor:
+    """Written positions as int64 ``[n]``: any integer dtype, 0-d, ``[1]`` or ``[n]``."""
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise ValueError(f"cache_write: argument 'positions' must be an integer tensor, got {positions.dtype}")
+    return positions.reshape(-1).to(torch.int64)
+
+
+def cache_write_torch(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size: int) -> None:
+    """The PyTorch path of ``tinyserve::cache_write`` (any device)."""
+    pos = _positions(positions)
+    k_cache.index_copy_(2, pos, src.to(k_cache.dtype))
+    if int(ctrl[0]):
+        rebuild_bounds_impl(k_cache, kmax, kmin, kabs, page_size)
+        ctrl[0] = 0
+    else:
+        update_bounds_impl(k_cache, kmax, kmin, kabs, pos, page_size)
+
+
+def _cache_write_native(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size: int) -> None:
+    from .native import native_module
+
+    native_module().cache_write(k_cache, kmax, kmin, kabs, ctrl, _positions(positions), src.to(k_cache.dtype),
+                                page_size)
+
+
+def _cache_write_triton(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size: int) -> None:
+    from .triton_bounds import rebuild_bounds_triton, update_bounds_triton
+
+    pos = _positions(positions)
+    k_cache.index_copy_(2, pos, src.to(k_cache.dtype))
+    if int(ctrl[0]):  # ctrl lives on the CPU: a read of host memory, no device sync
+        rebuild_bounds_triton(k_cache, kmax, kmin, kabs, page_size)
+        ctrl[0] = 0
+    else:
+        update_bounds_triton(k_cache, kmax, kmin, kabs, pos, page_size)
+
+
+#: the implementations of ``tinyserve::cache_write`` by name (the conformance tests run each)
+CACHE_WRITE_IMPLS = {"torch": cache_write_torch, "native": _cache_write_native, "triton": _cache_write_triton}
+
+
+def cache_write_impl(device: torch.device) -> str:
+    """The implementation of ``tinyserve::cache_write`` that runs on ``device``: native on CPU when it builds,
+    Triton on CUDA when it is installed, else the PyTorch path."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        from .native import load_native
+
+        return "native" if load_native() else "torch"
+    if device.type == "cuda":
+        from .triton_sparse_decode import triton_available
+
+        return "triton" if triton_available() else "torch"
+    return "torch"
+
+
+@functools.lru_cache(maxsize=64)
+def _page_size_of(spec: tuple) -> int:
+    return SelectionSpec.from_list(list(spec)).page_size
+
+
+def _check_ctrl(ctrl: torch.Tensor) -> None:
+    if ctrl.device.type != "cpu" or ctrl.dtype != torch.int32 or ctrl.numel() < 2 or not ctrl.is_contiguous():
+        raise ValueError(f"cache_write: argument 'ctrl' must be a contiguous int32 CPU tensor of 2 elements, got "
+                         f"{ctrl.dtype} {tuple(ctrl.shape)} on {ctrl.device}")
+
+
+@torch.library.custom_op("tinyserve::cache_write", mutates_args=("k_cache", "kmax", "kmin", "kabs", "ctrl"))
+def _cache_write_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
+                    ctrl: torch.Tensor, positions: torch.Tensor, src: torch.Tensor, spec: List[int]) -> None:
+    """``k_cache.index_copy_(2, positions, src)``, then keep the page bounds exact.
+
+    Parameters
+    ----------
+    k_cache : torch.Tensor
+        ``[B, Hkv, L, D]`` key cache (any strides with a unit stride on ``D``), written in place.
+    kmax, kmin : torch.Tensor
+        ``[B, Hkv, P, D]`` contiguous float32, bfloat16 or int8 bounds, written in place.
+    kabs : torch.Tensor
+        ``[B, Hkv, P]`` contiguous float32.
+    ctrl : torch.Tensor
+        int32 ``[2]`` CPU tensor: ``ctrl[0] != 0`` rebuilds every page (then clears it);
+        otherwise only the pages holding ``positions`` are recomputed.
+    positions : torch.Tensor
+        Integer (any dtype) 0-d, ``[1]`` or ``[n]``: the sequence positions written.
+    src : torch.Tensor
+        ``[B, Hkv, n, D]`` new keys.
+    spec : list of int
+        :meth:`.spec.SelectionSpec.to_list` (the page size is what the write reads).
+    """
+    _check_ctrl(ctrl)
+    cache_write_torch(k_cache, kmax, kmin, kabs, ctrl, positions, src, _page_size_of(tuple(spec)))
+
+
+@_cache_write_op.register_kernel("cpu")
+def _(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec):
+    _check_ctrl(ctrl)
+    impl = CACHE_WRITE_IMPLS[cache_write_impl(k_cache.device)]
+    impl(k_cache, kmax, kmin, kabs, ctrl, positions, src, _page_size_of(tuple(spec)))
+
+
+@_cache_write_op.register_kernel("cuda")
+def _(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec):
+    _check_ctrl(ctrl)
+    impl = CACHE_WRITE_IMPLS[cache_write_impl(k_cache.device)]
+    impl(k_cache, kmax, kmin, kabs, ctrl, positions, src, _page_size_of(tuple(spec)))
+
+
+@_cache_write_op.register_fake
+def _(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec):
+    return None

@@ -3,9 +3,11 @@
 The C++ source is compiled with :func:`torch.utils.cpp_extension.load` into a cache
 folder keyed by a hash of the source, the torch version, the compiler flags and the
 CPU's vector features (``-march=native`` makes the binary specific to the host), so a
-second process loads it in milliseconds. Loading registers the ops
-``torch.ops.tinyserve_native.{sparse_decode, kept_pages, cache_write, rebuild_bounds}``
-and their fake implementations (:mod:`.native_sparse_decode`).
+second process loads it in milliseconds. The result is a Python extension module with the
+functions ``sparse_decode``, ``kept_pages``, ``cache_write`` and ``rebuild_bounds``
+(:func:`native_module`); it registers no op of its own: :mod:`.sparse_decode` and
+:mod:`.bounds` make them the CPU kernels of ``tinyserve::sparse_decode`` and
+``tinyserve::cache_write``.
 
 If anything fails (no compiler, no ninja, a build error), :func:`load_native` returns
 False and :func:`native_unavailable_reason` says why; callers then use the PyTorch path.
@@ -34,13 +36,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load_native", "native_unavailable_reason", "native_build_dir", "SOURCE"]
+__all__ = ["load_native", "native_module", "native_unavailable_reason", "SOURCE"]
 
 #: the C++ source of the native ops
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "tinyserve_cpu.cpp")
 
 _lock = threading.Lock()
-_state: dict = {"loaded": None, "reason": None, "build_dir": None}
+_state: dict = {"loaded": None, "reason": None, "module": None}
 
 
 def _cpu_flags() -> set:
@@ -85,9 +87,9 @@ def _flags(isa: str):
     return cflags, ["-fopenmp"]
 
 
-def native_build_dir() -> Optional[str]:
-    """The build folder of the loaded (or last attempted) native build, or None."""
-    return _state["build_dir"]
+def native_module():
+    """The loaded extension module (call :func:`load_native` first; None when it is not loaded)."""
+    return _state["module"] if _state["loaded"] else None
 
 
 def native_unavailable_reason() -> Optional[str]:
@@ -99,7 +101,7 @@ def native_unavailable_reason() -> Optional[str]:
 
 
 def load_native(verbose: bool = False) -> bool:
-    """Build (first time) and load the native ops; True when ``torch.ops.tinyserve_native`` is usable.
+    """Build (first time) and load the native kernels; True when :func:`native_module` is usable.
 
     Thread-safe and cached: the build is attempted once per process.
     """
@@ -186,35 +188,30 @@ def _load(verbose: bool) -> bool:
     root = os.environ.get("TINYSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tinyserve_compile")
     build_dir = os.path.join(root, f"native-{key}")
     os.makedirs(build_dir, exist_ok=True)
-    _state["build_dir"] = build_dir
     clear_stale_lock(build_dir)
-    cpp_extension.load(
+    module = cpp_extension.load(
         name=f"tinyserve_native_{key}",
         sources=[SOURCE],
         extra_cflags=cflags,
         extra_ldflags=ldflags,
         build_directory=build_dir,
-        is_python_module=False,
+        is_python_module=True,
         verbose=verbose,
     )
-    if not hasattr(torch.ops.tinyserve_native, "sparse_decode"):
-        _state["reason"] = "native library loaded but torch.ops.tinyserve_native.sparse_decode is missing"
-        return False
-    from . import native_sparse_decode
-
-    native_sparse_decode._register_fakes()
-    problem = _self_check()
+    problem = _self_check(module)
+    _state["module"] = module
     if problem:
         _state["reason"] = f"native kernel self-check failed ({isa} build in {build_dir}): {problem}"
         return False
     return True
 
 
-def _self_check() -> Optional[str]:
+def _self_check(lib) -> Optional[str]:
     """Run the freshly loaded kernel on small cases against :mod:`.reference`; a description of the first
     mismatch, or None. Covers the three bound dtypes, fp32 and bf16 caches, one and two stages (pages, and single
     tokens with extra candidates), a mask (a few ms)."""
     from . import reference as ref
+    from .spec import SelectionSpec
 
     gen = torch.Generator().manual_seed(1234)
     B, Hkv, G, L, D, S = 2, 1, 3, 131, 64, 8
@@ -230,14 +227,13 @@ def _self_check() -> Optional[str]:
         vl = torch.tensor([L, 100])
         kmax = torch.empty(B, Hkv, ref.num_pages(L, S), D, dtype=bdt)
         kmin, kabs = torch.empty_like(kmax), torch.empty(B, Hkv, kmax.shape[2])
-        torch.ops.tinyserve_native.rebuild_bounds(k, kmax, kmin, kabs, S)
+        lib.rebuild_bounds(k, kmax, kmin, kabs, S)
         b = ref.page_bounds(k, S, dtype=bdt)
         if not (torch.equal(kmax, b.kmax) and torch.equal(kmin, b.kmin) and torch.equal(kabs, b.kabs)):
             return f"rebuild_bounds differs from reference.page_bounds ({dtype}, bounds {bdt})"
-        out = torch.ops.tinyserve_native.sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, 0.125, S, 32, 1, cf, None,
-                                                       extra, keep_tokens)
-        want = ref.sparse_decode_reference(q, k, v, vl, mask, 0.125, S, 32, 1, cf, bounds=b, candidate_extra=extra,
-                                           keep_tokens=keep_tokens)
+        out = lib.sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, 0.125, S, 32, 1, cf, None, extra, keep_tokens)
+        spec = SelectionSpec(S, 32, 1, cf, extra, keep_tokens, bdt)
+        want = ref.sparse_decode_reference(q, k, v, vl, mask, 0.125, spec, bounds=b)
         err = float((out.float() - want.float()).abs().max())
         if not err <= (1e-4 if dtype == torch.float32 else 2e-2):
             return (f"sparse_decode differs from the reference by {err:.3g} ({dtype}, bounds {bdt}, c={cf}, "

@@ -1,28 +1,33 @@
 """The ``tinyserve::sparse_decode`` op: query-aware paged sparse decode attention.
 
-Layout (Liger-Kernel style): :func:`_sparse_decode_torch` is the fast PyTorch
-path (CPU, or any device without Triton), :func:`sparse_decode` is the Python
-launcher that validates and dispatches, and ``torch.ops.tinyserve.sparse_decode``
-is the registered op with a real fake implementation. The reference in
-:mod:`.reference` is the source of truth for all of them.
+One op, registered once, with one kernel per device chosen through the dispatcher:
+
+* ``cpu``: the native C++ kernel (:mod:`.native`) when it builds, else the PyTorch path;
+* ``cuda``: the Triton kernels (:mod:`.triton_sparse_decode`) when Triton is installed, else the PyTorch path;
+* any other device: the PyTorch path (:func:`_sparse_decode_torch`).
+
+The ``kernel`` argument (``auto``, ``native``, ``torch``, ``triton``) overrides that choice;
+:func:`resolve_kernel` is the one place where it is resolved. The selection knobs come
+as one packed ``int[] spec`` (:class:`.spec.SelectionSpec`). :func:`sparse_decode` is the
+Python launcher that validates its arguments; the reference in :mod:`.reference` is the
+source of truth for every implementation.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .reference import (
-    BOUNDS_DTYPES,
     PageBounds,
     Selection,
     _as_valid_len,
     _gathered_mask,
     _selected_tokens,
-    candidate_pages,
     mask_page_max,
     page_scores,
     rank_candidate_tokens,
@@ -30,19 +35,17 @@ from .reference import (
     select_pages,
     softmax_attend,
 )
+from .spec import KERNELS, SelectionSpec
 
-__all__ = ["sparse_decode", "sparse_decode_impl", "attend_selection", "check_decode_inputs", "KERNELS"]
+__all__ = ["sparse_decode", "attend_selection", "check_decode_inputs", "resolve_kernel", "run_kernel", "KERNELS"]
 
-KERNELS = ("auto", "native", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: up to this many (batch, KV head) pairs the CPU path loops over per-head GEMMs instead of bmm
 _LOOP_MAX = 16
 
 
-def check_decode_inputs(
-    q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-    candidate_factor, kernel="auto", candidate_extra=0, keep_tokens=False,
-) -> None:
+def check_decode_inputs(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: SelectionSpec,
+                        kernel="auto") -> None:
     """Raise ``ValueError`` naming the first bad argument of :func:`sparse_decode`."""
 
     def bad(name, msg):
@@ -72,33 +75,24 @@ def check_decode_inputs(
             bad(name, f"must have the dtype of q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             bad(name, f"must be on the device of q ({q.device}), got {t.device}")
-    if not isinstance(page_size, int) or page_size <= 0:
-        bad("page_size", f"must be a positive int, got {page_size!r}")
-    if not isinstance(token_budget, int) or token_budget < page_size:
-        bad("token_budget", f"must be an int of at least one page ({page_size} tokens), got {token_budget!r}")
-    K = token_budget // page_size
-    if not isinstance(sink_pages, int) or not 0 <= sink_pages < K:
-        bad("sink_pages", f"must be an int in [0, {K}) (fewer than the pages in the budget), got {sink_pages!r}")
-    if not isinstance(candidate_factor, int) or candidate_factor < 1:
-        bad("candidate_factor", f"must be an int >= 1, got {candidate_factor!r}")
-    if not isinstance(candidate_extra, int) or isinstance(candidate_extra, bool) or candidate_extra < 0:
-        bad("candidate_extra", f"must be an int >= 0 (tokens), got {candidate_extra!r}")
-    if not isinstance(keep_tokens, bool):
-        bad("keep_tokens", f"must be a bool, got {keep_tokens!r}")
+    if not isinstance(spec, SelectionSpec):
+        bad("spec", f"must be a SelectionSpec, got {type(spec).__name__}")
     if not isinstance(scale, (int, float)) or not scale > 0 or not math.isfinite(scale):
         bad("scale", f"must be a finite float > 0, got {scale!r}")
     if kernel not in KERNELS:
         bad("kernel", f"must be one of {KERNELS}, got {kernel!r}")
-    P = (L + page_size - 1) // page_size
+    S = spec.page_size
+    P = (L + S - 1) // S
     for name, t, shape in (("kmax", kmax, (B, Hkv, P, D)), ("kmin", kmin, (B, Hkv, P, D)), ("kabs", kabs, (B, Hkv, P))):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            bad(name, f"must be a tensor of shape {shape} (page_size={page_size}), got {got}")
-        want = (torch.float32,) if name == "kabs" else BOUNDS_DTYPES
-        if t.dtype not in want:
-            bad(name, f"must be one of {want} (bf16/int8 bounds are stored rounded outward), got {t.dtype}")
-    if kmin.dtype != kmax.dtype:
-        bad("kmin", f"must have the dtype of kmax ({kmax.dtype}), got {kmin.dtype}")
+            bad(name, f"must be a tensor of shape {shape} (page_size={S}), got {got}")
+    if kabs.dtype != torch.float32:
+        bad("kabs", f"must be float32, got {kabs.dtype}")
+    for name, t in (("kmax", kmax), ("kmin", kmin)):
+        if t.dtype != spec.bounds_dtype:
+            bad(name, f"must have the spec's bounds dtype {spec.bounds_dtype} (bf16/int8 bounds are stored rounded "
+                      f"outward), got {t.dtype}")
     for name, t in (("kmax", kmax), ("kmin", kmin), ("kabs", kabs)):
         if t.device != q.device:
             bad(name, f"must be on the device of q ({q.device}), got {t.device}")
@@ -161,16 +155,28 @@ def _attend(qg, kg, vg, tok_ok, mask_add, scale) -> torch.Tensor:
     return softmax_attend(logits, vg)
 
 
-def _uniform_len(valid_len: torch.Tensor, batch: int):
-    """``int(valid_len)`` when every batch row has the same length, else None (one host sync).
+def _uniform_len(valid_len: torch.Tensor, attn_mask: Optional[torch.Tensor], batch: int):
+    """``(n, attn_mask)``: ``n = int(valid_len)`` when every batch row has the same length (else None), and the
+    mask, or None when it attends every token below ``n`` with weight 0 (HF's causal decode mask), which then
+    changes nothing: tokens at or past ``valid_len`` are never attended. One host read for both.
 
-    ``valid_len``: int64/int32 ``[B]`` or ``[1]``.
+    ``valid_len``: int64/int32 ``[B]`` or ``[1]``; ``attn_mask``: bool or additive float, broadcastable to
+    ``[B, Hq, 1, L]``, or None.
     """
-    if valid_len.numel() == 1:
-        return int(valid_len.reshape(()))
-    lo_hi = torch.aminmax(valid_len.reshape(-1))
-    lo, hi = int(lo_hi.min), int(lo_hi.max)
-    return lo if lo == hi else None
+    vl = valid_len.reshape(-1)
+    lo_hi = torch.aminmax(vl)
+    parts = [lo_hi.min.reshape(1).long(), lo_hi.max.reshape(1).long()]
+    if attn_mask is not None:
+        # whether the mask is trivial below the longest row: a device-side flag read with the lengths
+        L = attn_mask.shape[-1]
+        below = torch.arange(L, device=attn_mask.device) < lo_hi.max
+        ok = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        parts.append((ok | ~below).all().reshape(1).long())
+    got = torch.cat(parts).tolist()
+    lo, hi = got[0], got[1]
+    if attn_mask is not None and lo == hi and got[2]:
+        attn_mask = None
+    return (lo if lo == hi else None), attn_mask
 
 
 def _select_uniform(scores: torch.Tensor, n: int, page_size: int, K: int, sink_pages: int) -> torch.Tensor:
@@ -312,7 +318,9 @@ def _attend_kept_tokens(q, v_cache, logits, cand: Selection, vl, page_size: int,
     final, slots = rank_candidate_tokens(logits, cand, vl, page_size, K * page_size, sink_pages)  # [B,Hkv,T]
     kept = logits.gather(3, slots[:, :, None, :].expand(B, Hkv, G, slots.shape[-1]))  # [B,Hkv,G,T]
     kept = kept.masked_fill(~final.ok[:, :, None, :], float("-inf"))
-    vg = v_cache.gather(2, final.idx[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T,D]
+    L = v_cache.shape[2]
+    # slots of the partial last page past L are never kept (masked above); clamp them for the gather
+    vg = v_cache.gather(2, final.idx.clamp(max=L - 1)[..., None].expand(-1, -1, -1, D)).float()  # [B,Hkv,T,D]
     return softmax_attend(kept, vg).reshape(B, Hkv * G, 1, D).to(q.dtype)
 
 
@@ -388,18 +396,21 @@ def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, 
     return out.reshape(B, Hq, 1, D).to(q.dtype)
 
 
-def _sparse_decode_torch(
-    q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-    candidate_factor, candidate_extra=0, keep_tokens=False,
-) -> torch.Tensor:
-    """Fast PyTorch path: matmul bound scan, top-k, page gather, exact attention."""
+def _sparse_decode_torch(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale,
+                         spec: SelectionSpec) -> torch.Tensor:
+    """Fast PyTorch path: matmul bound scan, top-k, page gather, exact attention.
+
+    Host reads: one (``valid_len``'s min and max, fused with the mask's triviality) to pick the fast path.
+    """
+    page_size, token_budget, sink_pages = spec.page_size, spec.token_budget, spec.sink_pages
+    keep_tokens = spec.keep_tokens
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    K = token_budget // page_size
-    n_first = candidate_pages(page_size, token_budget, candidate_factor, candidate_extra)
+    K = spec.n_pages
+    n_first = spec.n_candidates
     two = n_first > K
-    n = _uniform_len(valid_len, B)  # one host sync; None when rows differ
+    n, attn_mask = _uniform_len(valid_len, attn_mask, B)  # one host sync; n None when rows differ
     if n is not None and attn_mask is None and 0 < n:
         n = min(n, L)
         if (n + page_size - 1) // page_size <= K:  # ---- dense fit: plain SDPA over the n valid tokens
@@ -492,40 +503,77 @@ def attend_selection(
     return out.reshape(B, Hq, 1, D).to(q.dtype)
 
 
-def _triton_allowed(q: torch.Tensor) -> bool:
-    return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+def _ctrl_dense(ctrl: Optional[torch.Tensor]) -> bool:
+    """``ctrl[1] != 0`` (a dense layer) or ``ctrl[0] != 0`` (stale bounds, never read): attend densely.
+
+    ``ctrl``: int32 ``[2]`` CPU tensor or None; reading it is a host read of host memory, not a device sync.
+    """
+    if ctrl is None:
+        return False
+    if ctrl.device.type != "cpu" or ctrl.dtype != torch.int32 or ctrl.numel() < 2:
+        raise ValueError(f"sparse_decode: argument 'ctrl' must be an int32 CPU tensor of 2 elements, got "
+                         f"{ctrl.dtype} {tuple(ctrl.shape)} on {ctrl.device}")
+    return bool(ctrl[:2].any())
 
 
-def sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-         candidate_factor, kernel, candidate_extra=0, keep_tokens=False):
-    args = (q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-            candidate_factor)
-    if kernel == "native" or (kernel == "auto" and q.device.type == "cpu"):
-        # ---- the native C++ kernel: the CPU default when it builds (else the PyTorch path below)
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """The implementation that runs: ``"native"``, ``"triton"`` or ``"torch"``; the one place it is chosen.
+
+    ``auto`` takes the native kernel on CPU when it builds, Triton on CUDA when it is installed, and the
+    PyTorch path otherwise. ``native`` needs CPU tensors and a built kernel; ``triton`` CUDA tensors (or
+    ``TRITON_INTERPRET=1``, the interpreter, on any device) and an installed Triton. Raises ``ValueError``
+    naming ``kernel`` when the choice cannot run.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"sparse_decode: argument 'kernel' must be one of {KERNELS}, got {kernel!r}")
+    device = torch.device(device)
+    if kernel == "torch":
+        return "torch"
+    if kernel == "native" or (kernel == "auto" and device.type == "cpu"):
         from .native import load_native, native_unavailable_reason
 
-        if kernel == "native" and q.device.type != "cpu":
-            raise ValueError(f"sparse_decode: argument 'kernel'='native' runs on CPU tensors only, got {q.device}")
+        if kernel == "native" and device.type != "cpu":
+            raise ValueError(f"sparse_decode: argument 'kernel'='native' runs on CPU tensors only, got {device}")
         if load_native():
-            return torch.ops.tinyserve_native.sparse_decode(*args, None, candidate_extra, keep_tokens)
+            return "native"
         if kernel == "native":
             raise ValueError(f"sparse_decode: argument 'kernel'='native' but the native kernel is unavailable: "
                              f"{native_unavailable_reason()}")
-        return _sparse_decode_torch(*args, candidate_extra, keep_tokens)
-    use_triton = kernel == "triton" or (kernel == "auto" and q.is_cuda)
-    if use_triton:
-        if not _triton_allowed(q):
-            raise ValueError(
-                "sparse_decode: argument 'kernel'='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run the "
-                f"Triton interpreter on {q.device}"
-            )
-        from .triton_sparse_decode import sparse_decode_triton, triton_available
+        return "torch"
+    if kernel == "triton" or (kernel == "auto" and device.type == "cuda"):
+        if kernel == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("sparse_decode: argument 'kernel'='triton' needs CUDA tensors, or TRITON_INTERPRET=1 "
+                             f"to run the Triton interpreter on {device}")
+        from .triton_sparse_decode import triton_available
 
         if triton_available():
-            return sparse_decode_triton(*args, candidate_extra, keep_tokens)
+            return "triton"
         if kernel == "triton":
             raise ValueError("sparse_decode: argument 'kernel'='triton' but triton is not installed")
-    return _sparse_decode_torch(*args, candidate_extra, keep_tokens)
+    return "torch"
+
+
+@functools.lru_cache(maxsize=64)
+def _spec_of(spec: tuple) -> SelectionSpec:
+    return SelectionSpec.from_list(list(spec))
+
+
+def run_kernel(impl: str, q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: SelectionSpec,
+               ctrl=None) -> torch.Tensor:
+    """Run one implementation (``"native"``, ``"triton"`` or ``"torch"``; see :func:`resolve_kernel`)."""
+    if impl == "native":
+        from .native import native_module
+
+        return native_module().sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, float(scale),
+                                             spec.page_size, spec.token_budget, spec.sink_pages,
+                                             spec.candidate_factor, ctrl, spec.candidate_extra, spec.keep_tokens)
+    if _ctrl_dense(ctrl):  # ---- a dense layer (or stale bounds): exact attention over every valid token
+        return attend_selection(q, k_cache, v_cache, None, valid_len, attn_mask, scale, spec.page_size)
+    if impl == "triton":
+        from .triton_sparse_decode import sparse_decode_triton
+
+        return sparse_decode_triton(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
+    return _sparse_decode_torch(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
 
 
 @torch.library.custom_op("tinyserve::sparse_decode", mutates_args=())
@@ -539,21 +587,31 @@ def _sparse_decode_op(
     valid_len: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     scale: float,
-    page_size: int,
-    token_budget: int,
-    sink_pages: int,
-    candidate_factor: int,
+    spec: List[int],
     kernel: str,
-    candidate_extra: int = 0,
-    keep_tokens: bool = False,
+    ctrl: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    return sparse_decode_impl(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
-                sink_pages, candidate_factor, kernel, candidate_extra, keep_tokens)
+    # any device without a kernel of its own: the PyTorch path (or what ``kernel`` asks for)
+    return run_kernel(resolve_kernel(kernel, q.device), q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask,
+                      scale, _spec_of(tuple(spec)), ctrl)
+
+
+@_sparse_decode_op.register_kernel("cpu")
+def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl):
+    # native when it builds, else the PyTorch path
+    return run_kernel(resolve_kernel(kernel, q.device), q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask,
+                      scale, _spec_of(tuple(spec)), ctrl)
+
+
+@_sparse_decode_op.register_kernel("cuda")
+def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl):
+    # Triton when it is installed, else the PyTorch path
+    return run_kernel(resolve_kernel(kernel, q.device), q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask,
+                      scale, _spec_of(tuple(spec)), ctrl)
 
 
 @_sparse_decode_op.register_fake
-def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-      candidate_factor, kernel, candidate_extra=0, keep_tokens=False):
+def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -565,13 +623,9 @@ def sparse_decode(
     valid_len,
     attn_mask: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
-    page_size: int = 16,
-    token_budget: int = 2048,
-    sink_pages: int = 0,
-    candidate_factor: int = 1,
+    spec: Optional[SelectionSpec] = None,
     kernel: str = "auto",
-    candidate_extra: int = 0,
-    keep_tokens: bool = False,
+    ctrl: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact attention of one decode token over the query-aware selected pages.
 
@@ -582,7 +636,7 @@ def sparse_decode(
     k_cache, v_cache : torch.Tensor
         ``[B, Hkv, L, D]``, dtype of ``q``; read in place (never repeated for GQA).
     bounds : PageBounds
-        Page bounds of ``k_cache`` (``kmax``/``kmin`` ``[B, Hkv, P, D]`` float32, bfloat16 or int8,
+        Page bounds of ``k_cache`` (``kmax``/``kmin`` ``[B, Hkv, P, D]`` of ``spec.bounds_dtype``,
         ``kabs`` fp32 ``[B, Hkv, P]``), e.g. from :func:`.bounds.allocate_bounds`.
     valid_len : torch.Tensor or int
         int64 ``[B]`` or ``[1]``: tokens ``>= valid_len`` are absent.
@@ -590,15 +644,12 @@ def sparse_decode(
         Bool (True = attend) or additive float, broadcastable to ``[B, Hq, 1, L]``.
     scale : float, optional
         Defaults to ``1/sqrt(D)``.
-    page_size, token_budget, sink_pages, candidate_factor : int
-        Selection knobs; see :mod:`.reference`.
+    spec : SelectionSpec, optional
+        The selection; defaults to the ``TinyServeConfig`` defaults with the bounds dtype of ``bounds``.
     kernel : {"auto", "native", "torch", "triton"}
-        "auto" picks Triton on CUDA, the native C++ kernel on CPU when it builds
-        (:func:`.native.load_native`), and the PyTorch path otherwise.
-    candidate_extra : int
-        Extra candidate tokens of the two-stage selection (:func:`.reference.candidate_pages`).
-    keep_tokens : bool
-        Two-stage: keep single tokens instead of whole pages (:func:`.reference.rank_candidate_tokens`).
+        See :func:`resolve_kernel`.
+    ctrl : torch.Tensor, optional
+        int32 ``[2]`` CPU tensor; ``ctrl[0]`` or ``ctrl[1]`` nonzero attends densely.
 
     Returns
     -------
@@ -610,8 +661,8 @@ def sparse_decode(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None and isinstance(q, torch.Tensor) else scale
     if not isinstance(bounds, tuple) or len(bounds) != 3:
         raise ValueError("sparse_decode: argument 'bounds' must be a PageBounds(kmax, kmin, kabs)")
-    check_decode_inputs(q, k_cache, v_cache, *bounds, valid_len, attn_mask, scale, page_size, token_budget,
-                        sink_pages, candidate_factor, kernel, candidate_extra, keep_tokens)
+    if spec is None:
+        spec = SelectionSpec.default(bounds_dtype=bounds[0].dtype)
+    check_decode_inputs(q, k_cache, v_cache, *bounds, valid_len, attn_mask, scale, spec, kernel)
     return torch.ops.tinyserve.sparse_decode(q, k_cache, v_cache, *bounds, valid_len, attn_mask, float(scale),
-                                             page_size, token_budget, sink_pages, candidate_factor, kernel,
-                                             candidate_extra, keep_tokens)
+                                             spec.to_list(), kernel, ctrl)

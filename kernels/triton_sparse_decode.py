@@ -3,7 +3,7 @@
 Layout (Liger-Kernel style): private ``@triton.jit`` kernels ``_..._kernel``, the
 launchers :func:`select_pages_triton` and :func:`sparse_decode_triton`, and the
 registered op ``torch.ops.tinyserve.sparse_decode`` (in :mod:`.sparse_decode`),
-whose ``kernel="triton"`` / CUDA dispatch calls :func:`sparse_decode_triton`.
+whose CUDA kernel (or ``kernel="triton"``) calls :func:`sparse_decode_triton`.
 
 Design: a tightly fused pair of passes rather than one kernel
 ----------------------------------------------------------------
@@ -70,7 +70,8 @@ from typing import Optional
 
 import torch
 
-from .reference import Selection, candidate_pages, score_slack_factor, score_underflow_slack
+from .reference import Selection, score_slack_factor, score_underflow_slack
+from .spec import SelectionSpec
 
 try:  # guarded: the package must import without triton
     import triton
@@ -579,17 +580,7 @@ def _candidate_page_lse(q, k_cache, cand, vl, vl_stride, mask, mstr, mkind, mper
     return out
 
 
-def _check_selection_args(candidate_extra, keep_tokens):
-    # bools are ints in Python: reject them, so that arguments shifted by one position do not pass silently
-    if isinstance(candidate_extra, bool) or not isinstance(candidate_extra, int) or candidate_extra < 0:
-        raise ValueError(f"sparse_decode_triton: argument 'candidate_extra' must be an int >= 0, "
-                         f"got {candidate_extra!r}")
-    if not isinstance(keep_tokens, bool):
-        raise ValueError(f"sparse_decode_triton: argument 'keep_tokens' must be a bool, got {keep_tokens!r}")
-
-
-def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-            candidate_factor, candidate_extra=0, keep_tokens=False):
+def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: SelectionSpec):
     """What the attention kernels read, ``(idx, top, logits)``.
 
     * ``(None, None, None)`` when dense from the shapes (``P <= K``);
@@ -599,19 +590,18 @@ def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size
       an empty slot), ``top`` their fp32 ranking scores, ``logits`` ``[B, Hkv, G, n]`` fp32 their masked
       logits from the candidate stage (-inf for an empty slot).
     """
-    _check_selection_args(candidate_extra, keep_tokens)
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     P = kmax.shape[2]
-    S = page_size
-    K = token_budget // S
+    S, sink_pages, keep_tokens = spec.page_size, spec.sink_pages, spec.keep_tokens
+    K = spec.n_pages
     if P <= K:  # every page fits whatever valid_len is: dense
         return None, None, None
     vl, vls = _valid_len_view(valid_len, B, q.device)
     mask, mstr, mkind, mper = _mask_view(attn_mask, B, Hq, L, q.device)
     scores = _page_scores(q, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, scale, S, sink_pages, L)
-    n1 = candidate_pages(S, token_budget, candidate_factor, candidate_extra)
+    n1 = spec.n_candidates
     if n1 <= K:  # one stage
         top, idx = scores.topk(K, dim=-1, sorted=False)
         return idx, top, None
@@ -646,15 +636,13 @@ def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size
     return idx, top, kept_logits
 
 
-def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
-                        sink_pages=0, candidate_factor=1, candidate_extra: int = 0,
-                        keep_tokens: bool = False) -> Optional[Selection]:
+def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale,
+                        spec: SelectionSpec) -> Optional[Selection]:
     """What the Triton path attends, for checks against :func:`.reference.choose`.
 
     Parameters
     ----------
-    q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-    candidate_factor, candidate_extra, keep_tokens
+    q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec
         As in :func:`sparse_decode_triton`.
 
     Returns
@@ -662,12 +650,11 @@ def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scal
     Selection or None
         ``idx`` ``[B, Hkv, K]`` int64 ascending and ``ok`` (False for a slot whose page
         scored ``-inf``: past ``valid_len`` or fully masked, so it contributes nothing).
-        Two-stage with ``keep_tokens`` (``candidate_pages(...) > K``), the kept single tokens instead:
+        Two-stage with ``keep_tokens`` (``spec.n_candidates > K``), the kept single tokens instead:
         ``idx`` ``[B, Hkv, n]`` token positions, ascending (pages of one token, as the reference's
         ``choose`` returns with ``unit = 1``). None when ``P <= K`` (dense from the shapes alone).
     """
-    idx, top, logits = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
-                               sink_pages, candidate_factor, candidate_extra, keep_tokens)
+    idx, top, logits = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
     if idx is None:
         return None
     ok = top > float("-inf")
@@ -686,12 +673,7 @@ def sparse_decode_triton(
     valid_len: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     scale: float,
-    page_size: int,
-    token_budget: int,
-    sink_pages: int = 0,
-    candidate_factor: int = 1,
-    candidate_extra: int = 0,
-    keep_tokens: bool = False,
+    spec: SelectionSpec,
     n_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """Query-aware paged sparse decode attention with Triton kernels.
@@ -714,13 +696,9 @@ def sparse_decode_triton(
         with a head dim of 1 or ``Hq``.
     scale : float
         Softmax scale.
-    page_size, token_budget, sink_pages, candidate_factor : int
-        Selection knobs, as in :func:`.reference.sparse_decode_reference`.
-    candidate_extra : int
-        Extra candidate tokens: ``N1 = candidate_factor * K + candidate_extra // page_size`` candidate
-        pages, two-stage iff ``N1 > K`` (:func:`.reference.candidate_pages`).
-    keep_tokens : bool
-        Two-stage only: keep the ``K * page_size`` candidate tokens of highest softmax share instead of
+    spec : SelectionSpec
+        The selection (:class:`.spec.SelectionSpec`): two-stage iff ``spec.n_candidates > K``; with
+        ``keep_tokens`` the ``K * page_size`` candidate tokens of highest softmax share are kept instead of
         ``K`` whole pages (:func:`.reference.rank_candidate_tokens`).
     n_splits : int, optional
         Split-K programs per KV head (default: enough to fill the device twice). Pass by keyword.
@@ -733,8 +711,8 @@ def sparse_decode_triton(
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    idx, _, tok_logits = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, page_size, token_budget,
-                                 sink_pages, candidate_factor, candidate_extra, keep_tokens)
+    page_size = spec.page_size
+    idx, _, tok_logits = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
     if tok_logits is not None:
         return _attend_tokens(q, v_cache, idx, tok_logits, n_splits)
     dense = idx is None

@@ -7,7 +7,7 @@ slice-``copy_`` idioms) becomes::
 
 where ``kmax, kmin, kabs, ctrl`` are four new graph inputs per key-cache buffer
 (see :mod:`tinyserve_compile.runtime`; the backend hands them in) and
-``cache_write`` is the native op on CPU when it builds, else ``tinyserve::cache_write``.
+``cache_write`` is ``tinyserve::cache_write`` (the dispatcher runs the native kernel on CPU).
 Decode sites that will be rewritten and prefill sites that write a cache are
 handled, so that a compiled prefill keeps the bounds current. Each buffer is
 recorded as a :class:`~tinyserve_compile.runtime.BoundsSlot` in
@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from tinyserve_compile import runtime
+from tinyserve_compile.kernels.spec import SelectionSpec
 
 from ._graph import cache_view, fake
 
@@ -69,7 +70,7 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
             view = cache_view(graph, site.k_base, w.perm, w.batch, site.k_layout.batch_dim)
             src = w.src if w.perm is None else graph.call_function(torch.ops.aten.permute.default,
                                                                    (w.src, list(w.perm)))
-            graph.call_function(write_op, (view, *nodes, pos, src, config.page_size))
+            graph.call_function(write_op, (view, *nodes, pos, src, SelectionSpec.from_config(config).to_list()))
         w.node.replace_all_uses_with(site.k_base)
         graph.erase_node(w.node)
         for extra in w.extra_nodes:

@@ -1,8 +1,8 @@
-"""Pass: replace each rewritable decode SDPA with the native sparse-decode op or ``tinyserve::paged_attention``.
+"""Pass: replace each rewritable decode SDPA with ``tinyserve::sparse_decode`` or ``tinyserve::paged_attention``.
 
-On CPU with the ``query_aware`` policy and the native kernel built, the site
-becomes one call of ``tinyserve_native::sparse_decode``; otherwise the Python
-op runs the configured policy (Triton or PyTorch kernels).
+With the ``query_aware`` policy the site becomes one call of ``tinyserve::sparse_decode``
+(the dispatcher runs the native kernel on CPU, Triton on CUDA); the other policies run
+through ``tinyserve::paged_attention``.
 
 The op reads the cache buffers directly, so the ``repeat_kv`` copy of the whole
 cache that the stock graph makes (expand + reshape) disappears with it.
@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from tinyserve_compile import runtime
 from tinyserve_compile.explain import counters
+from tinyserve_compile.kernels.spec import SelectionSpec
 
 from ._graph import cache_view, decode_valid_len, fake
 
@@ -50,27 +51,27 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
         slot_i = next(i for i, sl in enumerate(slots) if sl.input_index == placeholders.index(site.k_base))
         slots[slot_i] = dataclasses.replace(slots[slot_i], decode_sites=slots[slot_i].decode_sites + 1)
         kmax, kmin, kabs, ctrl = site.bounds
-        native = runtime.native_decode_op(q.device, config)
+        query_aware = config.policy == "query_aware"
+        native = query_aware and runtime.decode_kernel(q.device, config) == "native"
+        spec = SelectionSpec.from_config(config).to_list()
         with graph.inserting_before(site.node):
             # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
             k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)
             v = cache_view(graph, site.v_base, site.v_perm, site.v_layout.batch, site.v_layout.batch_dim)
             valid_len = decode_valid_len(graph, k, a["attn_mask"], site.kv_len, q.device)  # [1] int64
-            if native is not None:  # query_aware on CPU: one native call
+            if query_aware:  # one call of the fused op
                 new = graph.call_function(
-                    native,
-                    (a["query"], k, v, kmax, kmin, kabs, valid_len, a["attn_mask"], float(scale),
-                     config.page_size, config.token_budget, config.sink_pages, config.candidate_factor, ctrl,
-                     config.candidate_extra, config.keep_tokens),
+                    torch.ops.tinyserve.sparse_decode.default,
+                    (a["query"], k, v, kmax, kmin, kabs, valid_len, a["attn_mask"], float(scale), spec, config.kernel,
+                     ctrl),
                 )
             else:
                 new = graph.call_function(
                     torch.ops.tinyserve.paged_attention.default,
-                    (a["query"], k, v, kmax, kmin, kabs, ctrl, valid_len, a["attn_mask"],
-                     float(scale), config.page_size, config.token_budget, config.sink_pages, config.candidate_factor,
-                     config.policy, config.kernel, config.candidate_extra, config.keep_tokens),
+                    (a["query"], k, v, kmax, kmin, kabs, ctrl, valid_len, a["attn_mask"], float(scale), spec,
+                     config.policy, config.kernel),
                 )
-            counters["native_sites" if native is not None else "python_op_sites"] += 1
+            counters["native_sites" if native else "python_op_sites"] += 1
         new.meta["example_value"] = site.node.meta.get("example_value")
         old_k, old_v = a["key"], a["value"]
         site.node.replace_all_uses_with(new)

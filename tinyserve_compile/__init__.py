@@ -18,7 +18,7 @@ __all__ = ["tinyserve_backend", "TinyServeConfig", "counters", "explain", "reset
 def __getattr__(name):
     # the ONNX export is loaded on first use: importing the package stays free of onnx/onnxscript
     if name == "export_onnx":
-        from .export import export_onnx
+        from .onnx.export import export_onnx
 
         return export_onnx
     if name in ("enable_continuous_batching", "disable_continuous_batching"):

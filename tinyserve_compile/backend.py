@@ -19,9 +19,8 @@ BACKEND_NAME = "tinyserve"
 #: ops that must run in PyTorch when the rest of the graph goes to TensorRT
 TORCH_EXECUTED_OPS = (
     "torch.ops.tinyserve.cache_write.default",
+    "torch.ops.tinyserve.sparse_decode.default",
     "torch.ops.tinyserve.paged_attention.default",
-    "torch.ops.tinyserve_native.cache_write.default",
-    "torch.ops.tinyserve_native.sparse_decode.default",
 )
 
 

@@ -23,13 +23,18 @@ another request's cache) are ranked from 0 again. This is execution order
 whether Dynamo made one graph or one graph per layer, so ``dense_layers`` means
 the first layers of the model.
 
-Ops put into graphs (the native C++ ops of :mod:`.kernels.native_sparse_decode`
-have the same schemas and replace these on CPU when they build):
+Ops put into graphs (every one takes the selection as one packed ``int[] spec``,
+:class:`~tinyserve_compile.kernels.spec.SelectionSpec`):
 
-``tinyserve::cache_write(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size)``
-    ``k_cache.index_copy_(2, positions, src)``, then keep the bounds exact.
-``tinyserve::paged_attention(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, mask, ...)``
-    Decode attention through the configured policy.
+``tinyserve::cache_write(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec)``
+    ``k_cache.index_copy_(2, positions, src)``, then keep the bounds exact
+    (:mod:`.kernels.bounds`; native on CPU, Triton on CUDA).
+``tinyserve::sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, mask, scale, spec, kernel, ctrl)``
+    Query-aware decode attention (:mod:`.kernels.sparse_decode`; native on CPU, Triton on CUDA).
+``tinyserve::paged_attention(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, mask, scale, spec, policy, kernel)``
+    Decode attention through another policy (``full``, ``streaming``, ``h2o``, ``oracle``): Python
+    classes with per-buffer Python state (:mod:`.policies`), research baselines with no device kernel, so
+    they stay one Python op of their own.
 """
 from __future__ import annotations
 
@@ -40,12 +45,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .kernels.bounds import allocate_bounds, rebuild_bounds_impl, update_bounds_impl
+from .kernels.bounds import allocate_bounds, rebuild_bounds_impl
 from .kernels.reference import PageBounds
+from .kernels.sparse_decode import resolve_kernel
+from .kernels.spec import SelectionSpec
 from .policies import DecodeContext, get_policy
 
 __all__ = ["BoundsSlot", "PagedKVState", "state_for", "enter", "leave", "runtime_stats", "reset_runtime", "write_op",
-           "native_decode_op", "native_unavailable_reason"]
+           "decode_kernel", "native_unavailable_reason"]
 
 #: run-time counters: bounds rebuilds and updates, foreign writes, decode calls (sparse / dense layers)
 runtime_stats: Counter = Counter()
@@ -223,42 +230,25 @@ def leave(slots: Sequence[BoundsSlot], args: Sequence) -> None:
         _STATES[id(cache)].version = cache._version
 
 
-def _native_loaded() -> bool:
-    try:
-        from .kernels import native
-    except ImportError:  # pragma: no cover - the module ships with the package
-        return False
-    return native.load_native()
-
-
 def native_unavailable_reason() -> Optional[str]:
     """Why the native CPU kernel is not used (None when it is)."""
-    try:
-        from .kernels import native
-    except ImportError as e:  # pragma: no cover
-        return f"tinyserve_compile.kernels.native is missing: {e}"
+    from .kernels import native
+
     return None if native.load_native() else native.native_unavailable_reason()
 
 
 def write_op(device: torch.device):
-    """The cache-write op for a graph on ``device``: native on CPU when it builds."""
-    if device.type == "cpu" and _native_loaded():
-        return torch.ops.tinyserve_native.cache_write.default
+    """The cache-write op of a graph (the dispatcher picks its kernel for ``device``)."""
     return torch.ops.tinyserve.cache_write.default
 
 
-def native_decode_op(device: torch.device, config):
-    """``tinyserve_native::sparse_decode`` when ``config`` runs query-aware attention natively on ``device``, else None."""
-    if config.policy != "query_aware" or config.kernel not in ("auto", "native") or device.type != "cpu":
-        if config.kernel == "native" and device.type != "cpu":
-            raise ValueError(f"tinyserve option 'kernel'='native' runs on CPU tensors only, got {device}")
-        return None
-    if not _native_loaded():
-        if config.kernel == "native":
-            raise ValueError(f"tinyserve option 'kernel'='native': the native kernel is unavailable: "
-                             f"{native_unavailable_reason()}")
-        return None
-    return torch.ops.tinyserve_native.sparse_decode.default
+def decode_kernel(device: torch.device, config) -> str:
+    """The implementation that ``config``'s query-aware sites run on ``device`` (``native``, ``triton`` or
+    ``torch``; :func:`~tinyserve_compile.kernels.sparse_decode.resolve_kernel`), naming the option on error."""
+    try:
+        return resolve_kernel(config.kernel, device)
+    except ValueError as e:
+        raise ValueError(f"tinyserve option 'kernel'={config.kernel!r}: {e}") from None
 
 
 def _state_of_bounds(kmax: torch.Tensor) -> Optional[PagedKVState]:
@@ -266,61 +256,6 @@ def _state_of_bounds(kmax: torch.Tensor) -> Optional[PagedKVState]:
 
 
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("tinyserve::cache_write", mutates_args=("k_cache", "kmax", "kmin", "kabs", "ctrl"))
-def cache_write(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor, ctrl: torch.Tensor,
-                positions: torch.Tensor, src: torch.Tensor, page_size: int) -> None:
-    """``k_cache.index_copy_(2, positions, src)``, then keep the page bounds exact.
-
-    Parameters
-    ----------
-    k_cache : torch.Tensor
-        ``[B, Hkv, L, D]`` key cache (any strides), written in place.
-    kmax, kmin : torch.Tensor
-        ``[B, Hkv, P, D]`` float32, bfloat16 or int8 bounds, written in place.
-    kabs : torch.Tensor
-        ``[B, Hkv, P]`` float32.
-    ctrl : torch.Tensor
-        int32 ``[2]``: ``ctrl[0] != 0`` rebuilds every page (then clears it);
-        otherwise only the pages holding ``positions`` are recomputed.
-    positions : torch.Tensor
-        int64 ``[n]`` sequence positions written.
-    src : torch.Tensor
-        ``[B, Hkv, n, D]`` new keys.
-    page_size : int
-    """
-    k_cache.index_copy_(2, positions.reshape(-1), src.to(k_cache.dtype))
-    if int(ctrl[0]):
-        rebuild_bounds_impl(k_cache, kmax, kmin, kabs, page_size)
-        ctrl[0] = 0
-    else:
-        update_bounds_impl(k_cache, kmax, kmin, kabs, positions, page_size)
-
-
-@cache_write.register_fake
-def _(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size):
-    return None
-
-
-def _mask_is_trivial(attn_mask: torch.Tensor, valid_len: torch.Tensor) -> bool:
-    """True when ``attn_mask`` attends every token below ``valid_len`` with weight 0.
-
-    Tokens at or past ``valid_len`` are never attended, whatever the mask says, so
-    such a mask changes nothing and can be dropped exactly.
-
-    Parameters
-    ----------
-    attn_mask : torch.Tensor
-        Bool or additive float, broadcastable to ``[B, Hq, 1, L]``.
-    valid_len : torch.Tensor
-        int64 ``[B]``.
-    """
-    n_lo, n_hi = int(valid_len.min()), int(valid_len.max())
-    if n_lo != n_hi:
-        return False
-    m = attn_mask[..., :n_hi]
-    return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
-
-
 @torch.library.custom_op("tinyserve::paged_attention", mutates_args=())
 def paged_attention(
     q: torch.Tensor,
@@ -333,14 +268,9 @@ def paged_attention(
     valid_len: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     scale: float,
-    page_size: int,
-    token_budget: int,
-    sink_pages: int,
-    candidate_factor: int,
+    spec: List[int],
     policy: str,
     kernel: str,
-    candidate_extra: int = 0,
-    keep_tokens: bool = False,
 ) -> torch.Tensor:
     """Decode attention of ``q`` over the paged cache through a selection policy.
 
@@ -351,17 +281,17 @@ def paged_attention(
     k_cache, v_cache : torch.Tensor
         ``[B, Hkv, L, D]``, the caches themselves (no GQA repeat).
     kmax, kmin, kabs : torch.Tensor
-        The key cache's page bounds (see :func:`cache_write`).
+        The key cache's page bounds (kept by ``tinyserve::cache_write``).
     ctrl : torch.Tensor
-        int32 ``[2]``; ``ctrl[1] != 0`` attends densely (a dense layer).
+        int32 ``[2]`` CPU tensor; ``ctrl[1] != 0`` attends densely (a dense layer).
     valid_len : torch.Tensor
         int64 ``[1]`` or ``[B]``: newest written position + 1.
     attn_mask : torch.Tensor, optional
         Bool or additive float, broadcastable to ``[B, Hq, 1, L]``.
     scale : float
-    page_size, token_budget, sink_pages, candidate_factor, candidate_extra : int
+    spec : list of int
+        :meth:`~tinyserve_compile.kernels.spec.SelectionSpec.to_list`.
     policy, kernel : str
-    keep_tokens : bool
 
     Returns
     -------
@@ -369,20 +299,18 @@ def paged_attention(
         ``[B, Hq, 1, D]``, dtype of ``q``.
     """
     bounds = PageBounds(kmax, kmin, kabs)
-    if int(ctrl[0]):  # never read stale bounds (the graph's write op clears this first)
-        rebuild_bounds_impl(k_cache, kmax, kmin, kabs, page_size)
+    sel = SelectionSpec.from_list(spec)
+    flags = ctrl.tolist()  # a CPU tensor: a read of host memory, no device sync
+    if flags[0]:  # never read stale bounds (the graph's write op clears this first)
+        rebuild_bounds_impl(k_cache, kmax, kmin, kabs, sel.page_size)
     B = q.shape[0]
     vl = valid_len.reshape(-1).to(torch.int64).expand(B)
-    if attn_mask is not None and _mask_is_trivial(attn_mask, vl):
-        attn_mask = None  # the mask adds nothing to valid_len (HF's causal decode mask): take the no-mask path
     st = _state_of_bounds(kmax)
-    ctx = DecodeContext(q, k_cache, v_cache, bounds, vl, attn_mask, scale, page_size, token_budget, sink_pages,
-                        candidate_factor, st.policy_state if st is not None else {}, kernel, candidate_extra,
-                        keep_tokens)
-    return get_policy("full" if int(ctrl[1]) else policy)(ctx)
+    ctx = DecodeContext(q, k_cache, v_cache, bounds, vl, attn_mask, scale, sel,
+                        st.policy_state if st is not None else {}, kernel)
+    return get_policy("full" if flags[1] else policy)(ctx)
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, attn_mask, scale, page_size, token_budget, sink_pages,
-      candidate_factor, policy, kernel, candidate_extra=0, keep_tokens=False):
+def _(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, attn_mask, scale, spec, policy, kernel):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .config import TinyServeConfig
+from .kernels.spec import SelectionSpec
 from .kernels.reference import page_bounds, sparse_decode_reference
 from .policies import DecodeContext, get_policy
 
@@ -73,16 +74,14 @@ class _SparseReferenceMode(TorchFunctionMode):
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
         self.sparse_calls += 1
         c = self.config
+        spec = SelectionSpec.from_config(c)
+        bounds = page_bounds(k, c.page_size, dtype=c.bounds_torch_dtype)
         if c.policy == "query_aware":
-            out = sparse_decode_reference(q, k, v, valid, mask, scale, c.page_size, c.token_budget, c.sink_pages,
-                                          c.candidate_factor,
-                                          page_bounds(k, c.page_size, dtype=c.bounds_torch_dtype),
-                                          c.candidate_extra, c.keep_tokens)  # [B, Hq, 1, D]
+            out = sparse_decode_reference(q, k, v, valid, mask, scale, spec, bounds)  # [B, Hq, 1, D]
         else:  # the policy itself, over bounds rebuilt from scratch (as the backend maintains them)
             B = q.shape[0]
-            ctx = DecodeContext(q, k, v, page_bounds(k, c.page_size, dtype=c.bounds_torch_dtype), valid.expand(B), mask, scale, c.page_size,
-                                c.token_budget, c.sink_pages, c.candidate_factor,
-                                self.policy_states.setdefault(layer, {}), "auto", c.candidate_extra, c.keep_tokens)
+            ctx = DecodeContext(q, k, v, bounds, valid.expand(B), mask, scale, spec,
+                                self.policy_states.setdefault(layer, {}), "auto")
             out = get_policy(c.policy)(ctx)
         return out.reshape(out.shape[0], Hkv, G, out.shape[-1]) if folded else out
 

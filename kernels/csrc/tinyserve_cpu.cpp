@@ -1,6 +1,7 @@
 // Native CPU kernels of tinyserve-compile: query-aware paged sparse decode and page-bound maintenance.
 //
-// Ops (namespace tinyserve_native; fake implementations are registered from Python):
+// Functions (a Python extension module; kernels/sparse_decode.py and kernels/bounds.py register them as the CPU
+// kernels of the ops tinyserve::sparse_decode and tinyserve::cache_write, and kernels/native.py loads them):
 //   sparse_decode   one call per sparse layer and decode step: bound scan, partial top-K selection with the
 //                   forced pages, optional two-stage candidate ranking (whole pages, or single tokens with
 //                   keep_tokens), exact attention with an online softmax
@@ -10,7 +11,7 @@
 //                   when ctrl[0] != 0)
 //   rebuild_bounds  every page's bounds from the key cache
 //
-// The semantics are those of kernels/reference.py (sparse_decode_reference, page_bounds, store_bounds); see there
+// The semantics are those of kernels/reference/ (sparse_decode_reference, page_bounds, store_bounds); see there
 // for the algorithm. Page bounds are stored as float32, bfloat16 (rounded outward) or int8 codes on a per-page grid
 // of step max(kabs / 126, FLT_MIN) (kabs: the page's exact max |k|), decoded as code * step in fp32.
 // Work is split over (batch, KV head, chunk of pages or kept tokens) with at::parallel_for; the chunks of one
@@ -21,7 +22,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <chrono>
@@ -204,7 +205,7 @@ inline void prefetch_row(const void* p, int64_t bytes, int locality) {
   }
 }
 
-// phase timing for development builds (-DTS_PROFILE): averages printed to stderr every 500 calls
+// stage timing for development builds (-DTS_PROFILE): averages printed to stderr every 500 calls
 #ifdef TS_PROFILE
 // thread CPU time (meaningful with one thread; robust to preemption on a busy machine)
 struct Prof {
@@ -331,10 +332,10 @@ MaskView make_mask(const c10::optional<at::Tensor>& attn_mask, int64_t B, int64_
   MaskView mv;
   if (!attn_mask.has_value() || !attn_mask->defined()) return mv;
   const at::Tensor& m0 = *attn_mask;
-  TORCH_CHECK(m0.device().is_cpu(), "tinyserve_native: attn_mask must be a CPU tensor");
+  TORCH_CHECK(m0.device().is_cpu(), "tinyserve (native): attn_mask must be a CPU tensor");
   at::Tensor m = m0;
   while (m.dim() < 4) m = m.unsqueeze(0);
-  TORCH_CHECK(m.dim() == 4, "tinyserve_native: attn_mask must broadcast to [B, Hq, 1, L]");
+  TORCH_CHECK(m.dim() == 4, "tinyserve (native): attn_mask must broadcast to [B, Hq, 1, L]");
   const bool head_dim = m.size(1) != 1;
   m = m.expand({B, Hq, 1, L});
   mv.ptr = m.data_ptr();
@@ -343,7 +344,7 @@ MaskView make_mask(const c10::optional<at::Tensor>& attn_mask, int64_t B, int64_
     case at::kFloat: mv.kind = 2; break;
     case at::kBFloat16: mv.kind = 3; break;
     case at::kHalf: mv.kind = 4; break;
-    default: TORCH_CHECK(false, "tinyserve_native: attn_mask must be bool or floating, got ", m.scalar_type());
+    default: TORCH_CHECK(false, "tinyserve (native): attn_mask must be bool or floating, got ", m.scalar_type());
   }
   mv.sb = m.stride(0);
   mv.sh = m.stride(1);
@@ -1073,7 +1074,7 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
   c.qn = qn;
   c.qabs = qa;
   // ---- per-row plan
-  TORCH_CHECK(valid_len.numel() == 1 || valid_len.numel() == c.B, "tinyserve_native: valid_len must have 1 or B ",
+  TORCH_CHECK(valid_len.numel() == 1 || valid_len.numel() == c.B, "tinyserve (native): valid_len must have 1 or B ",
               "elements");
   at::Tensor vl = valid_len.scalar_type() == at::kLong ? valid_len.contiguous() : valid_len.to(at::kLong).contiguous();
   const int64_t* vlp = vl.data_ptr<int64_t>();
@@ -1622,39 +1623,41 @@ at::Tensor kept_pages_typed(const at::Tensor& q, const at::Tensor& k, const at::
 void check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
                        const at::Tensor& kmin, const at::Tensor& kabs, int64_t S, int64_t budget, int64_t sinks,
                        int64_t cf, int64_t extra, double scale) {
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "tinyserve_native.sparse_decode: q must be [B, Hq, 1, D]");
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "tinyserve_native.sparse_decode: k_cache and v_cache must be ",
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "tinyserve.sparse_decode (native): q must be [B, Hq, 1, D]");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "tinyserve.sparse_decode (native): k_cache and v_cache must be ",
               "[B, Hkv, L, D] of one shape");
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-              "tinyserve_native.sparse_decode: k_cache shape does not match q");
+              "tinyserve.sparse_decode (native): k_cache shape does not match q");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "tinyserve_native.sparse_decode: k_cache and v_cache must have q's dtype");
+              "tinyserve.sparse_decode (native): k_cache and v_cache must have q's dtype");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "tinyserve_native.sparse_decode: CPU tensors only");
+              "tinyserve.sparse_decode (native): CPU tensors only");
   TORCH_CHECK(k.size(3) == 0 || (k.stride(3) == 1 && v.stride(3) == 1),
-              "tinyserve_native.sparse_decode: k_cache and v_cache need a unit stride on D");
+              "tinyserve.sparse_decode (native): k_cache and v_cache need a unit stride on D");
   TORCH_CHECK(S > 0 && budget >= S && sinks >= 0 && cf >= 1 && scale > 0,
-              "tinyserve_native.sparse_decode: bad selection arguments");
-  TORCH_CHECK_VALUE(extra >= 0, "tinyserve_native.sparse_decode: argument 'candidate_extra' must be >= 0 (tokens), ",
+              "tinyserve.sparse_decode (native): bad selection arguments");
+  TORCH_CHECK_VALUE(extra >= 0, "tinyserve.sparse_decode (native): argument 'candidate_extra' must be >= 0 (tokens), ",
                     "got ", extra);
   const int64_t P = (k.size(2) + S - 1) / S;
   TORCH_CHECK(kmax.dim() == 4 && kmax.size(0) == k.size(0) && kmax.size(1) == k.size(1) && kmax.size(2) == P &&
                   kmax.size(3) == k.size(3) && kmin.sizes() == kmax.sizes(),
-              "tinyserve_native.sparse_decode: kmax/kmin must be [B, Hkv, P, D]");
+              "tinyserve.sparse_decode (native): kmax/kmin must be [B, Hkv, P, D]");
   TORCH_CHECK(kmax.scalar_type() == kmin.scalar_type() &&
                   (kmax.scalar_type() == at::kFloat || kmax.scalar_type() == at::kBFloat16 ||
                    kmax.scalar_type() == at::kChar),
-              "tinyserve_native.sparse_decode: kmax/kmin must be float32, bfloat16 or int8");
+              "tinyserve.sparse_decode (native): kmax/kmin must be float32, bfloat16 or int8");
   TORCH_CHECK(kabs.dim() == 3 && kabs.size(0) == k.size(0) && kabs.size(1) == k.size(1) && kabs.size(2) == P &&
                   kabs.scalar_type() == at::kFloat,
-              "tinyserve_native.sparse_decode: kabs must be float32 [B, Hkv, P]");
+              "tinyserve.sparse_decode (native): kabs must be float32 [B, Hkv, P]");
 }
 
+// ctrl[1] != 0: a dense layer; ctrl[0] != 0: the bounds are stale (never read them): attend densely either way
 bool dense_flag(const c10::optional<at::Tensor>& ctrl) {
   if (!ctrl.has_value() || !ctrl->defined()) return false;
   TORCH_CHECK(ctrl->device().is_cpu() && ctrl->scalar_type() == at::kInt && ctrl->numel() >= 2,
-              "tinyserve_native: ctrl must be an int32 CPU tensor of 2 elements");
-  return ctrl->contiguous().data_ptr<int32_t>()[1] != 0;
+              "tinyserve (native): ctrl must be an int32 CPU tensor of 2 elements");
+  const int32_t* f = ctrl->contiguous().data_ptr<int32_t>();
+  return f[0] != 0 || f[1] != 0;
 }
 
 at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -1667,9 +1670,9 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
   const bool dense = dense_flag(ctrl);
   const at::Tensor M = kmax.contiguous(), m = kmin.contiguous(), a = kabs.contiguous();
   at::Tensor out;
-  dispatch_kv(q.scalar_type(), "tinyserve_native.sparse_decode", [&](auto tag) {
+  dispatch_kv(q.scalar_type(), "tinyserve.sparse_decode (native)", [&](auto tag) {
     using T = decltype(tag);
-    dispatch_bt(M.scalar_type(), "tinyserve_native.sparse_decode", [&](auto btag) {
+    dispatch_bt(M.scalar_type(), "tinyserve.sparse_decode (native)", [&](auto btag) {
       using BT = decltype(btag);
       out = sparse_decode_typed<T, BT>(q, k_cache, v_cache, M, m, a, valid_len, attn_mask, scale, page_size,
                                        token_budget, sink_pages, candidate_factor, candidate_extra, keep_tokens,
@@ -1689,9 +1692,9 @@ at::Tensor kept_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const bool dense = dense_flag(ctrl);
   const at::Tensor M = kmax.contiguous(), m = kmin.contiguous(), a = kabs.contiguous();
   at::Tensor out;
-  dispatch_kv(q.scalar_type(), "tinyserve_native.kept_pages", [&](auto tag) {
+  dispatch_kv(q.scalar_type(), "tinyserve.kept_pages (native)", [&](auto tag) {
     using T = decltype(tag);
-    dispatch_bt(M.scalar_type(), "tinyserve_native.kept_pages", [&](auto btag) {
+    dispatch_bt(M.scalar_type(), "tinyserve.kept_pages (native)", [&](auto btag) {
       using BT = decltype(btag);
       out = kept_pages_typed<T, BT>(q, k_cache, M, m, a, valid_len, attn_mask, scale, page_size, token_budget,
                                     sink_pages, candidate_factor, candidate_extra, keep_tokens, dense);
@@ -1808,21 +1811,21 @@ void bound_pages(const T* kb, int64_t ksl, int64_t L, int64_t D, int64_t S, int6
 
 void check_bounds_args(const at::Tensor& k, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                        int64_t S) {
-  TORCH_CHECK(S > 0, "tinyserve_native: page_size must be positive");
-  TORCH_CHECK(k.dim() == 4 && k.device().is_cpu(), "tinyserve_native: k_cache must be a CPU [B, Hkv, L, D] tensor");
-  TORCH_CHECK(k.size(3) == 0 || k.stride(3) == 1, "tinyserve_native: k_cache needs a unit stride on D");
+  TORCH_CHECK(S > 0, "tinyserve (native): page_size must be positive");
+  TORCH_CHECK(k.dim() == 4 && k.device().is_cpu(), "tinyserve (native): k_cache must be a CPU [B, Hkv, L, D] tensor");
+  TORCH_CHECK(k.size(3) == 0 || k.stride(3) == 1, "tinyserve (native): k_cache needs a unit stride on D");
   const int64_t P = (k.size(2) + S - 1) / S;
   TORCH_CHECK(kmax.dim() == 4 && kmax.size(0) == k.size(0) && kmax.size(1) == k.size(1) && kmax.size(2) == P &&
                   kmax.size(3) == k.size(3) && kmin.sizes() == kmax.sizes() && kmax.is_contiguous() &&
                   kmin.is_contiguous(),
-              "tinyserve_native: kmax/kmin must be contiguous [B, Hkv, P, D]");
+              "tinyserve (native): kmax/kmin must be contiguous [B, Hkv, P, D]");
   TORCH_CHECK(kmax.scalar_type() == kmin.scalar_type() &&
                   (kmax.scalar_type() == at::kFloat || kmax.scalar_type() == at::kBFloat16 ||
                    kmax.scalar_type() == at::kChar),
-              "tinyserve_native: kmax/kmin must be float32, bfloat16 or int8");
+              "tinyserve (native): kmax/kmin must be float32, bfloat16 or int8");
   TORCH_CHECK(kabs.dim() == 3 && kabs.size(0) == k.size(0) && kabs.size(1) == k.size(1) && kabs.size(2) == P &&
                   kabs.scalar_type() == at::kFloat && kabs.is_contiguous(),
-              "tinyserve_native: kabs must be contiguous float32 [B, Hkv, P]");
+              "tinyserve (native): kabs must be contiguous float32 [B, Hkv, P]");
 }
 
 // pages: ascending page list, or nullptr for every page
@@ -1830,7 +1833,7 @@ void bounds_for_pages(const at::Tensor& k, const at::Tensor& kmax, const at::Ten
                       int64_t S, const std::vector<int64_t>* pages) {
   const int64_t B = k.size(0), H = k.size(1), L = k.size(2), D = k.size(3), P = (L + S - 1) / S;
   if (B * H == 0 || P == 0) return;
-  dispatch_kv(k.scalar_type(), "tinyserve_native.bounds", [&](auto tag) {
+  dispatch_kv(k.scalar_type(), "tinyserve.bounds (native)", [&](auto tag) {
     using T = decltype(tag);
     auto body = [&](auto* Mp, auto* mp) {
       using BT = std::remove_pointer_t<decltype(Mp)>;
@@ -1861,7 +1864,7 @@ void bounds_for_pages(const at::Tensor& k, const at::Tensor& kmax, const at::Ten
         }
       }
     };
-    dispatch_bt(kmax.scalar_type(), "tinyserve_native.bounds", [&](auto btag) {
+    dispatch_bt(kmax.scalar_type(), "tinyserve.bounds (native)", [&](auto btag) {
       using BT = decltype(btag);
       body(kmax.data_ptr<BT>(), kmin.data_ptr<BT>());
     });
@@ -1878,8 +1881,11 @@ void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Te
                  const at::Tensor& ctrl, const at::Tensor& positions, const at::Tensor& src, int64_t page_size) {
   check_bounds_args(k_cache, kmax, kmin, kabs, page_size);
   TORCH_CHECK(ctrl.device().is_cpu() && ctrl.scalar_type() == at::kInt && ctrl.numel() >= 1 && ctrl.is_contiguous(),
-              "tinyserve_native.cache_write: ctrl must be a contiguous int32 CPU tensor");
-  // ---- the write itself
+              "tinyserve.cache_write (native): ctrl must be a contiguous int32 CPU tensor");
+  TORCH_CHECK_VALUE(at::isIntegralType(positions.scalar_type(), /*includeBool=*/false),
+                    "tinyserve.cache_write: argument 'positions' must be an integer tensor, got ",
+                    positions.scalar_type());
+  // ---- the write itself (positions: 0-d, [1] or [n], any integer dtype)
   at::Tensor pos = positions.reshape({-1}).to(at::kLong);
   at::Tensor kc = k_cache;
   kc.index_copy_(2, pos, src);
@@ -1907,24 +1913,9 @@ void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Te
 }  // namespace
 }  // namespace tinyserve_native
 
-TORCH_LIBRARY(tinyserve_native, m) {
-  m.def(
-      "sparse_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kmax, Tensor kmin, Tensor kabs, "
-      "Tensor valid_len, Tensor? attn_mask, float scale, int page_size, int token_budget, int sink_pages, "
-      "int candidate_factor, Tensor? ctrl, int candidate_extra=0, bool keep_tokens=False) -> Tensor");
-  m.def(
-      "kept_pages(Tensor q, Tensor k_cache, Tensor kmax, Tensor kmin, Tensor kabs, Tensor valid_len, "
-      "Tensor? attn_mask, float scale, int page_size, int token_budget, int sink_pages, int candidate_factor, "
-      "Tensor? ctrl, int candidate_extra=0, bool keep_tokens=False) -> Tensor");
-  m.def(
-      "cache_write(Tensor(a!) k_cache, Tensor(b!) kmax, Tensor(c!) kmin, Tensor(d!) kabs, Tensor(e!) ctrl, "
-      "Tensor positions, Tensor src, int page_size) -> ()");
-  m.def("rebuild_bounds(Tensor k_cache, Tensor(a!) kmax, Tensor(b!) kmin, Tensor(c!) kabs, int page_size) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(tinyserve_native, CPU, m) {
-  m.impl("sparse_decode", &tinyserve_native::sparse_decode);
-  m.impl("kept_pages", &tinyserve_native::kept_pages);
-  m.impl("cache_write", &tinyserve_native::cache_write);
-  m.impl("rebuild_bounds", &tinyserve_native::rebuild_bounds);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sparse_decode", &tinyserve_native::sparse_decode, "query-aware paged sparse decode attention");
+  m.def("kept_pages", &tinyserve_native::kept_pages, "the pages sparse_decode attends, bool [B, Hkv, P]");
+  m.def("cache_write", &tinyserve_native::cache_write, "key write plus the bounds of the touched pages");
+  m.def("rebuild_bounds", &tinyserve_native::rebuild_bounds, "every page's bounds");
 }

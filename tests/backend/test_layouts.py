@@ -11,6 +11,7 @@ import tinyserve_compile as tc
 from helpers import prompt, worst
 from models import VOCAB
 from tinyserve_compile.kernels.reference import page_bounds
+from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.runtime import state_for
 from tinyserve_compile.testing import reference_sparse_attention
 
@@ -199,7 +200,7 @@ def test_compiled_prefill_writes_through_the_view():
 @pytest.mark.parametrize("candidate_factor", [1, 4])
 @pytest.mark.parametrize("masked", [False, True])
 def test_op_reads_strided_caches(candidate_factor, masked):
-    """``tinyserve::paged_attention`` on a permuted (non-contiguous) cache view equals the contiguous copy."""
+    """``tinyserve::sparse_decode`` on a permuted (non-contiguous) cache view equals the contiguous copy."""
     g = torch.Generator().manual_seed(5)
     B, L, S = 2, 96, 8
     kbuf, vbuf = torch.randn(B, L, HKV, HD, generator=g), torch.randn(B, L, HKV, HD, generator=g)
@@ -210,9 +211,9 @@ def test_op_reads_strided_caches(candidate_factor, masked):
     mask = (torch.arange(L) < 77)[None, None, None].expand(B, 1, 1, L) if masked else None
     bounds = page_bounds(k, S)
     ctrl = torch.zeros(2, dtype=torch.int32)
-    args = (vl, mask, 0.25, S, 24, 1, candidate_factor, "query_aware", "torch")
-    got = torch.ops.tinyserve.paged_attention(q, k, v, *bounds, ctrl, *args)
-    want = torch.ops.tinyserve.paged_attention(q, k.contiguous(), v.contiguous(), *bounds, ctrl, *args)
+    args = (vl, mask, 0.25, SelectionSpec(S, 24, 1, candidate_factor, 0, False, torch.float32).to_list(), "torch", ctrl)
+    got = torch.ops.tinyserve.sparse_decode(q, k, v, *bounds, *args)
+    want = torch.ops.tinyserve.sparse_decode(q, k.contiguous(), v.contiguous(), *bounds, *args)
     assert torch.allclose(got, want, atol=1e-6), worst(got, want)
 
 

@@ -7,6 +7,7 @@ import tinyserve_compile  # noqa: F401  (registers the ops)
 from tinyserve_compile import runtime
 from tinyserve_compile.kernels.bounds import allocate_bounds
 from tinyserve_compile.kernels.reference import page_bounds
+from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.runtime import BoundsSlot, runtime_stats, state_for
 
 
@@ -15,27 +16,34 @@ def _cache(L=40, seed=0):
     return torch.randn(1, 2, L, 8, generator=g), torch.randn(1, 2, L, 8, generator=g)
 
 
+def _spec(dtype):
+    return SelectionSpec(4, 8, 0, 1, 0, False, dtype).to_list()
+
+
 def test_opcheck_cache_write_and_paged_attention():
     k, v = _cache()
     for dtype in (torch.float32, torch.bfloat16):
         b = allocate_bounds(k, 4, dtype)
-        pos, src = torch.tensor([5]), torch.randn(1, 2, 1, 8)
+        src = torch.randn(1, 2, 1, 8)
         for stale in (1, 0):
-            ctrl = torch.tensor([stale, 0], dtype=torch.int32)
-            torch.library.opcheck(torch.ops.tinyserve.cache_write.default, (k, *b, ctrl, pos, src, 4))
+            for pos in (torch.tensor([5]), torch.tensor(6, dtype=torch.int32)):  # any int dtype, 0-d or [n]
+                ctrl = torch.tensor([stale, 0], dtype=torch.int32)
+                torch.library.opcheck(torch.ops.tinyserve.cache_write.default, (k, *b, ctrl, pos, src, _spec(dtype)))
         q = torch.randn(1, 4, 1, 8)
         mask = (torch.arange(40) < 30)[None, None, None]
         for m in (None, mask):
             for dense in (0, 1):
                 ctrl = torch.tensor([0, dense], dtype=torch.int32)
-                args = (q, k, v, *b, ctrl, torch.tensor([30]), m, 0.35, 4, 8, 0, 1, "query_aware", "torch")
-                torch.library.opcheck(torch.ops.tinyserve.paged_attention.default, args)
+                for policy in ("h2o", "full"):
+                    args = (q, k, v, *b, ctrl, torch.tensor([30]), m, 0.35, _spec(dtype), policy, "torch")
+                    torch.library.opcheck(torch.ops.tinyserve.paged_attention.default, args)
 
 
 def _step(slot, args, pos):
     """One 'compiled call' as the backend makes it: enter, the graph's write, leave."""
     kmax, kmin, kabs, ctrl = runtime.enter([slot], args, dense_layers=0)
-    torch.ops.tinyserve.cache_write(args[0], kmax, kmin, kabs, ctrl, torch.tensor([pos]), torch.randn(1, 2, 1, 8), 4)
+    torch.ops.tinyserve.cache_write(args[0], kmax, kmin, kabs, ctrl, torch.tensor([pos]), torch.randn(1, 2, 1, 8),
+                                    _spec(slot.bounds_dtype))
     runtime.leave([slot], args)
 
 

@@ -23,7 +23,7 @@ EXPORTS = {
     "gpt2_sparse": ("gpt2", SPARSE, 1),
     "llama_dense": ("llama", {"policy": "full"}, 1),
     "llama_batch2": ("llama", SPARSE, 2),
-    # issue 10 phase 3: int8 bounds, 2 pages of extra candidates (N1 = 2*2 + 2 = 6 of 12), token-level keep
+    # int8 bounds, 2 pages of extra candidates (N1 = 2*2 + 2 = 6 of 12), token-level keep
     "llama_int8_tokens": ("llama", {**SPARSE, "bounds_dtype": "int8", "candidate_factor": 2, "candidate_extra": 32,
                                     "keep_tokens": True}, 1),
     "gpt2_int8_tokens": ("gpt2", {**SPARSE, "bounds_dtype": "int8", "candidate_extra": 32, "keep_tokens": True,
@@ -36,7 +36,7 @@ def exports(tmp_path_factory):
     """The tiny-model exports, made once per session on first use: ``{name: ExportInfo}``."""
     from models import hf_model
 
-    from tinyserve_compile.export import export_onnx
+    from tinyserve_compile.onnx.export import export_onnx
 
     root = tmp_path_factory.mktemp("onnx")
     made = {}

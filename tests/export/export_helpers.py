@@ -10,7 +10,7 @@ import torch
 
 def export_module(module, args, path, int8_write="tensorrt"):
     """``torch.onnx.export`` of ``module`` with the tinyserve translations, quietly; returns ``path``."""
-    from tinyserve_compile.onnx_translate import translation_table
+    from tinyserve_compile.onnx.translate import translation_table
 
     with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
         prog = torch.onnx.export(module, args, dynamo=True, opset_version=18,

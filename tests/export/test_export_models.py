@@ -10,9 +10,9 @@ from conftest import EXPORTS, L
 from export_helpers import greedy, hf_step, prefill, worst
 from helpers import prompt
 from models import hf_model
-from tinyserve_compile.export import decode_state, export_onnx, main
+from tinyserve_compile.onnx.export import decode_state, export_onnx, main
 from tinyserve_compile.kernels.reference import page_bounds
-from tinyserve_compile.onnx_runtime import OrtDecoder
+from tinyserve_compile.onnx.runtime import OrtDecoder
 
 PROMPT, STEPS = 90, 8
 
@@ -55,9 +55,9 @@ def test_onnx_runtime_equals_compiled_backend_and_differs_from_dense(exports, na
 def reference_step(model, options, state):
     """A ``step`` for :func:`greedy`: the exported module run eagerly in PyTorch, whose export-only ops are the
     reference (``sparse_decode_reference`` with every option, ``store_bounds``); it advances ``state`` (a dict)."""
-    from tinyserve_compile import onnx_ops  # noqa: F401  (registers the ops)
+    from tinyserve_compile.onnx import ops as onnx_ops  # noqa: F401  (registers the ops)
     from tinyserve_compile.config import TinyServeConfig
-    from tinyserve_compile.export import _DecodeStep, _register_attention
+    from tinyserve_compile.onnx.export import _DecodeStep, _register_attention
 
     config = TinyServeConfig.from_options(options)
     n_layers = sum(1 for n in state if n.startswith("key."))

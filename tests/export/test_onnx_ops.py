@@ -1,35 +1,37 @@
-"""The ONNX lowerings of the export-only ops against their PyTorch implementations (the reference)."""
+"""The ONNX lowerings of the export-only ops against their PyTorch implementations (the reference).
+
+The conformance suite (tests/conformance) runs its table of selection cases through the ONNX twin too; here
+are the export-specific checks: whole-step outputs and states, dense fits, and the writers at extreme values.
+"""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from export_helpers import export_module, ort_run, worst
-from tinyserve_compile import onnx_ops  # noqa: F401  (registers the ops)
+from tinyserve_compile.onnx import ops as onnx_ops  # noqa: F401  (registers the ops)
 from tinyserve_compile.kernels.reference import PageBounds, page_bounds, sparse_decode_reference, store_bounds
+from tinyserve_compile.kernels.spec import SelectionSpec
 
-ns = torch.ops.tinyserve_export
+ns = torch.ops.tinyserve
+
+
+def _spec(S, budget=None, sinks=0, cf=1, extra=0, keep_tokens=False, bdt=torch.float32):
+    return SelectionSpec(S, budget or S, sinks, cf, extra, keep_tokens, bdt)
 
 
 class Step(torch.nn.Module):
     """Write the new K/V, update the bounds, attend: the three ops in the order of the exported step."""
 
-    def __init__(self, page_size, token_budget, sink_pages, candidate_factor, scale=0.3, extra=0, keep_tokens=False):
+    def __init__(self, spec: SelectionSpec, scale=0.3):
         super().__init__()
-        self.a = (page_size, token_budget, sink_pages, candidate_factor)
-        self.scale, self.extra, self.keep_tokens = scale, extra, keep_tokens
+        self.spec, self.scale = spec.to_list(), scale
 
     def forward(self, q, k, v, kmax, kmin, kabs, pos, k_new, v_new):
-        S, budget, sinks, cf = self.a
-        k2, v2 = ns.cache_write(k, pos, k_new), ns.cache_write(v, pos, v_new)
-        b = ns.bounds_write(k2, kmax, kmin, kabs, pos, S)
-        if self.extra or self.keep_tokens:
-            out = ns.sparse_attention(q, k2, v2, *b, pos, self.scale, S, budget, sinks, cf, self.extra, self.keep_tokens)
-        else:  # the old call, trailing arguments left to their defaults
-            out = ns.sparse_attention(q, k2, v2, *b, pos, self.scale, S, budget, sinks, cf)
+        k2, v2 = ns.export_kv_write(k, pos, k_new), ns.export_kv_write(v, pos, v_new)
+        b = ns.export_bounds_write(k2, kmax, kmin, kabs, pos, self.spec)
+        out = ns.export_sparse_decode(q, k2, v2, *b, pos, self.scale, self.spec)
         return (out, k2, v2, *b)
 
 
@@ -49,11 +51,12 @@ def make_inputs(B, Hq, Hkv, L, D, S, positions, bounds_dtype=torch.float32, seed
 def check_step(tmp_path, B=2, Hq=4, Hkv=2, L=128, D=16, S=8, budget=32, sinks=1, cf=2, positions=(100, 61),
                bounds_dtype=torch.float32, seed=0, extra=0, keep_tokens=False, int8_write="tensorrt"):
     args = make_inputs(B, Hq, Hkv, L, D, S, positions, bounds_dtype, seed)
-    module = Step(S, budget, sinks, cf, extra=extra, keep_tokens=keep_tokens)
+    spec = _spec(S, budget, sinks, cf, extra, keep_tokens, bounds_dtype)
+    module = Step(spec)
     want = module(*args)
     # the op's PyTorch implementation is the reference with these options
-    ref = sparse_decode_reference(args[0], want[1], want[2], torch.tensor(positions) + 1, None, 0.3, S, budget, sinks,
-                                  cf, bounds=PageBounds(*want[3:]), candidate_extra=extra, keep_tokens=keep_tokens)
+    ref = sparse_decode_reference(args[0], want[1], want[2], torch.tensor(positions) + 1, None, 0.3, spec,
+                                  PageBounds(*want[3:]))
     assert torch.equal(want[0], ref)
     got = ort_run(export_module(module, args, tmp_path / "step.onnx", int8_write), args)
     assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5), worst(got[0], want[0])
@@ -64,17 +67,9 @@ def check_step(tmp_path, B=2, Hq=4, Hkv=2, L=128, D=16, S=8, budget=32, sinks=1,
     assert torch.equal(got[3], fresh.kmax) and torch.equal(got[4], fresh.kmin) and torch.equal(got[5], fresh.kabs)
     # dense attention over the valid tokens, for the "selection dropped pages" checks
     q, k2, v2 = args[0], want[1], want[2]
-    dense = sparse_decode_reference(q, k2, v2, torch.tensor(positions) + 1, None, 0.3, S, L, 0, 1)
+    dense = sparse_decode_reference(q, k2, v2, torch.tensor(positions) + 1, None, 0.3, _spec(S, L, bdt=bounds_dtype),
+                                    PageBounds(*want[3:]))
     return got[0], dense
-
-
-@pytest.mark.parametrize("budget,cf", [(32, 1), (16, 2), (32, 2), (32, 8)],
-                         ids=["one-stage", "two-stage-gathered", "two-stage-full-logits", "two-stage-all-candidates"])
-def test_sparse_step_matches_reference_and_drops_pages(tmp_path, budget, cf):
-    # P = 16 pages: 2 x 4 candidates gathered; 2 x 8 >= 16 logits over every key; 4 x 8 >= 16 no bound scan
-    out, dense = check_step(tmp_path, budget=budget, cf=cf)
-    # row 0 holds 101 tokens = 13 pages > K: pages were dropped, the output differs from dense
-    assert (out[0] - dense[0]).abs().max() > 1e-3, worst(out[0], dense[0])
 
 
 def test_budget_covering_the_cache_is_dense(tmp_path):
@@ -89,49 +84,12 @@ def test_row_that_fits_its_budget_is_dense_inside_a_sparse_batch(tmp_path):
     assert (out[0] - dense[0]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("cf", [1, 4])
-def test_bf16_bounds(tmp_path, cf):
-    check_step(tmp_path, bounds_dtype=torch.bfloat16, cf=cf, sinks=0)
-
-
-@pytest.mark.parametrize("budget,cf,extra", [(16, 1, 16), (16, 2, 16), (32, 2, 16), (32, 1, 96)],
-                         ids=["extra-only-gathered", "factor-and-extra-gathered", "full-logits", "all-candidates"])
-@pytest.mark.parametrize("keep_tokens", [False, True], ids=["pages", "tokens"])
-def test_candidate_extra_and_keep_tokens_match_reference(tmp_path, budget, cf, extra, keep_tokens):
-    # P = 16 pages, S = 8: N1 = cf*K + extra//S = 4, 6, 10, 16 candidates (two stages in each case)
-    out, dense = check_step(tmp_path, budget=budget, cf=cf, extra=extra, keep_tokens=keep_tokens)
-    assert (out[0] - dense[0]).abs().max() > 1e-3, worst(out[0], dense[0])
-
-
 def test_keep_tokens_is_ignored_by_one_stage(tmp_path):
     # N1 = K: one stage, keep_tokens has nothing to refine; the result is the one-stage page selection
     args = make_inputs(2, 4, 2, 128, 16, 8, (100, 61))
-    got = ort_run(export_module(Step(8, 32, 1, 1, keep_tokens=True), args, tmp_path / "a.onnx"), args)[0]
-    want = Step(8, 32, 1, 1)(*args)[0]
+    got = ort_run(export_module(Step(_spec(8, 32, 1, 1, keep_tokens=True)), args, tmp_path / "a.onnx"), args)[0]
+    want = Step(_spec(8, 32, 1, 1))(*args)[0]
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), worst(got, want)
-
-
-@pytest.mark.parametrize("int8_write", ["tensorrt", "inplace"])
-@pytest.mark.parametrize("extra,keep_tokens", [(0, False), (16, True)])
-def test_int8_bounds(tmp_path, extra, keep_tokens, int8_write):
-    # S = 8, budget 32: K = 4; extra = 2*S
-    out, dense = check_step(tmp_path, bounds_dtype=torch.int8, cf=2, extra=extra, keep_tokens=keep_tokens,
-                            int8_write=int8_write)
-    assert (out[0] - dense[0]).abs().max() > 1e-3, worst(out[0], dense[0])
-
-
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3]), S=st.sampled_from([4, 8]),
-       K=st.integers(2, 6), sinks=st.integers(0, 1), cf=st.integers(1, 3), seed=st.integers(0, 2**16),
-       fill=st.floats(0.05, 1.0), bdt=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]),
-       extra_pages=st.integers(0, 3), keep_tokens=st.booleans())
-def test_random_configurations(tmp_path, B, Hkv, G, S, K, sinks, cf, seed, fill, bdt, extra_pages, keep_tokens):
-    L = 12 * S
-    rng = np.random.default_rng(seed)
-    positions = tuple(int(x) for x in rng.integers(max(1, int(fill * (L - 1)) // 2), int(fill * (L - 1)) + 1, B))
-    check_step(tmp_path, B=B, Hq=Hkv * G, Hkv=Hkv, L=L, D=8, S=S, budget=K * S, sinks=min(sinks, K - 1), cf=cf,
-               positions=positions, bounds_dtype=bdt, seed=seed, extra=extra_pages * S + seed % S,
-               keep_tokens=keep_tokens)
 
 
 def test_bf16_outward_rounding_matches_reference_bit_for_bit(tmp_path):
@@ -153,7 +111,7 @@ def test_bf16_outward_rounding_matches_reference_bit_for_bit(tmp_path):
 
     class Write(torch.nn.Module):
         def forward(self, k, kmax, kmin, kabs, pos):
-            return ns.bounds_write(k, kmax, kmin, kabs, pos, 1)
+            return ns.export_bounds_write(k, kmax, kmin, kabs, pos, _spec(1).to_list())
 
     z = torch.zeros(1, 1, 1, N, dtype=torch.bfloat16)
     args = (k, z, z.clone(), torch.zeros(1, 1, 1), torch.tensor([0]))
@@ -184,7 +142,7 @@ def test_int8_writer_matches_reference_bit_for_bit(tmp_path, int8_write):
 
     class Write(torch.nn.Module):
         def forward(self, k, kmax, kmin, kabs, pos):
-            return ns.bounds_write(k, kmax, kmin, kabs, pos, S)
+            return ns.export_bounds_write(k, kmax, kmin, kabs, pos, _spec(S).to_list())
 
     z = torch.zeros(N, 1, 1, D, dtype=torch.int8)
     args = (k, z, z.clone(), torch.zeros(N, 1, 1), torch.zeros(N, dtype=torch.int64))

@@ -17,8 +17,8 @@ def test_smollm2_4k_greedy_tokens_equal_compiled_backend(tmp_path):
     pytest.importorskip("gguf")
     from pydoc_data.topics import topics
 
-    from tinyserve_compile.export import decode_state, export_onnx
-    from tinyserve_compile.onnx_runtime import OrtDecoder
+    from tinyserve_compile.onnx.export import decode_state, export_onnx
+    from tinyserve_compile.onnx.runtime import OrtDecoder
     from tinyserve_compile.smollm2 import load_smollm2
 
     model, tok = load_smollm2()

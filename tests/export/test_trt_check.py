@@ -5,7 +5,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tinyserve_compile.onnx_check import TRT_MAX_TOPK, trt_problems
+from tinyserve_compile.onnx.check import TRT_MAX_TOPK, trt_problems
 
 
 @pytest.mark.parametrize("name", ["llama_sparse", "llama_one_stage", "gpt2_sparse", "llama_dense",
@@ -32,11 +32,13 @@ def test_int8_bounds_write_passes_only_through_qdq(tmp_path, int8_write):
     import torch
     from export_helpers import export_module
 
-    from tinyserve_compile import onnx_ops  # noqa: F401  (registers the ops)
+    from tinyserve_compile.kernels.spec import SelectionSpec
+    from tinyserve_compile.onnx import ops as onnx_ops  # noqa: F401  (registers the ops)
 
     class Write(torch.nn.Module):
         def forward(self, k, kmax, kmin, kabs, pos):
-            return torch.ops.tinyserve_export.bounds_write(k, kmax, kmin, kabs, pos, 8)
+            spec = SelectionSpec(8, 8, 0, 1, 0, False, torch.int8).to_list()
+            return torch.ops.tinyserve.export_bounds_write(k, kmax, kmin, kabs, pos, spec)
 
     z = torch.zeros(1, 2, 4, 16, dtype=torch.int8)
     args = (torch.randn(1, 2, 32, 16), z, z.clone(), torch.zeros(1, 2, 4), torch.tensor([9]))

@@ -1,4 +1,4 @@
-"""Compact (bf16, outward-rounded) page bounds stay true upper bounds (issue 9, item 2)."""
+"""Compact (bf16, outward-rounded) page bounds stay true upper bounds."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Bounds maintenance ops (issue 2, section 5 (f), opcheck, bad input).
+"""Bounds maintenance (incremental updates equal a rebuild, the cache-write op's opcheck, bad input).
 
 (f) After any sequence of writes to the key cache (appends, overwrites, roll-backs,
     multi-position prefill writes), bounds kept with ``update_bounds_`` equal a
@@ -93,12 +93,20 @@ def test_rebuild_matches_page_bounds():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_opcheck_bounds_ops(dtype):
-    k = randn((2, 2, 19, 8), make_gen(3), dtype)
+def test_opcheck_cache_write_torch_path(dtype, monkeypatch):
+    """``tinyserve::cache_write`` through its PyTorch path (the native kernel's opcheck is in test_native_bounds)."""
+    from tinyserve_compile.kernels import bounds as bounds_mod
+    from tinyserve_compile.kernels.spec import SelectionSpec
+
+    monkeypatch.setattr(bounds_mod, "cache_write_impl", lambda device: "torch")
+    gen = make_gen(3)
+    k = randn((2, 2, 19, 8), gen, dtype)
     b = allocate_bounds(k, 4)
-    torch.library.opcheck(torch.ops.tinyserve.rebuild_bounds.default, (k, *b, 4))
-    b = rebuild_bounds_(k, b, 4)
-    torch.library.opcheck(torch.ops.tinyserve.update_bounds.default, (k, *b, torch.tensor([0, 5, 18]), 4))
+    spec = SelectionSpec(4, 8, 0, 1, 0, False, torch.float32).to_list()
+    for stale, pos in ((1, torch.tensor([0, 5, 18])), (0, torch.tensor(6, dtype=torch.int32))):
+        ctrl = torch.tensor([stale, 0], dtype=torch.int32)
+        torch.library.opcheck(torch.ops.tinyserve.cache_write.default,
+                              (k, *b, ctrl, pos, randn((2, 2, pos.numel(), 8), gen, dtype), spec))
 
 
 def _bounds_args():

@@ -1,4 +1,4 @@
-"""Properties of the page bound and of page selection (issue 2, section 5 (a), (b), (d)).
+"""Properties of the page bound and of page selection.
 
 (a) ``page_scores`` (with its rounding slack) is at least ``scale * max q.k`` over a
     page's valid keys, whether that logit is computed exactly (float64 from the
@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel_checks import DTYPES, assert_ge_report, make_gen, randn
+from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.kernels import reference as ref
 
 # magnitudes per dtype: fp16 tops out at 65504, keep products finite in fp32 for all
@@ -188,7 +189,8 @@ def test_newest_and_sink_pages_always_selected(c):
     elif c["mask_kind"] == "additive":
         mask = randn((B, 1, 1, L), gen, scale=5.0)
     bounds = ref.page_bounds(k, S)
-    sel = ref.choose_pages(q, k, bounds, vl, mask, 1.0, S, c["K"] * S, c["sink"], c["cf"])
+    sel = ref.choose_pages(q, k, bounds, vl, mask, 1.0, SelectionSpec(S, c["K"] * S, c["sink"], c["cf"], 0, False,
+                                                                      torch.float32))
     n_valid = (vl + S - 1) // S
     if sel is None:
         assert int(n_valid.max()) <= c["K"], f"dense only when every valid page fits the budget: {n_valid}, {c}"

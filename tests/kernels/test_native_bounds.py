@@ -1,8 +1,9 @@
-"""The native bound ops ``tinyserve_native::{cache_write, rebuild_bounds}`` (issue 9, items 1 and 2).
+"""The native bounds kernels (``cache_write``, the CPU kernel of ``tinyserve::cache_write``, and ``rebuild_bounds``).
 
 Both must equal the reference :func:`reference.page_bounds` (fp32, bf16 rounded
 outward, or int8 codes on the page's grid with the exact ``kabs``) bit for bit, and
-``cache_write`` must write the keys exactly as ``index_copy_``.
+``cache_write`` must write the keys exactly as ``index_copy_``. The decode loop of every writer over the
+conformance table is in tests/conformance; here are strided caches, extreme scales and the stale flag.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from kernel_checks import make_gen, randn
 from tinyserve_compile.kernels import reference as ref
-from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
+from tinyserve_compile.kernels.native import load_native, native_module, native_unavailable_reason
+from tinyserve_compile.kernels.spec import SelectionSpec
 
 pytestmark = pytest.mark.skipif(not load_native(), reason=f"native kernel unavailable: {native_unavailable_reason()}")
 
@@ -55,15 +57,16 @@ def _keys(shape, gen, dtype, transposed):
 def test_rebuild_bounds_bit_exact(dtype, bdt, transposed, S, L, D):
     k = _keys((2, 3, L, D), make_gen(L + D), dtype, transposed)
     got = _alloc(k, S, bdt, fill=7.0)
-    torch.ops.tinyserve_native.rebuild_bounds(k, *got, S)
+    native_module().rebuild_bounds(k, *got, S)
     _assert_bits(got, k, S, bdt, f"rebuild_bounds {dtype} bounds={bdt} S={S} L={L} D={D} transposed={transposed}")
 
 
-@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("bdt", BOUNDS)
 @pytest.mark.parametrize("dtype", KV)
-def test_cache_write_decode_loop_bit_exact(dtype, bdt, transposed):
-    """Prefill, then a decode loop that crosses pages: keys as index_copy_, bounds as a rebuild, every step."""
+def test_cache_write_decode_loop_bit_exact_on_a_strided_cache(dtype, bdt):
+    """Prefill, then a decode loop that crosses pages, into a ``[B, L, H, D]`` buffer read transposed: keys as
+    index_copy_, bounds as a rebuild, every step."""
+    transposed = True
     S, L, D, B, H = 8, 60, 32, 2, 2
     gen = make_gen(3)
     k = _keys((B, H, L, D), gen, dtype, transposed)
@@ -71,7 +74,7 @@ def test_cache_write_decode_loop_bit_exact(dtype, bdt, transposed):
     want_k = torch.zeros(B, H, L, D, dtype=dtype)
     b = _alloc(k, S, bdt)
     ctrl = torch.tensor([1, 0], dtype=torch.int32)  # stale: the first write rebuilds everything
-    op = torch.ops.tinyserve_native.cache_write
+    op = native_module().cache_write
     # ---- prefill 21 tokens (pages 0..2, the last partial)
     pos = torch.arange(21)
     src = randn((B, H, 21, D), gen, torch.float32, 3.0).to(dtype)
@@ -116,16 +119,16 @@ def test_int8_bounds_extreme_scales_bit_exact(dtype):
     k[:, :, 20, 0] = 126.0  # page 5: kabs = 126, step 1, max on the grid
     k = k.to(dtype)
     got = _alloc(k, S, torch.int8, fill=3.0)
-    torch.ops.tinyserve_native.rebuild_bounds(k, *got, S)
+    native_module().rebuild_bounds(k, *got, S)
     _assert_bits(got, k, S, torch.int8, f"rebuild_bounds int8 extreme scales {dtype}")
     hi, lo = ref.bounds_f32(ref.PageBounds(*got))
     kp = torch.nn.functional.pad(k.float(), (0, 0, 0, ref.num_pages(L, S) * S - L)).unflatten(2, (-1, S))
     assert bool((hi >= kp.amax(3)).all()) and bool((lo <= kp.amin(3)).all()), "decoded int8 box must hold the keys"
     b = _alloc(k, S, torch.int8)
     ctrl = torch.tensor([0, 0], dtype=torch.int32)
-    torch.ops.tinyserve_native.rebuild_bounds(k, *b, S)
+    native_module().rebuild_bounds(k, *b, S)
     src = (randn((1, 2, 1, D), gen, torch.float32) * 2.0**-130).to(dtype)  # a tiny key into the huge page
-    torch.ops.tinyserve_native.cache_write(k, *b, ctrl, torch.tensor([9]), src, S)
+    native_module().cache_write(k, *b, ctrl, torch.tensor([9]), src, S)
     _assert_bits(b, k, S, torch.int8, f"cache_write int8 extreme scales {dtype}")
 
 
@@ -138,7 +141,7 @@ def test_cache_write_stale_flag_rebuilds_every_page(bdt):
     k = _keys((1, 2, L, D), gen, torch.float32, False)
     b = _alloc(k, S, bdt, fill=-5.0)  # garbage bounds
     ctrl = torch.tensor([0, 1], dtype=torch.int32)
-    op = torch.ops.tinyserve_native.cache_write
+    op = native_module().cache_write
     op(k, *b, ctrl, torch.tensor([9]), randn((1, 2, 1, D), gen), S)
     assert bool((b[0][:, :, 0] == -5.0).all()), "flag clear: untouched pages must be left alone"
     assert bool((b[0][:, :, 1] != -5.0).any()), "flag clear: the written page must be recomputed"
@@ -150,11 +153,13 @@ def test_cache_write_stale_flag_rebuilds_every_page(bdt):
 
 @pytest.mark.parametrize("bdt", BOUNDS)
 @pytest.mark.parametrize("dtype", KV)
-def test_opcheck_native_bound_ops(dtype, bdt):
+def test_opcheck_cache_write_native(dtype, bdt):
+    """``tinyserve::cache_write`` on CPU (the native kernel) passes opcheck, stale or not, any integer positions."""
     gen = make_gen(17)
     k = randn((2, 2, 21, 8), gen, dtype)
     b = _alloc(k, 4, bdt)
-    torch.library.opcheck(torch.ops.tinyserve_native.rebuild_bounds.default, (k, *b, 4))
-    ctrl = torch.tensor([0, 0], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.tinyserve_native.cache_write.default,
-                          (k, *b, ctrl, torch.tensor([4, 20]), randn((2, 2, 2, 8), gen, dtype), 4))
+    spec = SelectionSpec(4, 8, 0, 1, 0, False, bdt).to_list()
+    for stale, pos in ((1, torch.tensor([4, 20])), (0, torch.tensor(7, dtype=torch.int16))):
+        ctrl = torch.tensor([stale, 0], dtype=torch.int32)
+        torch.library.opcheck(torch.ops.tinyserve.cache_write.default,
+                              (k, *b, ctrl, pos, randn((2, 2, pos.numel(), 8), gen, dtype), spec))

@@ -1,10 +1,11 @@
-"""The native CPU kernel ``tinyserve_native::sparse_decode`` (issue 9, item 1) against the reference.
+"""The native CPU kernel (the CPU kernel of ``tinyserve::sparse_decode``) against the reference.
 
 Every case compares the output with :func:`reference.sparse_decode_reference` and with
 dense SDPA over the pages (tokens, with ``keep_tokens``) the reference keeps, and the pages the kernel keeps
-(``tinyserve_native::kept_pages``) with the reference selection. Covers fp32/bf16/int8 bounds, extra candidates
-(``candidate_extra``) and token-level keep (``keep_tokens``, issue 10 phase 3). Skipped, with the
-build's reason, only where the native kernel cannot be built.
+(its ``kept_pages``) with the reference selection. The table of dtypes, groups, masks, rows, page sizes, bounds
+dtypes and stages is the conformance suite's (tests/conformance); here are head dims, page sizes outside that
+table, strided caches, the ctrl flags, empty rows, realistic shapes and properties. Skipped, with the build's
+reason, only where the native kernel cannot be built.
 """
 from __future__ import annotations
 
@@ -18,12 +19,29 @@ from hypothesis import strategies as st
 
 from kernel_checks import TOL, assert_close_report, dense_sdpa, make_gen, randn
 from tinyserve_compile.kernels import reference as ref
-from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
+from tinyserve_compile.kernels.native import load_native, native_module, native_unavailable_reason
+from tinyserve_compile.kernels.spec import SelectionSpec
 
 pytestmark = pytest.mark.skipif(not load_native(), reason=f"native kernel unavailable: {native_unavailable_reason()}")
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BDT = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def _spec(S, budget, sinks, cf, extra=0, keep_tokens=False, bdt=torch.float32):
+    return SelectionSpec(S, budget, sinks, cf, extra, keep_tokens, bdt)
+
+
+def _nat_decode(q, k, v, kmax, kmin, kabs, vl, mask, scale, S, budget, sinks, cf, ctrl, extra=0, keep_tokens=False):
+    """The native kernel's entry point (the positional arguments of the C++ function)."""
+    return native_module().sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, float(scale), S, budget, sinks, cf, ctrl,
+                                         extra, keep_tokens)
+
+
+def _nat_kept(q, k, kmax, kmin, kabs, vl, mask, scale, S, budget, sinks, cf, ctrl, extra=0, keep_tokens=False):
+    """The pages the native kernel keeps, bool ``[B, Hkv, P]``."""
+    return native_module().kept_pages(q, k, kmax, kmin, kabs, vl, mask, float(scale), S, budget, sinks, cf, ctrl,
+                                      extra, keep_tokens)
 
 
 def _mask(kind, B, Hq, L, gen):
@@ -83,7 +101,8 @@ def _ref_kept(q, k, bounds, vl, mask, scale, S, budget, sinks, cf, extra=0, keep
     the pages holding a kept token) and kept tokens as bool ``[B, Hkv, L]`` (every token of the kept pages)."""
     B, Hkv, L = k.shape[0], k.shape[1], k.shape[2]
     P = ref.num_pages(L, S)
-    sel, unit = ref.choose(q, k, bounds, vl, mask, scale, S, budget, sinks, cf, extra, keep_tokens)
+    sel, unit = ref.choose(q, k, bounds, vl, mask, scale, _spec(S, budget, sinks, cf, extra, keep_tokens,
+                                                                bounds.kmax.dtype))
     vlb = vl.reshape(-1).expand(B)
     n_valid = ((vlb + S - 1) // S).clamp(max=P)
     if sel is None:
@@ -108,18 +127,15 @@ def _check_case(dtype, B, Hkv, G, L, D, S, budget, sinks, cf, bdt, valid_len, ma
                 compare_selection=True, extra=0, keep_tokens=False):
     q, k, v, vl, mask, b = _build(dtype, B, Hkv, G, L, D, S, bdt, valid_len, mask_kind, seed, transposed)
     scale = 1.0 / math.sqrt(D)
-    out = torch.ops.tinyserve_native.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, S, budget, sinks,
-                                                   cf, None, extra, keep_tokens)
+    out = _nat_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, S, budget, sinks, cf, None, extra, keep_tokens)
     what = (f"{dtype} B={B} Hkv={Hkv} G={G} L={L} D={D} S={S} budget={budget} sinks={sinks} c={cf} bounds={bdt} "
             f"extra={extra} keep_tokens={keep_tokens} valid_len={valid_len} mask={mask_kind} transposed={transposed}")
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     atol, rtol = TOL[dtype]
-    want = ref.sparse_decode_reference(q, k, v, vl, mask, scale, S, budget, sinks, cf, bounds=b,
-                                       candidate_extra=extra, keep_tokens=keep_tokens)
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, scale, _spec(S, budget, sinks, cf, extra, keep_tokens, bdt), b)
     assert_close_report(out, want, atol, rtol, f"native vs reference: {what}")
     print(f"worst |native - reference| {float((out.float() - want.float()).abs().max()):.3e}: {what}")
-    kept = torch.ops.tinyserve_native.kept_pages(q, k, b.kmax, b.kmin, b.kabs, vl, mask, scale, S, budget, sinks, cf,
-                                                 None, extra, keep_tokens)
+    kept = _nat_kept(q, k, b.kmax, b.kmin, b.kabs, vl, mask, scale, S, budget, sinks, cf, None, extra, keep_tokens)
     rk, rtok = _ref_kept(q, k, b, vl, mask, scale, S, budget, sinks, cf, extra, keep_tokens)
     cmp = _comparable_pages(q, b, vl, mask, scale, S, L)
     if compare_selection:
@@ -141,33 +157,6 @@ def _check_case(dtype, B, Hkv, G, L, D, S, budget, sinks, cf, bdt, valid_len, ma
     assert_close_report(out, _attend_kept(q, k, v, vl, mask, scale, keep_tok), atol, rtol,
                         f"native vs exact attention over its kept pages: {what}")
     return kept
-
-
-# (dtype, G, c, sinks, S, bounds, mask, valid lengths): every value of each knob at least once, in combinations
-CASES = [
-    ("fp32", 1, 1, 0, 8, "fp32", None, "both_sparse"),
-    ("fp32", 3, 1, 1, 16, "bf16", "bool_shared", "one_dense"),
-    ("fp32", 4, 2, 2, 8, "fp32", "float_per_head", "one_dense"),
-    ("fp32", 3, 4, 1, 8, "bf16", None, "one_dense"),
-    ("fp32", 3, 4, 0, 16, "fp32", "bool_per_head", "both_sparse"),
-    ("bf16", 3, 1, 2, 8, "bf16", "float_shared", "both_sparse"),
-    ("bf16", 1, 2, 1, 16, "fp32", "bool_L", "one_dense"),
-    ("bf16", 4, 4, 1, 8, "bf16", "bool_shared", "one_dense"),
-    ("bf16", 3, 4, 2, 8, "bf16", "float_per_head", "both_sparse"),
-    ("fp16", 3, 1, 1, 8, "fp32", "bool_per_head", "one_dense"),
-    ("fp16", 4, 2, 0, 16, "bf16", None, "both_sparse"),
-    ("fp16", 1, 4, 2, 8, "bf16", "float_shared", "one_dense"),
-    ("fp16", 3, 4, 1, 16, "fp32", "bool_shared", "one_dense"),
-]
-
-
-@pytest.mark.parametrize("dt, G, cf, sinks, S, bdt, mask_kind, rows", CASES)
-def test_matches_reference(dt, G, cf, sinks, S, bdt, mask_kind, rows):
-    """Output equals the reference (and dense SDPA over the kept pages); kept pages equal the reference's."""
-    L, D, budget = 331, 64, 6 * S  # L not a multiple of S; K = 6 pages
-    valid_len = [L, 300] if rows == "both_sparse" else [L - 3, 5 * S - 1]  # second row fits the budget
-    _check_case(DT[dt], 2, 2, G, L, D, S, budget, sinks, cf, DT[bdt], valid_len, mask_kind,
-                seed=zlib.crc32(repr((dt, G, cf, S)).encode()) % 1000)  # stable across processes
 
 
 @pytest.mark.parametrize("cf", [1, 4])
@@ -208,7 +197,7 @@ def test_transposed_cache_is_not_copied():
     q, k, v, vl, mask, b = _build(torch.float32, 1, 3, 3, 512, 64, 8, torch.bfloat16, [512], "bool_shared", 3,
                                   transposed=True)
     assert not k.is_contiguous()
-    op = torch.ops.tinyserve_native.sparse_decode
+    op = _nat_decode
     op(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.125, 8, 64, 1, 4, None)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         op(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.125, 8, 64, 1, 4, None)
@@ -219,19 +208,20 @@ def test_transposed_cache_is_not_copied():
 
 
 def test_ctrl_dense_flag():
-    """``ctrl[1] != 0``: dense attention over every valid token, whatever the budget."""
+    """``ctrl[1] != 0`` (a dense layer) or ``ctrl[0] != 0`` (stale bounds, never read): dense attention over every
+    valid token, whatever the budget; ``ctrl = [0, 0]`` applies the budget."""
     q, k, v, vl, mask, b = _build(torch.float32, 2, 2, 3, 300, 32, 8, torch.bfloat16, [300, 170], "bool_shared", 5)
     scale = 0.2
-    op = torch.ops.tinyserve_native
-    ctrl = torch.tensor([0, 1], dtype=torch.int32)
-    out = op.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, 8, 16, 1, 4, ctrl)
-    assert_close_report(out, dense_sdpa(q, k, v, vl, mask, scale), *TOL[torch.float32], "ctrl dense vs SDPA")
-    kept = op.kept_pages(q, k, b.kmax, b.kmin, b.kabs, vl, mask, scale, 8, 16, 1, 4, ctrl)
     n_valid = (vl + 7) // 8
-    assert torch.equal(kept, (torch.arange(kept.shape[-1])[None, :] < n_valid[:, None])[:, None, :].expand_as(kept))
-    sparse = op.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, 8, 16, 1, 4,
-                              torch.tensor([1, 0], dtype=torch.int32))  # ctrl[0] is cache_write's: no effect here
-    assert float((sparse - out).abs().max()) > 1e-4, "with ctrl[1] == 0 the budget must apply"
+    for flags in ([0, 1], [1, 0]):
+        ctrl = torch.tensor(flags, dtype=torch.int32)
+        out = _nat_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, 8, 16, 1, 4, ctrl)
+        assert_close_report(out, dense_sdpa(q, k, v, vl, mask, scale), *TOL[torch.float32], f"ctrl {flags} vs SDPA")
+        kept = _nat_kept(q, k, b.kmax, b.kmin, b.kabs, vl, mask, scale, 8, 16, 1, 4, ctrl)
+        assert torch.equal(kept, (torch.arange(kept.shape[-1])[None, :] < n_valid[:, None])[:, None, :].expand_as(kept))
+    sparse = _nat_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, scale, 8, 16, 1, 4,
+                         torch.tensor([0, 0], dtype=torch.int32))
+    assert float((sparse - out).abs().max()) > 1e-4, "with ctrl = [0, 0] the budget must apply"
 
 
 def test_rows_without_tokens_give_zeros():
@@ -239,8 +229,8 @@ def test_rows_without_tokens_give_zeros():
     q, k, v, vl, _, b = _build(torch.float32, 3, 1, 2, 64, 16, 8, torch.float32, [0, 64, 40], None, 9)
     mask = torch.ones(3, 1, 1, 64, dtype=torch.bool)
     mask[1] = False
-    out = torch.ops.tinyserve_native.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.25, 8, 16, 0, 2, None)
-    want = ref.sparse_decode_reference(q, k, v, vl, mask, 0.25, 8, 16, 0, 2, bounds=b)
+    out = _nat_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.25, 8, 16, 0, 2, None)
+    want = ref.sparse_decode_reference(q, k, v, vl, mask, 0.25, _spec(8, 16, 0, 2), b)
     assert_close_report(out, want, *TOL[torch.float32], "empty rows")
     assert float(out[:2].abs().max()) == 0.0
 
@@ -252,41 +242,8 @@ def test_sparse_drops_tokens_and_matches_reference_at_scale():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# issue 10, phase 3: int8 bounds, candidate_extra, keep_tokens
+# int8 bounds, candidate_extra, keep_tokens
 # ---------------------------------------------------------------------------------------------------------------
-
-_NEW_VARIANTS = [  # (G, c, sinks, mask, valid lengths), cycled over the cases below
-    (3, 1, 1, "bool_shared", "both_sparse"),
-    (1, 2, 0, None, "one_dense"),
-    (4, 1, 2, "float_per_head", "both_sparse"),
-    (3, 2, 1, "bool_per_head", "one_dense"),
-    (2, 1, 1, "float_shared", "both_sparse"),
-]
-
-
-@pytest.mark.parametrize("keep_tokens", [False, True])
-@pytest.mark.parametrize("extra_pages", [0, 1, 3])
-@pytest.mark.parametrize("dt", ["fp32", "bf16"])
-@pytest.mark.parametrize("bdt", ["int8", "bf16", "fp32"])
-def test_new_selection_matches_reference(bdt, dt, extra_pages, keep_tokens):
-    """``candidate_extra`` in {0, S, 3S} (tokens) and ``keep_tokens`` over every bounds dtype, fp32/bf16 caches,
-    GQA, masks and per-row valid lengths: output equals the reference and dense SDPA over the reference's
-    selection; kept pages equal the reference's (at most K pages, or N1 with token keep)."""
-    case = ((["int8", "bf16", "fp32"].index(bdt) * 2 + ["fp32", "bf16"].index(dt)) * 3 + extra_pages) * 2 + keep_tokens
-    G, cf, sinks, mask_kind, rows = _NEW_VARIANTS[case % len(_NEW_VARIANTS)]
-    S, L, D = 8, 203, 32
-    budget = 5 * S  # K = 5 pages
-    valid_len = [L, 170] if rows == "both_sparse" else [L - 2, 4 * S + 3]  # the second row fits the budget
-    extra = extra_pages * S
-    kept = _check_case(DT[dt], 2, 2, G, L, D, S, budget, sinks, cf, BDT[bdt], valid_len, mask_kind, seed=1000 + case,
-                       extra=extra, keep_tokens=keep_tokens)  # prints the worst mismatch (pytest -s)
-    n1 = ref.candidate_pages(S, budget, cf, extra)
-    if n1 > budget // S and rows == "both_sparse":  # two-stage rows keep at most K pages' worth
-        if keep_tokens:
-            assert int(kept.sum(-1).max()) <= n1, "token keep spans at most the candidate pages"
-        else:
-            assert int(kept.sum(-1).max()) <= budget // S
-
 
 @pytest.mark.parametrize("bdt", ["int8", "bf16"])
 def test_keep_tokens_at_scale(bdt):
@@ -299,10 +256,9 @@ def test_keep_tokens_at_scale(bdt):
 def test_keep_tokens_one_stage_is_ignored():
     """With ``N1 <= K`` (c = 1, extra < S) keep_tokens has no effect: the one-stage result."""
     q, k, v, vl, mask, b = _build(torch.float32, 2, 2, 3, 300, 32, 8, torch.int8, [300, 250], "bool_shared", 21)
-    op = torch.ops.tinyserve_native
     args = (b.kmax, b.kmin, b.kabs, vl, mask, 0.2, 8, 48, 1, 1, None)
-    assert torch.equal(op.sparse_decode(q, k, v, *args, 7, True), op.sparse_decode(q, k, v, *args))
-    assert torch.equal(op.kept_pages(q, k, *args, 7, True), op.kept_pages(q, k, *args))
+    assert torch.equal(_nat_decode(q, k, v, *args, 7, True), _nat_decode(q, k, v, *args))
+    assert torch.equal(_nat_kept(q, k, *args, 7, True), _nat_kept(q, k, *args))
 
 
 @pytest.mark.parametrize("keep_tokens", [False, True])
@@ -312,18 +268,16 @@ def test_valid_len_past_the_cache_counts_as_the_cache(keep_tokens):
     q, k, v, _, mask, b = _build(torch.float32, 2, 1, 2, 50, 16, 4, torch.int8, [50, 50], "bool_shared", 23)
     args = (b.kmax, b.kmin, b.kabs)
     sel = (0.25, 4, 16, 1, 2)
-    out = torch.ops.tinyserve_native.sparse_decode(q, k, v, *args, torch.tensor([52, 51]), mask, *sel, None, 8,
-                                                   keep_tokens)
-    want = ref.sparse_decode_reference(q, k, v, torch.tensor([50, 50]), mask, *sel, bounds=b, candidate_extra=8,
-                                       keep_tokens=keep_tokens)
+    out = _nat_decode(q, k, v, *args, torch.tensor([52, 51]), mask, *sel, None, 8, keep_tokens)
+    want = ref.sparse_decode_reference(q, k, v, torch.tensor([50, 50]), mask, 0.25,
+                                       _spec(4, 16, 1, 2, 8, keep_tokens, torch.int8), b)
     assert_close_report(out, want, *TOL[torch.float32], f"valid_len past the cache, keep_tokens={keep_tokens}")
 
 
 def test_candidate_extra_rejects_negative():
     q, k, v, vl, mask, b = _build(torch.float32, 1, 1, 1, 64, 16, 8, torch.float32, [64], None, 22)
     with pytest.raises(ValueError, match="candidate_extra"):
-        torch.ops.tinyserve_native.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.25, 8, 16, 0, 1, None,
-                                                 -8, False)
+        _nat_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.25, 8, 16, 0, 1, None, -8, False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -369,13 +323,13 @@ def test_property_exact_attention_over_valid_selection(c):
         k = k[:, :, :1].expand_as(k).contiguous()
         b = ref.page_bounds(k, c["S"], dtype=BDT[c["bdt"]])
     S, L, K = c["S"], c["L"], c["budget"] // c["S"]
-    n1 = ref.candidate_pages(S, c["budget"], c["cf"], c["extra"])
+    n1 = _spec(S, c["budget"], c["sinks"], c["cf"], c["extra"]).n_candidates
     tokens = c["keep_tokens"] and n1 > K  # token-level keep applies (two-stage)
     scale = 1.0 / math.sqrt(c["D"])
     args = (b.kmax, b.kmin, b.kabs, vl, mask, scale, S, c["budget"], c["sinks"], c["cf"], None, c["extra"],
             c["keep_tokens"])
-    out = torch.ops.tinyserve_native.sparse_decode(q, k, v, *args)
-    kept = torch.ops.tinyserve_native.kept_pages(q, k, *args)
+    out = _nat_decode(q, k, v, *args)
+    kept = _nat_kept(q, k, *args)
     P = ref.num_pages(L, S)
     n_valid = ((vl + S - 1) // S).clamp(max=P)  # [B]
     page = torch.arange(P)
@@ -423,16 +377,15 @@ def _opcheck_decode_args(dtype, mask_kind, cf, bdt, ctrl):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask_kind, cf, bdt, ctrl, extra, keep_tokens", [
-    (None, 1, torch.float32, None, None, None),  # the schema defaults
+    (None, 1, torch.float32, None, 0, False),
     ("bool_shared", 4, torch.bfloat16, [0, 0], 0, False),
     ("float_per_head", 2, torch.float32, [0, 1], 4, True),
     ("bool_per_head", 1, torch.int8, None, 8, True),
     (None, 1, torch.int8, [0, 0], 12, False),
 ])
-def test_opcheck_native_decode_ops(dtype, mask_kind, cf, bdt, ctrl, extra, keep_tokens):
+def test_opcheck_native_decode(dtype, mask_kind, cf, bdt, ctrl, extra, keep_tokens):
+    """``tinyserve::sparse_decode`` with ``kernel="native"`` (its CPU kernel) passes opcheck."""
     q, k, v, b, vl, mask, c = _opcheck_decode_args(dtype, mask_kind, cf, bdt, ctrl)
-    tail = () if extra is None else (extra, keep_tokens)
-    torch.library.opcheck(torch.ops.tinyserve_native.sparse_decode.default,
-                          (q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.35, 4, 12, 1, cf, c) + tail)
-    torch.library.opcheck(torch.ops.tinyserve_native.kept_pages.default,
-                          (q, k, b.kmax, b.kmin, b.kabs, vl, mask, 0.35, 4, 12, 1, cf, c) + tail)
+    spec = _spec(4, 12, 1, cf, extra, keep_tokens, bdt).to_list()
+    torch.library.opcheck(torch.ops.tinyserve.sparse_decode.default,
+                          (q, k, v, b.kmax, b.kmin, b.kabs, vl, mask, 0.35, spec, "native", c))

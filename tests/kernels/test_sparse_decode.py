@@ -1,4 +1,4 @@
-"""The ``tinyserve::sparse_decode`` op (issue 2, section 5 (c), (e), opcheck, bad input).
+"""The ``tinyserve::sparse_decode`` op: properties, opcheck, bad input, the PyTorch path's fast paths.
 
 (c) With a budget at or above the length the op is dense attention: it equals
     ``F.scaled_dot_product_attention``, masks (bool, additive, per-head, padding) included.
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kernel_checks import DTYPES, TOL, assert_close_report, dense_sdpa, make_gen, randn
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_, sparse_decode
 from tinyserve_compile.kernels import reference as ref
+from tinyserve_compile.kernels.spec import SelectionSpec
 
 MASK_KINDS = [None, "bool_L", "bool_per_head", "bool_padding", "float_shared", "float_per_head", "float_padding"]
 
@@ -69,6 +70,10 @@ def decode_case(draw, dense: bool):
                 sink=sink, cf=cf, mask_kind=mask_kind, scale=scale, seed=seed)
 
 
+def _spec(S, budget, sink=0, cf=1, extra=0, keep_tokens=False, bdt=torch.float32):
+    return SelectionSpec(S, budget, sink, cf, extra, keep_tokens, bdt)
+
+
 def _inputs(c):
     gen = make_gen(c["seed"])
     B, Hkv, G, L, D, dt = c["B"], c["Hkv"], c["G"], c["L"], c["D"], c["dtype"]
@@ -86,7 +91,7 @@ def _inputs(c):
 def test_budget_covers_length_equals_sdpa(c):
     """(c) budget >= every row's valid length: the op is dense SDPA (enable_gqa and repeat_interleave)."""
     q, k, v, vl, mask, bounds = _inputs(c)
-    out = sparse_decode(q, k, v, bounds, vl, mask, c["scale"], c["S"], c["budget"], c["sink"], c["cf"], "torch")
+    out = sparse_decode(q, k, v, bounds, vl, mask, c["scale"], _spec(c["S"], c["budget"], c["sink"], c["cf"]), "torch")
     assert out.shape == q.shape and out.dtype == q.dtype
     atol, rtol = TOL[c["dtype"]]
     for use_flag in (True, False):
@@ -100,13 +105,14 @@ def test_sparse_equals_dense_with_unselected_masked(c):
     """(e) the op equals dense attention with every token outside the reference selection at -inf."""
     q, k, v, vl, mask, bounds = _inputs(c)
     scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(c["D"])
-    out = sparse_decode(q, k, v, bounds, vl, mask, c["scale"], c["S"], c["budget"], c["sink"], c["cf"], "torch")
-    sel = ref.choose_pages(q, k, bounds, vl, mask, scale, c["S"], c["budget"], c["sink"], c["cf"])
+    spec = _spec(c["S"], c["budget"], c["sink"], c["cf"])
+    out = sparse_decode(q, k, v, bounds, vl, mask, c["scale"], spec, "torch")
+    sel = ref.choose_pages(q, k, bounds, vl, mask, scale, spec)
     keep = None if sel is None else ref.selected_token_mask(sel, c["S"], c["L"], vl)  # [B,Hkv,L]
     want = dense_sdpa(q, k, v, vl, mask, scale, keep_kv=keep)
     atol, rtol = TOL[c["dtype"]]
     assert_close_report(out, want, atol, rtol, f"op vs masked dense SDPA, case {c}")
-    want_ref = ref.sparse_decode_reference(q, k, v, vl, mask, scale, c["S"], c["budget"], c["sink"], c["cf"], bounds)
+    want_ref = ref.sparse_decode_reference(q, k, v, vl, mask, scale, spec, bounds)
     assert_close_report(out, want_ref, atol, rtol, f"op vs sparse_decode_reference, case {c}")
 
 
@@ -119,15 +125,15 @@ def test_sparse_actually_drops_tokens():
     v = randn((B, Hkv, L, D), gen)
     vl = torch.tensor([L])
     bounds = rebuild_bounds_(k, allocate_bounds(k, S), S)
-    out = sparse_decode(q, k, v, bounds, vl, token_budget=64, page_size=S)
+    out = sparse_decode(q, k, v, bounds, vl, spec=_spec(S, 64))
     dense = dense_sdpa(q, k, v, vl)
     assert float((out - dense).abs().max()) > 1e-3
-    sel = ref.choose_pages(q, k, bounds, vl, None, 1 / 8, S, 64)
+    sel = ref.choose_pages(q, k, bounds, vl, None, 1 / 8, _spec(S, 64))
     want = dense_sdpa(q, k, v, vl, keep_kv=ref.selected_token_mask(sel, S, L, vl))
     assert_close_report(out, want, *TOL[torch.float32], "op vs masked oracle")
 
 
-def _opcheck_args(dtype, L, budget, mask, cf, B=2):
+def _opcheck_args(dtype, L, budget, mask, cf, kernel="torch", ctrl=None, B=2):
     gen = make_gen(11)
     S, D, Hkv, G = 4, 8, 2, 2
     q = randn((B, Hkv * G, 1, D), gen, dtype)
@@ -140,14 +146,32 @@ def _opcheck_args(dtype, L, budget, mask, cf, B=2):
     elif mask == "float":
         m = randn((B, Hkv * G, 1, L), gen, dtype)
     vl = torch.tensor([L, max(1, L - 5)][:B])
-    return (q, k, v, *b, vl, m, 0.35, S, budget, 1, cf, "torch")
+    spec = _spec(S, budget, 1, cf, S if cf > 1 else 0, cf > 1).to_list()
+    return (q, k, v, *b, vl, m, 0.35, spec, kernel, ctrl)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "auto"])  # auto: the native kernel on CPU where it builds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("L, budget, mask, cf", [(30, 8, None, 1), (30, 8, "bool", 2), (29, 12, "float", 1),
                                                 (10, 64, "bool", 1)])
-def test_opcheck_sparse_decode(dtype, L, budget, mask, cf):
-    torch.library.opcheck(torch.ops.tinyserve.sparse_decode.default, _opcheck_args(dtype, L, budget, mask, cf))
+def test_opcheck_sparse_decode(dtype, L, budget, mask, cf, kernel):
+    torch.library.opcheck(torch.ops.tinyserve.sparse_decode.default, _opcheck_args(dtype, L, budget, mask, cf, kernel))
+
+
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
+@pytest.mark.parametrize("flags", [(0, 0), (0, 1), (1, 0)])
+def test_ctrl_attends_densely_when_flagged(kernel, flags):
+    """``ctrl[1]`` (a dense layer) or ``ctrl[0]`` (stale bounds) attend densely; ``(0, 0)`` is the sparse op."""
+    ctrl = torch.tensor(flags, dtype=torch.int32)
+    args = _opcheck_args(torch.float32, 30, 8, None, 1, kernel, ctrl, B=1)
+    torch.library.opcheck(torch.ops.tinyserve.sparse_decode.default, args)
+    out = torch.ops.tinyserve.sparse_decode(*args)
+    q, k, v, vl = args[0], args[1], args[2], args[6]
+    dense = dense_sdpa(q, k, v, vl, scale=0.35)
+    if any(flags):
+        assert_close_report(out, dense, *TOL[torch.float32], f"ctrl={flags}: dense")
+    else:
+        assert float((out - dense).abs().max()) > 1e-4, "the unflagged op dropped nothing"
 
 
 def _good():
@@ -157,7 +181,15 @@ def _good():
     v = randn((1, 2, 32, 8), gen)
     b = rebuild_bounds_(k, allocate_bounds(k, 4), 4)
     return dict(q=q, k_cache=k, v_cache=v, bounds=b, valid_len=torch.tensor([32]), attn_mask=None, scale=None,
-                page_size=4, token_budget=16, sink_pages=0, candidate_factor=1, kernel="torch")
+                page_size=4, token_budget=16, sink_pages=0, candidate_factor=1, candidate_extra=0, keep_tokens=False,
+                bounds_dtype=torch.float32, kernel="torch")
+
+
+def _call(page_size, token_budget, sink_pages, candidate_factor, candidate_extra, keep_tokens, bounds_dtype, **kw):
+    """:func:`sparse_decode` with the spec built from its fields (a bad field raises when the spec is built)."""
+    spec = SelectionSpec(page_size, token_budget, sink_pages, candidate_factor, candidate_extra, keep_tokens,
+                         bounds_dtype)
+    return sparse_decode(spec=spec, **kw)
 
 
 def _bad(case):
@@ -191,6 +223,11 @@ def _bad(case):
         "scale_zero": dict(scale=0.0),
         "scale_nan": dict(scale=float("nan")),
         "cf_zero": dict(candidate_factor=0),
+        "extra_neg": dict(candidate_extra=-1),
+        "extra_bool": dict(candidate_extra=True),
+        "keep_int": dict(keep_tokens=1),
+        "bounds_dtype_half": dict(bounds_dtype=torch.float16),
+        "spec_bounds_other": dict(bounds_dtype=torch.int8),
         "kernel_name": dict(kernel="cuda"),
     }
     a.update(edits[case])
@@ -205,44 +242,21 @@ BAD_CASES = [
     ("mask_heads", "attn_mask"), ("mask_dtype", "attn_mask"), ("page_size_zero", "page_size"),
     ("page_size_neg", "page_size"), ("budget_small", "token_budget"), ("sink_too_many", "sink_pages"),
     ("sink_neg", "sink_pages"), ("scale_zero", "scale"), ("scale_nan", "scale"), ("cf_zero", "candidate_factor"),
-    ("kernel_name", "kernel"),
+    ("extra_neg", "candidate_extra"), ("extra_bool", "candidate_extra"), ("keep_int", "keep_tokens"),
+    ("bounds_dtype_half", "bounds_dtype"), ("spec_bounds_other", "kmax"), ("kernel_name", "kernel"),
 ]
 
 
 @pytest.mark.parametrize("case, name", BAD_CASES)
 def test_bad_input_raises_value_error_naming_argument(case, name):
     with pytest.raises(ValueError, match=f"'{name}'"):
-        sparse_decode(**_bad(case))
+        _call(**_bad(case))
 
 
 def test_good_input_runs():
     """The baseline used by the bad-input cases is itself accepted."""
-    out = sparse_decode(**_good())
+    out = _call(**_good())
     assert out.shape == (1, 4, 1, 8) and bool(torch.isfinite(out).all())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("B, L, n, sink, G", [(1, 256, 256, 0, 3), (1, 256, 201, 2, 3), (2, 128, 97, 1, 2),
-                                             (2, 96, 96, 0, 1), (1, 64, 64, 3, 4),
-                                             (1, 203, 150, 0, 3), (2, 203, 200, 1, 2), (1, 203, 203, 2, 3)])
-def test_unmasked_uniform_length_path(dtype, B, L, n, sink, G):
-    """The common decode case (no mask, one valid length, L a multiple of the page): a partial
-    newest page, sinks, GQA and a batch; equals the masked dense oracle and the reference."""
-    gen = make_gen(L + n + sink)
-    S, Hkv, D, budget = 8, 3, 16, 48
-    q = randn((B, Hkv * G, 1, D), gen, dtype)
-    k = randn((B, Hkv, L, D), gen, dtype)
-    v = randn((B, Hkv, L, D), gen, dtype)
-    vl = torch.full((B,), n)
-    bounds = rebuild_bounds_(k, allocate_bounds(k, S), S)
-    out = sparse_decode(q, k, v, bounds, vl, None, None, S, budget, sink, 1, "torch")
-    scale = 1.0 / math.sqrt(D)
-    sel = ref.choose_pages(q, k, bounds, vl, None, scale, S, budget, sink)
-    assert sel is not None
-    want = dense_sdpa(q, k, v, vl, None, scale, keep_kv=ref.selected_token_mask(sel, S, L, vl))
-    assert_close_report(out, want, *TOL[dtype], f"fast path vs masked dense oracle ({dtype}, B={B}, n={n})")
-    want_ref = ref.sparse_decode_reference(q, k, v, vl, None, scale, S, budget, sink, 1, bounds)
-    assert_close_report(out, want_ref, *TOL[dtype], "fast path vs reference")
 
 
 def test_fast_path_covers_cache_lengths_off_the_page_grid(monkeypatch):
@@ -260,17 +274,19 @@ def test_fast_path_covers_cache_lengths_off_the_page_grid(monkeypatch):
     q, k, v = randn((B, Hkv * G, 1, D), gen), randn((B, Hkv, L, D), gen), randn((B, Hkv, L, D), gen)
     vl = torch.tensor([n])
     bounds = rebuild_bounds_(k, allocate_bounds(k, S), S)
-    out = sparse_decode(q, k, v, bounds, vl, None, None, S, budget, 0, 1, "torch")
+    spec = _spec(S, budget)
+    out = sparse_decode(q, k, v, bounds, vl, None, None, spec, "torch")
     assert len(calls) == 2, "the whole-page gather was not used for K and V"
-    want = ref.sparse_decode_reference(q, k, v, vl, None, 1.0 / math.sqrt(D), S, budget, 0, 1, bounds)
+    want = ref.sparse_decode_reference(q, k, v, vl, None, 1.0 / math.sqrt(D), spec, bounds)
     assert_close_report(out, want, *TOL[torch.float32], "off-grid fast path vs reference")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("L, n, cf, sink", [(256, 256, 2, 0), (256, 199, 4, 1), (203, 170, 2, 2), (256, 90, 8, 1)])
-def test_two_stage_fast_path_matches_reference(monkeypatch, dtype, L, n, cf, sink):
-    """No mask, one valid length, ``candidate_factor > 1``: the fast two-stage path keeps the
-    reference's pages and output, whether the candidates come from the bound or are every page."""
+@pytest.mark.parametrize("L, n, cf, sink", [(256, 199, 4, 1), (256, 90, 8, 1)])
+def test_two_stage_fast_path_matches_reference(monkeypatch, L, n, cf, sink):
+    """No mask, one valid length, ``candidate_factor > 1``: the fast two-stage path is taken and keeps the
+    reference's pages, whether the candidates come from the bound or are every page (the conformance suite
+    covers the other dtypes and selections)."""
+    dtype = torch.float32
     import importlib
 
     sd = importlib.import_module("tinyserve_compile.kernels.sparse_decode")
@@ -282,9 +298,10 @@ def test_two_stage_fast_path_matches_reference(monkeypatch, dtype, L, n, cf, sin
     q, k, v = randn((B, Hkv * G, 1, D), gen, dtype), randn((B, Hkv, L, D), gen, dtype), randn((B, Hkv, L, D), gen, dtype)
     vl = torch.full((B,), n)
     bounds = rebuild_bounds_(k, allocate_bounds(k, S), S)
-    out = sparse_decode(q, k, v, bounds, vl, None, None, S, budget, sink, cf, "torch")
+    spec = _spec(S, budget, sink, cf)
+    out = sparse_decode(q, k, v, bounds, vl, None, None, spec, "torch")
     assert calls, "the fast two-stage path was not taken"
     scale = 1.0 / math.sqrt(D)
-    sel = ref.choose_pages(q, k, bounds, vl, None, scale, S, budget, sink, cf)
+    sel = ref.choose_pages(q, k, bounds, vl, None, scale, spec)
     want = dense_sdpa(q, k, v, vl, None, scale, keep_kv=ref.selected_token_mask(sel, S, L, vl))
     assert_close_report(out, want, *TOL[dtype], f"two-stage fast path vs masked dense oracle ({dtype}, n={n}, c={cf})")

@@ -1,10 +1,10 @@
-"""The Triton KV append fused with the page-bounds update (issue 4), under the Triton interpreter.
+"""The Triton bounds kernels (the CUDA kernel of ``tinyserve::cache_write``), under the Triton interpreter.
 
-:func:`append_kv_and_update_bounds_triton` must leave the caches and the bounds
-bit-identical to ``index_copy_`` of the new rows followed by
-``tinyserve::update_bounds``, and :func:`rebuild_bounds_triton` to ``reference.page_bounds``,
-for every storage dtype of the bounds: fp32 (a max/min, no rounding), bf16 (rounded
-outward) and int8 (codes on the page's grid, ``reference.store_bounds(..., torch.int8)``).
+:func:`update_bounds_triton` after the key write must leave the bounds bit-identical to
+:func:`update_bounds_`, and :func:`rebuild_bounds_triton` to ``reference.page_bounds``, for
+every storage dtype of the bounds: fp32 (a max/min, no rounding), bf16 (rounded outward)
+and int8 (codes on the page's grid, ``reference.store_bounds(..., torch.int8)``). The
+decode loop of every writer over the conformance table is in tests/conformance.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from triton_interp import _import_interpreted  # noqa: E402
 tb = _import_interpreted("tinyserve_compile.kernels.triton_bounds")
 
 from kernel_checks import DTYPES, make_gen, randn  # noqa: E402
-from tinyserve_compile.kernels import PageBounds, allocate_bounds, rebuild_bounds_, update_bounds_  # noqa: E402
+from tinyserve_compile.kernels import PageBounds, allocate_bounds, update_bounds_  # noqa: E402
 from tinyserve_compile.kernels import reference as ref  # noqa: E402
 
 
@@ -40,16 +40,7 @@ def _assert_equal_report(actual, expected, what):
                          f"actual={float(a[idx]):.8e} expected={float(e[idx]):.8e}")
 
 
-def _expected(k, v, kn, vn, positions, bounds, S):
-    """index_copy_ (sequentially, so the last duplicate wins) + update_bounds_."""
-    k, v = k.clone(), v.clone()
-    for i, p in enumerate(positions.tolist()):
-        k[:, :, p] = kn[:, :, i]
-        v[:, :, p] = vn[:, :, i]
-    b = PageBounds(*(t.clone() for t in bounds))
-    update_bounds_(k, b, positions, S)
-    return k, v, b
-
+BOUNDS_DTYPES = {"b32": torch.float32, "b16": torch.bfloat16, "b8": torch.int8}
 
 POSITIONS = {
     "decode": [37],
@@ -57,78 +48,29 @@ POSITIONS = {
     "duplicate": [3, 9, 3],
     "partial_last_page": [39, 40, 41, 42],
     "prefill_chunk": list(range(0, 30)),
+    "unsorted": [30, 2, 31, 17, 3],
 }
 
 
-BOUNDS_DTYPES = {"b32": torch.float32, "b16": torch.bfloat16, "b8": torch.int8}
-
-# The two-kernel path writes duplicate positions in any order (as index_copy_ does): fused only for those.
-# fp32 bounds with every cache dtype; bf16 and int8 bounds with fp32 and bf16 caches (the long fused prefill
-# chunk, slow in the interpreter, with fp32 bounds only).
-APPEND_CASES = [(p, d, f, bd) for p in POSITIONS for d in ("fp32", "fp16", "bf16") for f in (True, False)
-                for bd in BOUNDS_DTYPES
-                if not (p == "duplicate" and not f)
-                and not (bd != "b32" and (d == "fp16" or (p == "prefill_chunk" and f)))]
-
-
-@pytest.mark.parametrize("pos_kind,dname,fused,bname", APPEND_CASES,
-                         ids=[f"{p}-{d}-{'fused' if f else 'scatter+bounds'}-{bd}" for p, d, f, bd in APPEND_CASES])
-def test_append_equals_index_copy_and_update_bounds(pos_kind, dname, fused, bname):
-    dtype = DTYPES[dname]
+@pytest.mark.parametrize("bname", list(BOUNDS_DTYPES))
+@pytest.mark.parametrize("pos_kind", list(POSITIONS))
+def test_update_equals_update_bounds(pos_kind, bname):
+    """The key write, then ``update_bounds_triton``, on a strided ``[B, L, H, D]`` buffer read transposed (the
+    pages of duplicated and unsorted positions recomputed, no host sync): bit-identical to ``update_bounds_``."""
     B, H, L, D, S = 2, 3, 43, 24, 8  # L % S != 0, D not a power of 2
-    gen = make_gen(len(pos_kind) * 7 + len(dname))
-    k, v = randn((B, H, L, D), gen, dtype), randn((B, H, L, D), gen, dtype)
+    gen = make_gen(len(pos_kind) * 7 + len(bname))
+    k = randn((B, L, H, D), gen, torch.bfloat16).transpose(1, 2)
     bounds = ref.page_bounds(k, S, dtype=BOUNDS_DTYPES[bname])
     positions = torch.tensor(POSITIONS[pos_kind], dtype=torch.int64)
-    N = positions.numel()
-    kn, vn = randn((B, H, N, D), gen, dtype, 3.0), randn((B, H, N, D), gen, dtype)
-    k_want, v_want, b_want = _expected(k, v, kn, vn, positions, bounds, S)
-    k_got, v_got = k.clone(), v.clone()
-    b_got = PageBounds(*(t.clone() for t in bounds))
-    tb.append_kv_and_update_bounds_triton(k_got, v_got, kn, vn, positions, *b_got, S, fused=fused)
-    _assert_equal_report(k_got, k_want, "k_cache")
-    _assert_equal_report(v_got, v_want, "v_cache")
-    for name, got, want in zip(("kmax", "kmin", "kabs"), b_got, b_want):
-        _assert_equal_report(got, want, name)
+    k.index_copy_(2, positions, randn((B, H, positions.numel(), D), gen, torch.bfloat16, 3.0))
+    want = PageBounds(*(t.clone() for t in bounds))
+    update_bounds_(k, want, positions, S)
+    tb.update_bounds_triton(k, *bounds, positions, S)
+    for name, got, w in zip(("kmax", "kmin", "kabs"), bounds, want):
+        _assert_equal_report(got, w, name)
 
 
-@pytest.mark.parametrize("bname", list(BOUNDS_DTYPES))
-@pytest.mark.parametrize("dname", ["fp32", "bf16"])
-def test_decode_loop_equals_rebuild(dname, bname):
-    """Token-by-token appends into a zero cache keep the bounds equal to a rebuild from scratch."""
-    dtype = DTYPES[dname]
-    B, H, L, D, S = 1, 2, 21, 16, 4
-    gen = make_gen(3)
-    k = torch.zeros(B, H, L, D, dtype=dtype)
-    v = torch.zeros(B, H, L, D, dtype=dtype)
-    bounds = rebuild_bounds_(k, allocate_bounds(k, S, BOUNDS_DTYPES[bname]), S)
-    for t in range(L):
-        kn, vn = randn((B, H, 1, D), gen, dtype), randn((B, H, 1, D), gen, dtype)
-        tb.append_kv_and_update_bounds_triton(k, v, kn, vn, torch.tensor([t]), *bounds, S)
-        assert torch.equal(k[:, :, t], kn[:, :, 0]) and torch.equal(v[:, :, t], vn[:, :, 0])
-    fresh = ref.page_bounds(k, S, dtype=BOUNDS_DTYPES[bname])
-    for name, got, want in zip(("kmax", "kmin", "kabs"), bounds, fresh):
-        _assert_equal_report(got, want, f"{name} after {L} appends")
-
-
-def test_strided_caches():
-    """Non-contiguous cache views (e.g. a [B, L, H, D] buffer transposed) are written in place."""
-    B, H, L, D, S = 2, 2, 20, 16, 4
-    gen = make_gen(9)
-    buf_k = randn((B, L, H, D), gen)
-    buf_v = randn((B, L, H, D), gen)
-    k, v = buf_k.transpose(1, 2), buf_v.transpose(1, 2)
-    bounds = ref.page_bounds(k, S)
-    positions = torch.tensor([13, 14])
-    kn, vn = randn((B, H, 2, D), gen), randn((B, H, 2, D), gen)
-    k_want, v_want, b_want = _expected(k, v, kn, vn, positions, bounds, S)
-    b_got = PageBounds(*(t.clone() for t in bounds))
-    tb.append_kv_and_update_bounds_triton(k, v, kn, vn, positions, *b_got, S)
-    _assert_equal_report(k, k_want, "k_cache (strided)")
-    _assert_equal_report(v, v_want, "v_cache (strided)")
-    for name, got, want in zip(("kmax", "kmin", "kabs"), b_got, b_want):
-        _assert_equal_report(got, want, name)
-
+BOUNDS_DTYPES = {"b32": torch.float32, "b16": torch.bfloat16, "b8": torch.int8}
 
 def _hard_keys(B, H, L, D, dtype, gen):
     """Keys that stress the int8 grid and the bf16 rounding: exact grid multiples, tiny, huge, zero, one-sign pages."""

@@ -1,4 +1,4 @@
-"""A compiled model on the Triton kernel (issue 4, section 3): tiny random-init Llama, interpreter on CPU.
+"""A compiled model on the Triton kernel: tiny random-init Llama, interpreter on CPU.
 
 ``torch.compile(model, backend="tinyserve", options={"kernel": "triton"})`` must give
 the greedy tokens (and, within fp32 tolerance, the logits) of ``kernel="torch"``.

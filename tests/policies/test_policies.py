@@ -12,6 +12,7 @@ from tinyserve_compile.kernels.reference import (
     Selection, dropped_mass_bound, page_bounds, selected_token_mask, sparse_decode_reference,
 )
 from tinyserve_compile.policies import POLICIES, DecodeContext, get_policy
+from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.policies.h2o import KEY as H2O_KEY
 
 NEW = ("streaming", "h2o", "oracle")
@@ -23,8 +24,8 @@ def make_ctx(B=1, Hq=4, Hkv=2, L=96, D=16, S=8, budget=32, vl=None, seed=0, sink
     k = torch.randn(B, Hkv, L, D, generator=g)
     v = torch.randn(B, Hkv, L, D, generator=g)
     vl = torch.full((B,), L if vl is None else vl, dtype=torch.int64)
-    return DecodeContext(q, k, v, page_bounds(k, S), vl, None, 1.0 / math.sqrt(D), S, budget, sink_pages, cf,
-                         {} if state is None else state)
+    spec = SelectionSpec(S, budget, sink_pages, cf, 0, False, torch.float32)
+    return DecodeContext(q, k, v, page_bounds(k, S), vl, None, 1.0 / math.sqrt(D), spec, {} if state is None else state)
 
 
 def dense(ctx):
@@ -217,8 +218,8 @@ def test_dropped_mass_bound_is_certified(seed, budget_pages, cf, vl, name):
 def test_query_aware_policy_matches_reference():
     for seed in range(5):
         ctx = make_ctx(B=2, L=96, S=8, budget=24, seed=seed, sink_pages=seed % 2, cf=1 + seed % 3)
-        ref = sparse_decode_reference(ctx.q, ctx.k_cache, ctx.v_cache, ctx.valid_len, None, ctx.scale, 8, 24,
-                                      ctx.sink_pages, ctx.candidate_factor, ctx.bounds)
+        ref = sparse_decode_reference(ctx.q, ctx.k_cache, ctx.v_cache, ctx.valid_len, None, ctx.scale, ctx.spec,
+                                      ctx.bounds)
         torch.testing.assert_close(get_policy("query_aware")(ctx), ref, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(masked_attention(ctx, get_policy("query_aware").select(ctx)), ref,
                                    atol=1e-5, rtol=1e-4)

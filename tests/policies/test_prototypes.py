@@ -1,4 +1,4 @@
-"""Issue-10 prototypes of bench/prototypes.py (hierarchical bounds, key sketch for the second stage), against the
+"""The selection prototypes of bench/prototypes.py (hierarchical bounds, key sketch for the second stage), against the
 reference: superpage bounds are still upper bounds; with every superpage kept the hierarchical selection is the
 one-stage bound's; with a fine sketch the second stage is the exact two-stage selection; byte counts agree with
 tinyserve_compile.cost where the algorithms coincide."""
@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from bench.prototypes import (HIER, SKETCH, HierarchicalPolicy, SketchPolicy, proto_site_bytes,  # noqa: E402
                               sketch_keys, superpage_bounds)
 from tinyserve_compile.cost import sparse_site_bytes  # noqa: E402
+from tinyserve_compile.kernels.spec import SelectionSpec  # noqa: E402
 from tinyserve_compile.kernels.reference import choose_pages, page_bounds  # noqa: E402
 from tinyserve_compile.policies import DecodeContext, get_policy  # noqa: E402
 
@@ -49,9 +50,9 @@ def test_superpage_scores_bound_every_logit_inside(seed, R, L):
 def test_hierarchical_keeping_every_superpage_is_the_one_stage_bound(sink):
     q, k, v, b = _case(3, L=400)
     vl = torch.tensor([397])
-    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, 8, 64, sink, 1, {})
+    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, _spec(8, 64, sink, 1), {})
     pol = get_policy("hier8x4")  # 4 * 8 pages / 8 = 4 superpages of 7 kept: a real first stage
-    want = choose_pages(q, k, b, vl, None, 0.25, 8, 64, sink, 1)
+    want = choose_pages(q, k, b, vl, None, 0.25, _spec(8, 64, sink, 1))
     got_all = type("H", (HierarchicalPolicy,), dict(pages_per_super=8, factor=1000))().select(ctx)
     assert torch.equal(got_all.idx, want.idx) and torch.equal(got_all.ok, want.ok)
     got = pol.select(ctx)
@@ -68,9 +69,9 @@ def test_hierarchical_keeping_every_superpage_is_the_one_stage_bound(sink):
 def test_fine_sketch_is_the_exact_two_stage_selection(c):
     q, k, v, b = _case(5, L=300, dtype=torch.float32)
     vl = torch.tensor([300])
-    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, 8, 64, 1, c, {})
+    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, _spec(8, 64, 1, c), {})
     fine = type("F", (SketchPolicy,), dict(bits=20))().select(ctx)
-    want = choose_pages(q, k, b, vl, None, 0.25, 8, 64, 1, c)
+    want = choose_pages(q, k, b, vl, None, 0.25, _spec(8, 64, 1, c))
     assert torch.equal(fine.idx, want.idx) and torch.equal(fine.ok, want.ok)
     coarse = get_policy("sketch4").select(ctx)
     assert coarse.idx.shape == want.idx.shape
@@ -103,10 +104,10 @@ def test_prototype_bytes_match_the_cost_model_where_the_algorithms_coincide():
 def test_hierarchical_sketch_reduces_to_its_parts():
     q, k, v, b = _case(11, L=400, dtype=torch.float32)
     vl = torch.tensor([400])
-    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, 8, 64, 1, 2, {})
+    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, _spec(8, 64, 1, 2), {})
     # every superpage kept and a fine sketch: the exact two-stage selection
     fine = type("HF", (SketchPolicy,), dict(bits=20, pages_per_super=8, factor=1000))().select(ctx)
-    want = choose_pages(q, k, b, vl, None, 0.25, 8, 64, 1, 2)
+    want = choose_pages(q, k, b, vl, None, 0.25, _spec(8, 64, 1, 2))
     assert torch.equal(fine.idx, want.idx) and torch.equal(fine.ok, want.ok)
     # with a real superpage stage, every kept page lies in a kept superpage (at most 4 per head + forced)
     got = get_policy("hier8x4sketch4").select(ctx)
@@ -128,11 +129,11 @@ def test_two_level_with_fine_bounds_is_the_backend_selection(name, bq, keep):
 
     q, k, v, b = _case(3, L=400, dtype=torch.int8 if bq else torch.bfloat16)
     vl = torch.tensor([390])
-    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, 8, 64, 1, 1, {})
+    ctx = DecodeContext(q, k, v, b, vl, None, 0.25, _spec(8, 64, 1, 1), {})
     got = get_policy(name)(ctx)
-    want = sparse_decode_reference(q, k, v, vl, None, 0.25, 8, 64, 1, 1, b, 512, keep)
+    want = sparse_decode_reference(q, k, v, vl, None, 0.25, _spec(8, 64, 1, 1, 512, keep), b)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-    other = sparse_decode_reference(q, k, v, vl, None, 0.25, 8, 64, 1, 1, b, 512, not keep)
+    other = sparse_decode_reference(q, k, v, vl, None, 0.25, _spec(8, 64, 1, 1, 512, not keep), b)
     assert not torch.allclose(got, other, atol=1e-4), "pages and tokens should keep different sets here"
 
 
@@ -140,3 +141,7 @@ def test_two_level_bytes_are_the_cost_model_for_fine_bounds():
     for ctx in (8192, 32768):
         assert proto_site_bytes("tl1e1024", ctx, 3, 64, 4, 8, 2048, 1, 2) == \
             sparse_site_bytes(ctx, 3, 64, 4, 8, 2048, 1, 2, 1024)
+
+
+def _spec(S, budget, sinks, cf, extra=0, keep_tokens=False):
+    return SelectionSpec(S, budget, sinks, cf, extra, keep_tokens, torch.float32)

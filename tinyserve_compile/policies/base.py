@@ -6,6 +6,7 @@ refinement, and the exact attention over the kept pages.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, Optional, Tuple
 
@@ -13,6 +14,7 @@ import torch
 
 from ..kernels.reference import PageBounds, Selection, choose_with, mask_page_max
 from ..kernels.sparse_decode import attend_selection
+from ..kernels.spec import SelectionSpec
 
 __all__ = ["DecodeContext", "PagePolicy", "register_policy", "get_policy", "POLICIES"]
 
@@ -34,9 +36,9 @@ class DecodeContext:
     attn_mask : torch.Tensor or None
         Bool or additive float, broadcastable to ``[B, Hq, 1, L]``.
     scale : float
-    page_size, token_budget, sink_pages, candidate_factor, candidate_extra : int
-    keep_tokens : bool
-        Two-stage: keep single tokens (the selection's unit is then 1).
+    spec : SelectionSpec
+        The selection knobs (defaults: those of ``TinyServeConfig``); ``ctx.page_size`` and the other
+        fields of the spec read through.
     state : dict
         Per cache buffer, kept across steps and cleared whenever the bounds are
         rebuilt (a new sequence); for stateful policies.
@@ -51,14 +53,20 @@ class DecodeContext:
     valid_len: torch.Tensor
     attn_mask: Optional[torch.Tensor]
     scale: float
-    page_size: int
-    token_budget: int
-    sink_pages: int = 0
-    candidate_factor: int = 1
+    spec: SelectionSpec = field(default_factory=SelectionSpec.default)
     state: Dict[str, torch.Tensor] = field(default_factory=dict)
     kernel: str = "auto"
-    candidate_extra: int = 0
-    keep_tokens: bool = False
+
+    page_size = property(lambda self: self.spec.page_size)
+    token_budget = property(lambda self: self.spec.token_budget)
+    sink_pages = property(lambda self: self.spec.sink_pages)
+    candidate_factor = property(lambda self: self.spec.candidate_factor)
+    candidate_extra = property(lambda self: self.spec.candidate_extra)
+    keep_tokens = property(lambda self: self.spec.keep_tokens)
+
+    def with_spec(self, **changes) -> "DecodeContext":
+        """This context with ``spec.replace(**changes)``."""
+        return dataclasses.replace(self, spec=self.spec.replace(**changes))
 
     @property
     def n_pages(self) -> int:
@@ -86,8 +94,7 @@ class PagePolicy:
         """What to attend per KV head: ``(selection, unit)``, the selection None for dense attention, else
         pages (``unit = page_size``) or, two-stage with ``ctx.keep_tokens``, single tokens (``unit = 1``)."""
         return choose_with(lambda: self.score(ctx), ctx.q, ctx.k_cache, ctx.valid_len, ctx.attn_mask, ctx.scale,
-                           ctx.page_size, ctx.token_budget, ctx.sink_pages, ctx.candidate_factor, ctx.candidate_extra,
-                           ctx.keep_tokens)
+                           ctx.spec)
 
     def select(self, ctx: DecodeContext) -> Optional[Selection]:
         """Pages (single tokens with ``ctx.keep_tokens``, two-stage) to attend per KV head, or None for dense."""

@@ -23,7 +23,6 @@ State: ``ctx.state["h2o_mass"]``, fp32 ``[B, Hkv, P]``.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -78,7 +77,7 @@ class H2OPolicy(PagePolicy):
 
     def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
         # whole pages: the observed mass is kept per page
-        return super().choose(dataclasses.replace(ctx, keep_tokens=False))
+        return super().choose(ctx.with_spec(keep_tokens=False))
 
     def observe(self, ctx: DecodeContext, sel: Optional[Selection]) -> None:
         prev = ctx.state.get(KEY)

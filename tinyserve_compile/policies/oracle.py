@@ -1,7 +1,6 @@
 """``oracle``: true attention mass per page (reads every key; an accuracy ceiling, not a fast path)."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -55,4 +54,4 @@ class OraclePolicy(PagePolicy):
         return page_log_mass(ctx).reshape(B, Hkv, Hq // Hkv, -1).amax(2).nan_to_num(nan=float("-inf"))
 
     def choose(self, ctx: DecodeContext) -> Tuple[Optional[Selection], int]:
-        return super().choose(dataclasses.replace(ctx, candidate_factor=1, candidate_extra=0))
+        return super().choose(ctx.with_spec(candidate_factor=1, candidate_extra=0))

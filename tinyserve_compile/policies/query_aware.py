@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.reference import page_scores
-from ..kernels.sparse_decode import sparse_decode_impl
+from ..kernels.sparse_decode import resolve_kernel, run_kernel
 from .base import DecodeContext, PagePolicy, register_policy
 
 
@@ -23,8 +23,5 @@ class QueryAwarePolicy(PagePolicy):
 
     def __call__(self, ctx: DecodeContext) -> torch.Tensor:
         # the op's implementation, called directly: this runs inside tinyserve::paged_attention already
-        return sparse_decode_impl(
-            ctx.q, ctx.k_cache, ctx.v_cache, *ctx.bounds, ctx.valid_len, ctx.attn_mask, float(ctx.scale),
-            ctx.page_size, ctx.token_budget, ctx.sink_pages, ctx.candidate_factor, ctx.kernel,
-            ctx.candidate_extra, ctx.keep_tokens,
-        )
+        return run_kernel(resolve_kernel(ctx.kernel, ctx.q.device), ctx.q, ctx.k_cache, ctx.v_cache, *ctx.bounds,
+                          ctx.valid_len, ctx.attn_mask, float(ctx.scale), ctx.spec)

@@ -1,4 +1,4 @@
-"""ONNX lowerings of the export-only ops (:mod:`tinyserve_compile.onnx_ops`), standard ops only.
+"""ONNX lowerings of the export-only ops (:mod:`tinyserve_compile.onnx.ops`), standard ops only.
 
 Each function is handed to ``torch.onnx.export(..., custom_translation_table=...)``
 and traced by onnxscript: Python runs at export time with static shapes, so every
@@ -33,7 +33,8 @@ import numpy as np
 import onnx
 from onnxscript import opset18 as op
 
-from .kernels.reference import _INT8_STEP_FLOOR, candidate_pages, score_slack_factor, score_underflow_slack
+from ..kernels.reference import _INT8_STEP_FLOOR, score_slack_factor, score_underflow_slack
+from ..kernels.spec import SelectionSpec
 
 __all__ = ["TRANSLATIONS", "translation_table"]
 
@@ -173,7 +174,7 @@ def _from_int8(codes):
 
 
 # ---------------------------------------------------------------------------------------------- the ops
-def cache_write(cache, position, src):
+def kv_write(cache, position, src):
     """ScatterND of ``src`` ``[B, H, 1, D]`` into ``cache`` ``[B, H, L, D]`` at ``(b, h, position[b])``."""
     B, H, L, D = _dims(cache)
     idx = op.Concat(_const(_bh_index(B, H)), op.Expand(op.Reshape(position, _ints(B, 1, 1)), _ints(B, H, 1)),
@@ -181,22 +182,22 @@ def cache_write(cache, position, src):
     return op.ScatterND(cache, idx, op.Reshape(src, _ints(B, H, D)))
 
 
-def bounds_write(k_cache, kmax, kmin, kabs, position, page_size):
+def bounds_write(k_cache, kmax, kmin, kabs, position, spec):
     """Recompute the page holding ``position[b]``: Gather it, ReduceMax/Min, ScatterND into the bounds.
 
     int8 bounds are written the way TensorRT can parse (INT8 only through Q/DQ): the whole state is dequantized,
     the page's codes scattered in fp32 and the result quantized again (see :func:`bounds_write_int8_inplace`).
     """
-    return _bounds_write(k_cache, kmax, kmin, kabs, position, page_size, False)
+    return _bounds_write(k_cache, kmax, kmin, kabs, position, SelectionSpec.from_list(spec).page_size, False)
 
 
-def bounds_write_int8_inplace(k_cache, kmax, kmin, kabs, position, page_size):
+def bounds_write_int8_inplace(k_cache, kmax, kmin, kabs, position, spec):
     """:func:`bounds_write` with int8 codes scattered straight into the int8 state (``ScatterND`` on INT8).
 
     ONNX Runtime then updates the int8 bounds in place (no full dequantize/quantize pass per step), but TensorRT's
-    parser takes no ``ScatterND`` on INT8 (:func:`tinyserve_compile.onnx_check.trt_problems` says so).
+    parser takes no ``ScatterND`` on INT8 (:func:`tinyserve_compile.onnx.check.trt_problems` says so).
     """
-    return _bounds_write(k_cache, kmax, kmin, kabs, position, page_size, True)
+    return _bounds_write(k_cache, kmax, kmin, kabs, position, SelectionSpec.from_list(spec).page_size, True)
 
 
 def _bounds_write(k_cache, kmax, kmin, kabs, position, page_size, int8_inplace: bool):
@@ -261,15 +262,15 @@ def _softmax_attend(logits, v):
     return op.MatMul(op.Softmax(logits, axis=-1), v)
 
 
-def sparse_attention(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, page_size, token_budget, sink_pages,
-                     candidate_factor, candidate_extra=0, keep_tokens=False):
+def sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, spec):
     """Static-graph ``reference.choose`` + exact attention over the kept pages (or tokens)."""
+    sp = SelectionSpec.from_list(spec)
     B, Hq, _, D = _dims(q)
     _, Hkv, L, _ = _dims(k_cache)
-    G, S = Hq // Hkv, int(page_size)
-    P, K = L // S, int(token_budget) // S
-    scale, sinks = float(scale), int(sink_pages)
-    n1 = candidate_pages(S, int(token_budget), int(candidate_factor), int(candidate_extra))
+    G, S = Hq // Hkv, sp.page_size
+    P, K = L // S, sp.n_pages
+    scale, sinks = float(scale), sp.sink_pages
+    n1, keep_tokens = sp.n_candidates, sp.keep_tokens
     qg = op.Reshape(q, _ints(B, Hkv, G, D))  # [B,Hkv,G,D]: query head h reads KV head h // G
     vl = op.Add(position, _int(1))  # [B] valid length
     vl3 = op.Reshape(vl, _ints(B, 1, 1))
@@ -401,16 +402,16 @@ def translation_table(int8_write: str = "tensorrt") -> dict:
     """
     import torch
 
-    from . import onnx_ops  # noqa: F401  (registers the ops)
+    from . import ops  # noqa: F401  (registers the ops)
 
     if int8_write not in INT8_WRITES:
         raise ValueError(f"translation_table: argument 'int8_write' must be one of {INT8_WRITES}, got {int8_write!r}")
-    ns = torch.ops.tinyserve_export
+    ns = torch.ops.tinyserve
     return {
-        ns.cache_write.default: cache_write,
-        ns.bounds_write.default: bounds_write if int8_write == "tensorrt" else bounds_write_int8_inplace,
-        ns.sparse_attention.default: sparse_attention,
+        ns.export_kv_write.default: kv_write,
+        ns.export_bounds_write.default: bounds_write if int8_write == "tensorrt" else bounds_write_int8_inplace,
+        ns.export_sparse_decode.default: sparse_decode,
     }
 
 
-TRANSLATIONS = ("cache_write", "bounds_write", "sparse_attention")
+TRANSLATIONS = ("kv_write", "bounds_write", "sparse_decode")

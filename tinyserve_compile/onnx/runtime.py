@@ -102,7 +102,7 @@ class OrtDecoder:
         self._spare: Dict[str, torch.Tensor] = {}
 
     def load_state(self, state: Mapping[str, torch.Tensor], copy: bool = True) -> None:
-        """Set the state (see :func:`tinyserve_compile.export.decode_state`).
+        """Set the state (see :func:`tinyserve_compile.onnx.export.decode_state`).
 
         Parameters
         ----------

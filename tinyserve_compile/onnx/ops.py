@@ -1,43 +1,43 @@
-"""Export-only functional ops of the ONNX decode step (``tinyserve_export::*``).
+"""The functional twins of the backend's ops, for the ONNX decode step (namespace ``tinyserve``).
 
 ONNX has no in-place update, so the exported decode step returns new caches and
-bounds instead of writing them. Three ops stand for the parts of the backend's
-graph that have no functional ATen form:
+bounds instead of writing them. Three export-only ops stand for the parts of the
+backend's graph that have no functional ATen form; they take the selection as the
+same packed ``int[] spec`` as the backend's ops (:class:`~tinyserve_compile.kernels.spec.SelectionSpec`):
 
-``tinyserve_export::cache_write(cache, position, src)``
-    ``cache`` with row ``b``'s new token written at ``position[b]`` (a copy).
-``tinyserve_export::bounds_write(k_cache, kmax, kmin, kabs, position, page_size)``
-    the bounds with the page holding ``position[b]`` recomputed from ``k_cache``
-    (every slot of the page, as the backend's maintained bounds), stored as the
-    dtype of ``kmax`` (bfloat16: rounded outward; int8: codes on the page's grid,
-    ``kabs`` the exact max ``|k|``).
-``tinyserve_export::sparse_attention(q, k_cache, v_cache, kmax, kmin, kabs, position, ...)``
-    query-aware paged sparse decode attention over the written cache, with
-    ``valid_len = position + 1`` (trailing ``candidate_extra=0, keep_tokens=False``
-    as the backend's options of those names).
+``tinyserve::export_kv_write(cache, position, src)``
+    ``cache`` with row ``b``'s new token written at ``position[b]`` (a copy; keys and values).
+``tinyserve::export_bounds_write(k_cache, kmax, kmin, kabs, position, spec)``
+    the functional twin of ``tinyserve::cache_write``'s bounds: the page holding
+    ``position[b]`` recomputed from ``k_cache`` (every slot of the page, as the
+    backend's maintained bounds), stored as the dtype of ``kmax`` (bfloat16: rounded
+    outward; int8: codes on the page's grid, ``kabs`` the exact max ``|k|``).
+``tinyserve::export_sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, spec)``
+    the twin of ``tinyserve::sparse_decode`` without a mask, ``valid_len = position + 1``.
 
 Their PyTorch implementations call :mod:`tinyserve_compile.kernels.reference`
 (the single source of truth), so a decode step run eagerly in PyTorch is the
-reference; :mod:`tinyserve_compile.onnx_translate` lowers them to standard ONNX
+reference; :mod:`tinyserve_compile.onnx.translate` lowers them to standard ONNX
 ops. Nothing here is used by the ``torch.compile`` backend.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 
-from .kernels.reference import PageBounds, sparse_decode_reference, store_bounds
+from ..kernels.reference import PageBounds, sparse_decode_reference, store_bounds
+from ..kernels.spec import SelectionSpec
 
-__all__ = ["cache_write", "bounds_write", "sparse_attention"]
+__all__ = ["kv_write", "bounds_write", "sparse_decode"]
 
 
 def _rows(position: torch.Tensor, batch: int) -> torch.Tensor:
     return position.reshape(-1).to(torch.int64).expand(batch)
 
 
-@torch.library.custom_op("tinyserve_export::cache_write", mutates_args=())
-def cache_write(cache: torch.Tensor, position: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("tinyserve::export_kv_write", mutates_args=())
+def kv_write(cache: torch.Tensor, position: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """A copy of ``cache`` with ``src`` written at ``position``, per batch row.
 
     Parameters
@@ -61,14 +61,14 @@ def cache_write(cache: torch.Tensor, position: torch.Tensor, src: torch.Tensor) 
     return out
 
 
-@cache_write.register_fake
+@kv_write.register_fake
 def _(cache, position, src):
     return torch.empty_like(cache)
 
 
-@torch.library.custom_op("tinyserve_export::bounds_write", mutates_args=())
+@torch.library.custom_op("tinyserve::export_bounds_write", mutates_args=())
 def bounds_write(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, kabs: torch.Tensor,
-                 position: torch.Tensor, page_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 position: torch.Tensor, spec: List[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bounds with the page written at ``position`` recomputed (copies).
 
     Parameters
@@ -82,7 +82,8 @@ def bounds_write(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, 
         ``[B, Hkv, P]`` float32.
     position : torch.Tensor
         int64 ``[B]``.
-    page_size : int
+    spec : list of int
+        :meth:`~tinyserve_compile.kernels.spec.SelectionSpec.to_list` (the page size is what it reads).
 
     Returns
     -------
@@ -90,7 +91,7 @@ def bounds_write(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, 
         New ``kmax``, ``kmin``, ``kabs``.
     """
     B = k_cache.shape[0]
-    S = page_size
+    S = SelectionSpec.from_list(spec).page_size
     kmax, kmin, kabs = kmax.clone(), kmin.clone(), kabs.clone()
     for b, pos in enumerate(_rows(position, B).tolist()):
         p = pos // S
@@ -101,15 +102,14 @@ def bounds_write(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, 
 
 
 @bounds_write.register_fake
-def _(k_cache, kmax, kmin, kabs, position, page_size):
+def _(k_cache, kmax, kmin, kabs, position, spec):
     return torch.empty_like(kmax), torch.empty_like(kmin), torch.empty_like(kabs)
 
 
-@torch.library.custom_op("tinyserve_export::sparse_attention", mutates_args=())
-def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kmax: torch.Tensor,
-                     kmin: torch.Tensor, kabs: torch.Tensor, position: torch.Tensor, scale: float, page_size: int,
-                     token_budget: int, sink_pages: int, candidate_factor: int, candidate_extra: int = 0,
-                     keep_tokens: bool = False) -> torch.Tensor:
+@torch.library.custom_op("tinyserve::export_sparse_decode", mutates_args=())
+def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kmax: torch.Tensor,
+                  kmin: torch.Tensor, kabs: torch.Tensor, position: torch.Tensor, scale: float,
+                  spec: List[int]) -> torch.Tensor:
     """Query-aware sparse decode attention of the reference, ``valid_len = position + 1``.
 
     Parameters
@@ -123,11 +123,8 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     position : torch.Tensor
         int64 ``[B]``.
     scale : float
-    page_size, token_budget, sink_pages, candidate_factor : int
-    candidate_extra : int
-        Extra candidate tokens of the two-stage selection (rounded down to pages).
-    keep_tokens : bool
-        Two-stage: keep the ``token_budget`` single candidate tokens of highest softmax share.
+    spec : list of int
+        :meth:`~tinyserve_compile.kernels.spec.SelectionSpec.to_list`.
 
     Returns
     -------
@@ -136,12 +133,10 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     B = q.shape[0]
     vl = _rows(position, B) + 1
-    return sparse_decode_reference(q, k_cache, v_cache, vl, None, scale, page_size, token_budget, sink_pages,
-                                   candidate_factor, bounds=PageBounds(kmax, kmin, kabs),
-                                   candidate_extra=candidate_extra, keep_tokens=keep_tokens)
+    return sparse_decode_reference(q, k_cache, v_cache, vl, None, scale, SelectionSpec.from_list(spec),
+                                   PageBounds(kmax, kmin, kabs))
 
 
-@sparse_attention.register_fake
-def _(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, page_size, token_budget, sink_pages, candidate_factor,
-      candidate_extra=0, keep_tokens=False):
+@sparse_decode.register_fake
+def _(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, spec):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,0 +1,140 @@
+"""The selection spec: every knob of the page selection in one object.
+
+Custom ops cannot take a dataclass, so every op schema takes the spec as one
+``int[] spec`` argument, built by :meth:`SelectionSpec.to_list` and read back by
+:meth:`SelectionSpec.from_list`. The defaults are those of
+:class:`tinyserve_compile.config.TinyServeConfig` (:meth:`SelectionSpec.default`);
+no other layer has defaults of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+__all__ = ["SelectionSpec", "BOUNDS_CODES", "KERNELS"]
+
+#: storage dtypes of ``kmax``/``kmin``, in the order of their code in the packed spec
+BOUNDS_CODES = (torch.float32, torch.bfloat16, torch.int8)
+
+#: the ``kernel`` choices of the fused op (``auto`` picks per device, see :func:`.sparse_decode.resolve_kernel`)
+KERNELS = ("auto", "native", "torch", "triton")
+
+_FIELDS = ("page_size", "token_budget", "sink_pages", "candidate_factor", "candidate_extra", "keep_tokens",
+           "bounds_dtype")
+
+
+@dataclass(frozen=True)
+class SelectionSpec:
+    """Which tokens a decode step attends to, and how the page bounds are stored.
+
+    Attributes
+    ----------
+    page_size : int
+        Tokens per KV page ``S``.
+    token_budget : int
+        Tokens attended per KV head (``K = token_budget // page_size`` pages).
+    sink_pages : int
+        Leading pages always kept (attention sinks), ``< K``.
+    candidate_factor, candidate_extra : int
+        Two-stage selection: ``candidate_factor * K + candidate_extra // page_size``
+        candidate pages by the bound (:meth:`n_candidates`); two-stage when that exceeds ``K``.
+    keep_tokens : bool
+        Two-stage: keep the ``K * page_size`` best single tokens instead of ``K`` pages.
+    bounds_dtype : torch.dtype
+        Storage of ``kmax``/``kmin``: ``torch.float32``, ``torch.bfloat16`` or ``torch.int8``.
+    """
+
+    page_size: int
+    token_budget: int
+    sink_pages: int
+    candidate_factor: int
+    candidate_extra: int
+    keep_tokens: bool
+    bounds_dtype: torch.dtype
+
+    def __post_init__(self):
+        self.check()
+
+    # ---- construction --------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config) -> "SelectionSpec":
+        """The spec of a :class:`~tinyserve_compile.config.TinyServeConfig`."""
+        return cls(config.page_size, config.token_budget, config.sink_pages, config.candidate_factor,
+                   config.candidate_extra, config.keep_tokens, config.bounds_torch_dtype)
+
+    @classmethod
+    def default(cls, **changes) -> "SelectionSpec":
+        """``from_config(TinyServeConfig())``, with ``changes`` applied (a field name each)."""
+        from tinyserve_compile.config import TinyServeConfig
+
+        return cls.from_config(TinyServeConfig()).replace(**changes)
+
+    @classmethod
+    def from_list(cls, spec: Sequence[int]) -> "SelectionSpec":
+        """Read the packed ``int[] spec`` argument of an op (:meth:`to_list`)."""
+        if len(spec) != len(_FIELDS) or not all(isinstance(v, int) for v in spec):
+            raise ValueError(f"argument 'spec' must be {len(_FIELDS)} ints {_FIELDS} (SelectionSpec.to_list()), "
+                             f"got {list(spec)!r}")
+        code = spec[6]
+        if not 0 <= code < len(BOUNDS_CODES):
+            raise ValueError(f"argument 'spec' has bounds dtype code {code}, valid: 0..{len(BOUNDS_CODES) - 1}")
+        return cls(*spec[:5], bool(spec[5]), BOUNDS_CODES[code])
+
+    def to_list(self) -> List[int]:
+        """The packed form every op schema takes as ``int[] spec``."""
+        return [self.page_size, self.token_budget, self.sink_pages, self.candidate_factor, self.candidate_extra,
+                int(self.keep_tokens), BOUNDS_CODES.index(self.bounds_dtype)]
+
+    def replace(self, **changes) -> "SelectionSpec":
+        unknown = sorted(set(changes) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"SelectionSpec has no field(s) {unknown}; fields: {_FIELDS}")
+        return dataclasses.replace(self, **changes)
+
+    # ---- derived sizes -------------------------------------------------------------------------------
+    @property
+    def n_pages(self) -> int:
+        """``K``: pages kept per KV head (one stage) or pages' worth of kept tokens."""
+        return self.token_budget // self.page_size
+
+    @property
+    def n_candidates(self) -> int:
+        """Candidate pages of the first stage (:func:`.reference.candidate_pages`, the one formula)."""
+        from .reference import candidate_pages
+
+        return candidate_pages(self.page_size, self.token_budget, self.candidate_factor, self.candidate_extra)
+
+    @property
+    def two_stage(self) -> bool:
+        return self.n_candidates > self.n_pages
+
+    # ---- checks --------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+
+        def bad(name, msg):
+            raise ValueError(f"selection spec: argument '{name}' {msg}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.page_size) or self.page_size <= 0:
+            bad("page_size", f"must be a positive int, got {self.page_size!r}")
+        if not is_int(self.token_budget) or self.token_budget < self.page_size:
+            bad("token_budget", f"must be an int of at least one page ({self.page_size} tokens), "
+                                f"got {self.token_budget!r}")
+        K = self.token_budget // self.page_size
+        if not is_int(self.sink_pages) or not 0 <= self.sink_pages < K:
+            bad("sink_pages", f"must be an int in [0, {K}) (fewer than the pages in the budget), "
+                              f"got {self.sink_pages!r}")
+        if not is_int(self.candidate_factor) or self.candidate_factor < 1:
+            bad("candidate_factor", f"must be an int >= 1, got {self.candidate_factor!r}")
+        if not is_int(self.candidate_extra) or self.candidate_extra < 0:
+            bad("candidate_extra", f"must be an int >= 0 (tokens), got {self.candidate_extra!r}")
+        if not isinstance(self.keep_tokens, bool):
+            bad("keep_tokens", f"must be a bool, got {self.keep_tokens!r}")
+        if self.bounds_dtype not in BOUNDS_CODES:
+            bad("bounds_dtype", f"must be one of {BOUNDS_CODES}, got {self.bounds_dtype!r}")
