@@ -29,11 +29,11 @@ from typing import Optional
 
 import torch
 
+from .spec import SelectionSpec
 from .reference import (
     PageBounds,
     Selection,
     _selected_tokens,
-    candidate_pages,
     page_scores,
     rank_candidate_tokens,
     rank_candidates,
@@ -179,12 +179,7 @@ def paged_sparse_decode_reference(
     seq_lens: torch.Tensor,
     bounds: PageBounds,
     scale: Optional[float] = None,
-    page_size: int = 16,
-    token_budget: int = 2048,
-    sink_pages: int = 0,
-    candidate_factor: int = 1,
-    candidate_extra: int = 0,
-    keep_tokens: bool = False,
+    spec: Optional[SelectionSpec] = None,
 ) -> torch.Tensor:
     """Paged sparse decode, written for clarity: each row's history copied out and passed to
     :func:`reference.sparse_decode_reference` with the bounds of its pages.
@@ -202,8 +197,9 @@ def paged_sparse_decode_reference(
         int64 ``[R]`` tokens of each row (``>= 1``).
     bounds : PageBounds
         ``[NP, Hkv, D]`` / ``[NP, Hkv]`` indexed by physical page id.
-    scale, page_size, token_budget, sink_pages, candidate_factor, candidate_extra, keep_tokens
-        As in :func:`reference.sparse_decode_reference`.
+    scale : float, optional
+    spec : SelectionSpec, optional
+        As in :func:`reference.sparse_decode_reference` (default: the :class:`TinyServeConfig` defaults).
 
     Returns
     -------
@@ -211,6 +207,8 @@ def paged_sparse_decode_reference(
         ``[R, Hq, 1, D]``, dtype of ``q``.
     """
     _check_table(page_rows, page_ids, seq_lens, q)
+    spec = SelectionSpec.default(bounds_dtype=bounds.kmax.dtype) if spec is None else spec
+    page_size = spec.page_size
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = []
     for r in range(q.shape[0]):
@@ -219,8 +217,7 @@ def paged_sparse_decode_reference(
         k = gather_pages(k_tokens, page_rows[r:r + 1, :P], page_size)[:, :, :L]  # [1,Hkv,L,D]
         v = gather_pages(v_tokens, page_rows[r:r + 1, :P], page_size)[:, :, :L]
         b = _row_bounds(bounds, page_ids[r:r + 1, :P])
-        out.append(sparse_decode_reference(q[r:r + 1], k, v, L, None, scale, page_size, token_budget, sink_pages,
-                                           candidate_factor, b, candidate_extra, keep_tokens))
+        out.append(sparse_decode_reference(q[r:r + 1], k, v, L, None, scale, spec, b))
     return torch.cat(out, 0)
 
 
@@ -233,12 +230,7 @@ def paged_sparse_decode(
     seq_lens: torch.Tensor,
     bounds: PageBounds,
     scale: Optional[float] = None,
-    page_size: int = 16,
-    token_budget: int = 2048,
-    sink_pages: int = 0,
-    candidate_factor: int = 1,
-    candidate_extra: int = 0,
-    keep_tokens: bool = False,
+    spec: Optional[SelectionSpec] = None,
 ) -> torch.Tensor:
     """Paged sparse decode for a batch of rows of different lengths, reading the buffer through the page table.
 
@@ -247,9 +239,11 @@ def paged_sparse_decode(
     row whose pages all fit in the budget).
     """
     _check_table(page_rows, page_ids, seq_lens, q)
+    spec = SelectionSpec.default(bounds_dtype=bounds.kmax.dtype) if spec is None else spec
     R, Hq, _, D = q.shape
     Hkv = k_tokens.shape[1]
-    G, S = Hq // Hkv, page_size
+    G, S = Hq // Hkv, spec.page_size
+    token_budget, sink_pages, keep_tokens = spec.token_budget, spec.sink_pages, spec.keep_tokens
     P = page_rows.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     vl = seq_lens.to(torch.int64)
@@ -274,7 +268,7 @@ def paged_sparse_decode(
         logits = logits_of(tok, ok)
     else:
         scores = page_scores(q, _row_bounds(bounds, page_ids), scale)  # [R,Hkv,P]
-        n1 = candidate_pages(S, token_budget, candidate_factor, candidate_extra)
+        n1 = spec.n_candidates
         if n1 <= K:
             sel = select_pages(scores, vl, S, token_budget, sink_pages)
             tok, ok = _selected_tokens(sel, S, P * S, vl)

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from .config import TinyServeConfig
 from .explain import counters
 from .kernels.paged_sparse_decode import paged_page_bounds, paged_sparse_decode, paged_write_
-from .kernels.reference import PageBounds, bounds_itemsize, candidate_pages, store_bounds
+from .kernels.reference import PageBounds, bounds_itemsize, store_bounds
+from .kernels.spec import SelectionSpec
 
 __all__ = [
     "ATTENTION_NAME",
@@ -327,7 +328,7 @@ def _dense_row(q, k, v, scale):
 def _kv_bytes_sparse(lens: torch.Tensor, cfg: TinyServeConfig, Hkv: int, D: int, itemsize: int) -> int:
     """K, V and bound bytes a sparse decode row reads, by construction of the selection."""
     S, K = cfg.page_size, cfg.token_budget // cfg.page_size
-    n1 = max(K, candidate_pages(S, cfg.token_budget, cfg.candidate_factor, cfg.candidate_extra))
+    n1 = max(K, SelectionSpec.from_config(cfg).n_candidates)
     total = 0
     for L in lens.tolist():
         P = -(-L // S)
@@ -439,9 +440,8 @@ def _paged_attention(query, key, value, scaling, cu_q, cu_k, call: _LayerCall):
         counters["cb_rebuilt_pages"] += int(ids.numel())
     pos = torch.tensor([cq[i] for i in decode], dtype=torch.int64, device=dev)
     q = query[0][:, pos].transpose(0, 1).unsqueeze(2)  # [Hq,R,D] -> [R,Hq,1,D]
-    o = paged_sparse_decode(q, call.k_view, call.v_view, page_rows, page_ids, lens, bounds, scale, S,
-                            cfg.token_budget, cfg.sink_pages, cfg.candidate_factor, cfg.candidate_extra,
-                            cfg.keep_tokens)  # [R,Hq,1,D]
+    o = paged_sparse_decode(q, call.k_view, call.v_view, page_rows, page_ids, lens, bounds, scale,
+                            SelectionSpec.from_config(cfg))  # [R,Hq,1,D]
     out[0, pos] = o[:, :, 0]
     counters["cb_sparse_rows"] += len(decode)
     counters["cb_kv_bytes"] += _kv_bytes_sparse(lens, cfg, Hkv, D, itemsize)

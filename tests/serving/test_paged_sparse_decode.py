@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tinyserve_compile.kernels import reference as ref
+from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.kernels.paged_sparse_decode import (
     gather_pages,
     paged_page_bounds,
@@ -147,8 +148,8 @@ def test_fast_path_equals_per_row_reference(S, m, bdt, lens, budget_pages, sink,
     rows, ids = buf.table(reqs, lens)
     q = torch.randn(len(lens), Hkv * G, 1, D, generator=gen)
     sl = torch.tensor(lens)
-    kw = dict(scale=0.3, page_size=S, token_budget=budget_pages * S, sink_pages=sink, candidate_factor=1,
-              candidate_extra=extra_pages * S, keep_tokens=keep_tokens)
+    kw = dict(scale=0.3, spec=SelectionSpec(S, budget_pages * S, sink, 1, extra_pages * S, keep_tokens,
+                                            buf.bounds.kmax.dtype))
     want = paged_sparse_decode_reference(q, buf.k, buf.v, rows, ids, sl, buf.bounds, **kw)
     got = paged_sparse_decode(q, buf.k, buf.v, rows, ids, sl, buf.bounds, **kw)
     torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
@@ -167,8 +168,9 @@ def test_small_budget_drops_tokens():
     _fill(buf, [48, 30], Hkv, D, gen, chunk=48)
     rows, ids = buf.table([0, 1], [48, 30])
     q = 3 * torch.randn(2, 4, 1, D, generator=gen)
-    got = paged_sparse_decode(q, buf.k, buf.v, rows, ids, torch.tensor([48, 30]), buf.bounds, page_size=S,
-                              token_budget=2 * S)
+    got = paged_sparse_decode(q, buf.k, buf.v, rows, ids, torch.tensor([48, 30]), buf.bounds,
+                              spec=SelectionSpec.default(page_size=S, token_budget=2 * S, sink_pages=0,
+                                                         bounds_dtype=buf.bounds.kmax.dtype))
     dense = torch.cat([torch.nn.functional.scaled_dot_product_attention(
         q[i:i + 1], *[t.repeat_interleave(2, 1) for t in buf.history(i, n)]) for i, n in enumerate([48, 30])])
     assert not torch.allclose(got, dense, atol=1e-3)
@@ -179,7 +181,9 @@ def test_bad_table_is_refused_by_name():
     b = ref.store_bounds(torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))
     with pytest.raises(ValueError, match="seq_lens"):
         paged_sparse_decode(torch.zeros(2, 1, 1, 4), k, k, torch.zeros(2, 1, dtype=torch.int64),
-                            torch.zeros(2, 1, dtype=torch.int64), torch.tensor([1]), b, page_size=4, token_budget=4)
+                            torch.zeros(2, 1, dtype=torch.int64), torch.tensor([1]), b,
+                            spec=SelectionSpec.default(page_size=4, token_budget=8, sink_pages=0))
     with pytest.raises(ValueError, match="page_ids"):
         paged_sparse_decode(torch.zeros(2, 1, 1, 4), k, k, torch.zeros(2, 1, dtype=torch.int64),
-                            torch.zeros(2, 2, dtype=torch.int64), torch.tensor([1, 1]), b, page_size=4, token_budget=4)
+                            torch.zeros(2, 2, dtype=torch.int64), torch.tensor([1, 1]), b,
+                            spec=SelectionSpec.default(page_size=4, token_budget=8, sink_pages=0))
