@@ -1,0 +1,300 @@
+"""``python -m bench clients [--quick] [--only NAME[,NAME]]``: third-party decode loops through the backend.
+
+Each client library gets its own virtualenv under ``~/.cache/tinyserve_compile/clients/<name>`` (reused across
+runs; the libraries pin conflicting versions): torch 2.13.0 from the local CPU wheel first, then the library
+at a pinned version (``--no-deps`` plus a short explicit list where its own requirements would pull another
+torch or a GPU-only package), then this checkout, installed non-editable. ``bench/client_drivers.py`` runs
+inside that virtualenv: it builds a tiny random-init model with the library's own model code and runs the
+library's own decode loop four times, eagerly, compiled with ``backend="tinyserve"`` and a budget covering
+the context (dense-exact: the greedy tokens equal eager), compiled with a small budget and page size (so the
+selection drops pages), and eagerly with the rewritten layers' attention answered by the reference rule
+(``tinyserve_compile.testing``). Nothing is downloaded from a model hub.
+
+Output: a table on stdout, ``docs/bench/clients.{json,csv}`` and ``docs/clients.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = Path(__file__).resolve().parent / "client_drivers.py"
+CACHE = Path(os.environ.get("TINYSERVE_CLIENTS_CACHE", Path.home() / ".cache" / "tinyserve_compile" / "clients"))
+TORCH = "torch==2.13.0"
+
+#: name -> what to install and what the client is. ``deps=None``: the library's own requirements (under a
+#: torch==2.13.0 constraint); a list: ``--no-deps`` and exactly these.
+CLIENTS = {
+    "torchtune": dict(
+        pkgs=["torchtune==0.6.1", "torchao==0.18.0"], deps=None,
+        loop="torchtune.generation.generate with a compiled generate_next_token (KVCache.update: k_cache[:, :, cache_pos[:n]] = k)"),
+    "litgpt": dict(
+        pkgs=["litgpt==0.5.13"], deps=None,
+        loop="litgpt.generate.base.generate (KVCache.forward: k.index_copy_ return value, [:n] prefix reads)"),
+    "gpt-fast": dict(
+        pkgs=["torchao==0.15.0"], deps=[],
+        loop="gpt-fast's model.py + generate.py as shipped in torchao/_models/llama (decode_n_tokens)"),
+    "hf-static": dict(
+        pkgs=["transformers==5.24.0"], deps=None,
+        loop="transformers generate() with cache_implementation='static' and a CompileConfig"),
+    "executorch": dict(
+        pkgs=["executorch==1.5.1"], deps=["torchao==0.18.0", "pyyaml", "ruamel.yaml", "numpy", "sympy",
+                                          "typing-extensions", "omegaconf", "hydra-core", "tabulate",
+                                          "pytorch-tokenizers", "packaging", "flatbuffers"],
+        loop="executorch examples/models/llama: llama_transformer + KVCache (k_cache[:, :, input_pos] = k), "
+             "its eager runner's LlamaRunner.generate"),
+    "llama4-reference": dict(
+        venv="llama-models", pkgs=["llama-models==0.3.0"],
+        deps=["fairscale==0.4.13", "numpy", "pydantic>=2", "tiktoken", "pyyaml", "jinja2", "pillow", "termcolor",
+              "rich", "httpx"],
+        loop="Meta's reference Llama 4 text model (llama_models.llama4.model: cache_k[:bsz, pos:pos+n] = xk, "
+             "keys read as cache_k[:bsz, :pos+n], no mask in decode), in the loop of its generate()"),
+    "llama3-reference": dict(
+        venv="llama-models", pkgs=["llama-models==0.3.0"],
+        deps=["fairscale==0.4.13", "numpy", "pydantic>=2", "tiktoken", "pyyaml", "jinja2", "pillow", "termcolor",
+              "rich", "httpx"],
+        loop="Meta's reference Llama 3 (llama_models.llama3.model: attention as matmul + softmax), in the loop of "
+             "its generate()"),
+}
+
+#: what was looked at and is not in the sweep, with the reason
+SKIPPED = {
+    "torchchat": "not on PyPI: the PyPI name 'torchchat' (0.0.1, 2024-03) holds an old torchtune snapshot, and "
+                 "torchchat's generate.py builds on gpt-fast's model.py (covered as gpt-fast)",
+    "mistral-inference": "its attention is xformers' memory_efficient_attention over a ring-buffer cache, not "
+                         "SDPA (nothing for the backend to rewrite), and xformers has no CPU operator for it "
+                         "(cutlass and flash kernels are CUDA-only), so the library cannot decode on CPU",
+    "nanoGPT": "not on PyPI; karpathy/nanoGPT's model.py has no KV cache (each step recomputes the whole "
+               "context), so it has no decode SDPA to rewrite",
+}
+
+
+def _run(cmd, log, **kw):
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(map(str, cmd)) + "\n")
+        f.flush()
+        return subprocess.run(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT, **kw).returncode
+
+
+def _torch_base(log=print) -> Path:
+    """One virtualenv holding only torch 2.13.0 (the local CPU wheel); its site-packages, shared by every client."""
+    base = CACHE / "_torch"
+    py = base / "bin" / "python"
+    stamp = base / ".installed"
+    if not (stamp.exists() and stamp.read_text() == TORCH):
+        log(f"[torch] installing {TORCH} into {base}")
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(base)], check=True)
+        if _run([py, "-m", "pip", "install", "-q", TORCH], CACHE / "_torch.install.log") != 0:
+            raise RuntimeError(f"installing {TORCH} failed (see {CACHE / '_torch.install.log'})")
+        stamp.write_text(TORCH)
+    return Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+
+
+def setup_venv(name: str, spec: dict, log=print) -> Path:
+    """Create (or reuse) the client's virtualenv: torch first, then the library, then this checkout; its python.
+
+    torch comes from one shared virtualenv (``_torch``, the local CPU wheel) through a ``.pth`` file, so that pip
+    sees torch 2.13.0 as installed and a library's requirements cannot replace it (a constraints file pins it
+    too); everything else lives in the client's own virtualenv, ahead of the shared one on ``sys.path``.
+    """
+    CACHE.mkdir(parents=True, exist_ok=True)
+    torch_site = _torch_base(log)
+    name = spec.get("venv", name)  # clients of one library share its virtualenv
+    venv = CACHE / name
+    py = venv / "bin" / "python"
+    stamp = venv / ".installed"
+    want = json.dumps({"torch": TORCH, "pkgs": spec["pkgs"], "deps": spec["deps"]}, sort_keys=True)
+    logf = CACHE / f"{name}.install.log"
+    if not (stamp.exists() and stamp.read_text() == want):
+        t0 = time.time()
+        log(f"[{name}] installing into {venv} (log: {logf})")
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        (Path(site) / "zz_tinyserve_torch.pth").write_text(str(torch_site) + "\n")
+        cons = venv / "constraints.txt"
+        cons.write_text(TORCH + "\n")
+        pip = [py, "-m", "pip", "install", "-q", "-c", cons]
+        steps = [pip + [TORCH]]  # already satisfied through the shared site-packages
+        if spec["deps"] is None:
+            steps.append(pip + spec["pkgs"])
+        else:
+            steps.append(pip + ["--no-deps"] + spec["pkgs"])
+            if spec["deps"]:
+                steps.append(pip + spec["deps"])
+        for cmd in steps:
+            if _run(cmd, logf) != 0:
+                raise RuntimeError(f"{name}: install failed: {' '.join(map(str, cmd[6:]))} (see {logf})")
+        stamp.write_text(want)
+        log(f"[{name}] installed in {time.time() - t0:.0f} s")
+    # this checkout, non-editable, every run (the code under test changes between runs), with its own
+    # requirements (numpy, ninja for the native build) as a user's install gets them
+    # (pip always rebuilds and reinstalls a local folder)
+    if _run([py, "-m", "pip", "install", "-q", "-c", venv / "constraints.txt", "--no-build-isolation", ROOT],
+            logf) != 0:
+        raise RuntimeError(f"{name}: installing this checkout failed (see {logf})")
+    return py
+
+
+def run_client(name: str, lower: str, timeout: int, log=print) -> dict:
+    """Install (or reuse) the client's virtualenv and run its driver there; the driver's row."""
+    spec = CLIENTS[name]
+    try:
+        py = setup_venv(name, spec, log)
+    except Exception as e:  # an install that fails is the client's result, with its reason
+        return dict(client=name, error=str(e))
+    out = CACHE / f"{name}.result.json"
+    out.unlink(missing_ok=True)
+    errf = CACHE / f"{name}.driver.log"
+    t0 = time.time()
+    log(f"[{name}] running {spec['loop']}")
+    try:
+        with open(errf, "w") as f:
+            # cwd: not the checkout, so that the installed wheel (not the source tree) is imported
+            subprocess.run([str(py), str(DRIVER), name, "--lower", lower, "--out", str(out)], stdout=f,
+                           stderr=subprocess.STDOUT, timeout=timeout, cwd=str(CACHE))
+    except subprocess.TimeoutExpired:
+        return dict(client=name, error=f"driver timed out after {timeout} s (see {errf})")
+    if not out.exists():
+        tail = errf.read_text()[-2000:]
+        return dict(client=name, error=f"driver wrote no result (see {errf}): {tail}")
+    row = json.loads(out.read_text())
+    log(f"[{name}] done in {time.time() - t0:.0f} s")
+    return row
+
+
+COLUMNS = ("client", "library", "layers_rewritten", "sites_rewritten", "sites_dense", "worst_vs_reference",
+           "tokens_equal_reference", "sparse_vs_eager", "dense_exact", "worst_dense_vs_eager", "native_kernel",
+           "dense_reasons")
+
+
+def _cell(r: dict, k: str) -> str:
+    v = r.get(k, "")
+    if isinstance(v, float):
+        return f"{v:.2e}"
+    if isinstance(v, list):
+        return "; ".join(v) if v else "-"
+    return str(v)
+
+
+def verdict(r: dict) -> str:
+    """``ok`` (every site rewritten, matches the reference, dense-exact), ``dense`` (sites left dense with their
+    reasons, still exact), ``WRONG`` (a wrong answer), ``error`` or ``skipped``."""
+    if "skipped" in r:
+        return "skipped"
+    if "error" in r:
+        return "error"
+    exact = r["dense_exact"] and r["tokens_equal_reference"] and r["worst_vs_reference"] < 1e-3
+    if not exact:
+        return "WRONG"
+    return "ok" if r["sites_dense"] == 0 and r["sites_rewritten"] > 0 else "dense"
+
+
+def table(rows) -> str:
+    cols = ("client", "verdict") + COLUMNS[1:]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            why = r.get("error") or r.get("skipped")
+            lines.append(f"| {r['client']} | {verdict(r)} | " + " | ".join([""] * (len(cols) - 3))
+                         + f" | {why.splitlines()[0][:300] if why else ''} |")
+            continue
+        lines.append("| " + " | ".join([r["client"], verdict(r)] + [_cell(r, k) for k in COLUMNS[1:]]) + " |")
+    return "\n".join(lines)
+
+
+def write(rows, out_dir: Path, md: Path, lower: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keep = [{k: v for k, v in r.items() if k != "trace"} for r in rows]
+    for r in keep:
+        r["verdict"] = verdict(r)
+    (out_dir / "clients.json").write_text(json.dumps(keep, indent=1))
+    keys = list(dict.fromkeys(k for r in keep for k in r))
+    with open(out_dir / "clients.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows([{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in keep])
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    run = next((r for r in rows if "options" in r), dict(options={}, prompt="?", new="?", dense_options={}))
+    loops = "\n".join(f"- **{n}**: {s['loop']}; installed: {', '.join(s['pkgs'])}"
+                      + ("" if s["deps"] is None else f" (`--no-deps`, then: {', '.join(s['deps']) or 'nothing'})")
+                      for n, s in CLIENTS.items())
+    skipped = "\n".join(f"- **{n}**: {why}" for n, why in SKIPPED.items())
+    md.write_text(f"""# Third-party decode loops through the backend
+
+`python -m bench clients` (`bench/clients.py`, driver `bench/client_drivers.py`) runs each library's own
+decode loop on CPU with `torch.compile(..., backend="tinyserve")`, each library in its own virtualenv
+(torch {TORCH.split("==")[1]} CPU wheel, this checkout installed non-editable). Every model is a tiny random-init
+model built with the library's own model code (3 layers, 4 query heads, 2 KV heads, head dim 16); the loop
+decodes {run["new"]} greedy tokens after a {run["prompt"]}-token prompt.
+
+- **sites rewritten / dense**: over every graph compiled in the small-budget run (`tinyserve_compile.explain()`),
+  with the reasons of the dense ones.
+- **worst_vs_reference**: the worst |logit difference| over all steps between the compiled run (options
+  `{json.dumps(run["options"])}`, `lower="{lower}"`) and the same loop run eagerly with only the rewritten
+  layers' attention answered by the reference rule (`sparse_decode_reference` with the same options);
+  **tokens_equal_reference**: the greedy tokens agree.
+- **sparse_vs_eager**: the worst |logit difference| between the small-budget run and stock eager: not zero,
+  so the selection did drop pages.
+- **dense_exact**: with `{json.dumps(run["dense_options"])}` (covering the context) the greedy tokens equal eager;
+  **worst_dense_vs_eager** is the logit difference.
+- **verdict**: `ok` (every site rewritten, exact), `dense` (sites left dense, each with its reason; still exact),
+  `WRONG` (a wrong answer), `error`, `skipped`.
+
+Measured at commit {commit} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).
+
+{table(rows)}
+
+## The loops
+
+{loops}
+
+Not in the sweep:
+
+{skipped}
+""")
+    print(f"wrote {out_dir}/clients.json (+ .csv) and {md}", file=sys.stderr)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench clients", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated client names (default: all)")
+    ap.add_argument("--quick", action="store_true", help="lower='eager' (no Inductor compile): a few minutes")
+    ap.add_argument("--lower", default="", choices=("", "eager", "inductor"),
+                    help="how the rewritten graph runs (default: inductor, or eager with --quick)")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per client driver")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench"), help="folder for clients.json/.csv")
+    ap.add_argument("--md", default=str(ROOT / "docs" / "clients.md"))
+    ap.add_argument("--list", action="store_true", help="print the clients and exit")
+    a = ap.parse_args(argv)
+    if a.list:
+        for n, s in CLIENTS.items():
+            print(f"{n}: {s['loop']}")
+        for n, why in SKIPPED.items():
+            print(f"{n}: skipped: {why}")
+        return 0
+    names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CLIENTS)
+    bad = [n for n in names if n not in CLIENTS]
+    if bad:
+        raise SystemExit(f"--only: unknown client(s) {bad}; known: {sorted(CLIENTS)}")
+    lower = a.lower or ("eager" if a.quick else "inductor")
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    rows = [run_client(n, lower, a.timeout, log) for n in names]
+    rows += [dict(client=n, skipped=why) for n, why in SKIPPED.items()] if not a.only else []
+    print(table(rows))
+    write(rows, Path(a.out), Path(a.md), lower)
+    return 1 if any(verdict(r) == "WRONG" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
