@@ -103,14 +103,16 @@ def _writes_reason(base: fx.Node, lay: CacheLayout, order: dict, site_node: fx.N
     """``(the one write before the site, "")`` or ``(None, reason)``."""
     writes, unknown = cache_writes(base, lay)
     before = [w for w in writes if order[w.node] < order[site_node]]
-    if unknown and is_sliding_window_write(base, unknown[0]):
+    if unknown and is_sliding_window_write(base, unknown[0][0]):
         return None, ("sliding-window cache: the buffer is rolled and copied back whole each step "
                       "(cache.copy_(cache.roll(...))), so positions move; left to SDPA")
     if unknown:
+        node, why = unknown[0]
         name = layout_name(lay.perm)
         rows = f", rows [:{lay.batch}]" if lay.batch is not None else ""
-        return None, (f"unrecognised in-place write to the key cache: {describe_write(unknown[0])} "
-                      f"(cache layout {name}{rows}: expected a write along the sequence dim {lay.seq_dim})")
+        why = why or f"not a write of new positions along the sequence dim {lay.seq_dim}"
+        return None, (f"unrecognised in-place write to the key cache: {describe_write(node)}: {why} "
+                      f"(cache layout {name}{rows})")
     if len(writes) != 1 or len(before) != 1:
         return None, (f"key cache must be written exactly once, before the attention, in this graph "
                       f"(found {len(writes)} write(s), {len(before)} before)")
@@ -179,9 +181,6 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
     mask = a["attn_mask"]
     L = k_shape[2]
     if k_lay.length is not None:
-        if mask is not None:
-            site.reason = f"attention mask over a [:n] prefix of the cache (keys read {k_lay.length} of {L})"
-            return
         site.kv_len = size_node(graph, k_lay.length)
         if site.kv_len is None:
             site.reason = f"K/V read a [:n] prefix of the cache, n={k_lay.length} is not a value of the graph"
@@ -191,9 +190,16 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
         if mt is None:
             site.reason = "attention mask is not a tensor"
             return
-        if mt.dim() > 4 or not same_int(mt.shape[-1], L_sym) or \
-                (mt.dim() == 4 and int(mt.shape[1]) not in (1, int(q.shape[1]))):
-            site.reason = f"attention mask shape {tuple(mt.shape)} does not cover the cache length {L}"
+        # the mask covers exactly the keys read: the whole cache, or the [:n] prefix read (keys past n are never
+        # attended, so the op's mask is padded with "not attended" up to the cache length)
+        keys = L_sym if k_lay.length is None else k_lay.length
+        what = f"the cache length {L}" if k_lay.length is None else f"the {k_lay.length} keys read (a [:n] prefix)"
+        if mt.dim() > 4 or not same_int(mt.shape[-1], keys):
+            site.reason = f"attention mask shape {tuple(mt.shape)} does not cover {what}"
+            return
+        if mt.dim() == 4 and int(mt.shape[1]) not in (1, int(q.shape[1])):
+            site.reason = (f"attention mask shape {tuple(mt.shape)} has {int(mt.shape[1])} heads, "
+                           f"neither 1 nor the {int(q.shape[1])} query heads")
             return
     site.status, site.reason = "sparse", ""
 

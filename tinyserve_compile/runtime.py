@@ -283,12 +283,14 @@ def cache_write(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, k
         int32 ``[2]``: ``ctrl[0] != 0`` rebuilds every page (then clears it);
         otherwise only the pages holding ``positions`` are recomputed.
     positions : torch.Tensor
-        int64 ``[n]`` sequence positions written.
+        ``[n]`` (or 0-d for one) sequence positions written, of any integer dtype (gpt-fast passes int32).
     src : torch.Tensor
         ``[B, Hkv, n, D]`` new keys.
     page_size : int
     """
-    k_cache.index_copy_(2, positions.reshape(-1), src.to(k_cache.dtype))
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(f"tinyserve::cache_write: argument 'positions' must be an integer tensor, got {positions.dtype}")
+    k_cache.index_copy_(2, positions.reshape(-1).to(torch.int64), src.to(k_cache.dtype))
     if int(ctrl[0]):
         rebuild_bounds_impl(k_cache, kmax, kmin, kabs, page_size)
         ctrl[0] = 0
