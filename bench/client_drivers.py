@@ -192,7 +192,7 @@ class Executorch:
         torch.manual_seed(0)
         args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, hidden_dim=128,
                          max_batch_size=1, max_seq_len=MAX_LEN, max_context_len=MAX_LEN, use_kv_cache=True,
-                         enable_dynamic_shape=False)
+                         enable_dynamic_shape=True)  # what its runner passes: input_pos = [start]
         m = construct_transformer(args)
         with torch.no_grad():
             for p in m.parameters():
@@ -379,8 +379,11 @@ def drive(name: str, lower: str) -> dict:
     eager_l, dense_l = torch.stack(eager_logits), torch.stack(dense_logits)
     sparse_l, ref_l = torch.stack(sparse_logits), torch.stack(ref_logits)
     reasons = sorted({s["reason"] for s in decode_sites if s["status"] != "sparse"})
+    if not rep.counters.get("attention_sites", 0):
+        reasons = ["no scaled_dot_product_attention call in any compiled graph: nothing to rewrite"]
     row.update(
         graphs=rep.counters.get("graphs", 0),
+        attention_sites=rep.counters.get("attention_sites", 0),
         sites_rewritten=rep.counters.get("rewritten", 0),
         sites_dense=rep.counters.get("dense", 0),
         layers_rewritten=f"{len(rewritten_layers)}/{n_layers}",

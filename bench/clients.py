@@ -32,7 +32,7 @@ TORCH = "torch==2.13.0"
 #: torch==2.13.0 constraint); a list: ``--no-deps`` and exactly these.
 CLIENTS = {
     "torchtune": dict(
-        pkgs=["torchtune==0.6.1", "torchao==0.18.0"], deps=None,
+        pkgs=["torchtune==0.6.1", "torchao==0.15.0"], deps=None,  # torchao 0.16+ drops the nf4 module torchtune imports
         loop="torchtune.generation.generate with a compiled generate_next_token (KVCache.update: k_cache[:, :, cache_pos[:n]] = k)"),
     "litgpt": dict(
         pkgs=["litgpt==0.5.13"], deps=None,
@@ -188,7 +188,7 @@ def _cell(r: dict, k: str) -> str:
 
 def verdict(r: dict) -> str:
     """``ok`` (every site rewritten, matches the reference, dense-exact), ``dense`` (sites left dense with their
-    reasons, still exact), ``WRONG`` (a wrong answer), ``error`` or ``skipped``."""
+    reasons, still exact), ``no SDPA`` (nothing to rewrite), ``WRONG`` (a wrong answer), ``error``, ``skipped``."""
     if "skipped" in r:
         return "skipped"
     if "error" in r:
@@ -196,6 +196,8 @@ def verdict(r: dict) -> str:
     exact = r["dense_exact"] and r["tokens_equal_reference"] and r["worst_vs_reference"] < 1e-3
     if not exact:
         return "WRONG"
+    if not r.get("attention_sites"):
+        return "no SDPA"
     return "ok" if r["sites_dense"] == 0 and r["sites_rewritten"] > 0 else "dense"
 
 
@@ -249,7 +251,8 @@ decodes {run["new"]} greedy tokens after a {run["prompt"]}-token prompt.
 - **dense_exact**: with `{json.dumps(run["dense_options"])}` (covering the context) the greedy tokens equal eager;
   **worst_dense_vs_eager** is the logit difference.
 - **verdict**: `ok` (every site rewritten, exact), `dense` (sites left dense, each with its reason; still exact),
-  `WRONG` (a wrong answer), `error`, `skipped`.
+  `no SDPA` (the library's attention is not an SDPA call: nothing to rewrite), `WRONG` (a wrong answer),
+  `error`, `skipped`.
 
 Measured at commit {commit} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).
 

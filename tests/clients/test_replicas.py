@@ -131,19 +131,57 @@ class ExecutorchAttention(GptFastAttention):
     positions; the 2-D mask ``mask[input_pos]`` of a ``[L, L]`` causal buffer."""
 
 
-class MetaLlama4Attention(Proj):
-    """Meta's reference Llama 4 (llama-models): ``[max_batch, L, Hkv, D]`` caches written as
-    ``cache_k[:bsz, start_pos:start_pos + n] = xk`` (``start_pos`` a Python int), read as
-    ``cache_k[:bsz, :start_pos + n]``, transposed, ``repeat_interleave`` on the head dim, no mask in decode."""
+class ExecutorchDynamicAttention(Proj):
+    """executorch examples/models/llama with ``enable_dynamic_shape=True`` (what its eager runner passes: one
+    start position per call): ``start_pos = input_pos[0].item()``, ``k_cache.index_copy_(2, arange(n) + start_pos,
+    k)``, the mask ``mask.narrow(0, start_pos, n)`` of a ``[L, L]`` causal buffer, ``repeat_interleave``."""
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("cache_k", torch.zeros(2, MAX_LEN, HKV, HD), persistent=False)  # max_batch_size 2
-        self.register_buffer("cache_v", torch.zeros(2, MAX_LEN, HKV, HD), persistent=False)
+        self.register_buffer("k_cache", torch.zeros(1, HKV, MAX_LEN, HD))
+        self.register_buffer("v_cache", torch.zeros(1, HKV, MAX_LEN, HD))
+        self.register_buffer("mask", torch.tril(torch.ones(MAX_LEN, MAX_LEN, dtype=torch.bool)), persistent=False)
+
+    def update(self, input_pos, k_val, v_val):
+        start_pos = input_pos[0].item()
+        torch._check_is_size(start_pos)
+        torch._check(start_pos < MAX_LEN)
+        indices = torch.arange(k_val.size(2)) + start_pos
+        self.k_cache.index_copy_(2, indices, k_val)
+        self.v_cache.index_copy_(2, indices, v_val)
+        return self.k_cache, self.v_cache
+
+    def forward(self, x, input_pos):
+        b, t, _ = x.shape
+        q, k, v = (z.transpose(1, 2) for z in self.qkv(x))
+        start_pos = input_pos[-1].item()
+        torch._check_is_size(start_pos)
+        torch._check(start_pos < MAX_LEN)
+        attn_mask = self.mask.narrow(0, start_pos, t)  # [T, L]
+        k, v = self.update(input_pos, k, v)
+        k = k.repeat_interleave(HQ // HKV, dim=1)
+        v = v.repeat_interleave(HQ // HKV, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MetaLlama4Attention(Proj):
+    """Meta's reference Llama 4 (llama-models): ``[max_batch, L, Hkv, D]`` caches written as
+    ``cache_k[:bsz, start_pos:start_pos + n] = xk`` (``start_pos`` a Python int), read as
+    ``cache_k[:bsz, :start_pos + n]``, transposed, ``repeat_interleave`` on the head dim, no mask in decode. The
+    caches are plain tensor attributes, re-assigned each call as ``self.cache_k = self.cache_k.to(xq)``."""
+
+    def __init__(self):
+        super().__init__()
+        # plain tensor attributes (not buffers), max_batch_size 2 rows
+        self.cache_k = torch.zeros(2, MAX_LEN, HKV, HD)
+        self.cache_v = torch.zeros(2, MAX_LEN, HKV, HD)
 
     def forward(self, x, start_pos, mask):
         bsz, n, _ = x.shape
         xq, xk, xv = self.qkv(x)
+        self.cache_k = self.cache_k.to(xq)  # a no-op at the same dtype and device: the cache itself
+        self.cache_v = self.cache_v.to(xq)
         self.cache_k[:bsz, start_pos:start_pos + n] = xk
         self.cache_v[:bsz, start_pos:start_pos + n] = xv
         xk = self.cache_k[:bsz, :start_pos + n]
@@ -163,7 +201,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.client = client
         attn = {"torchtune": TorchtuneAttention, "litgpt": LitGPTAttention, "gpt-fast": GptFastAttention,
-                "executorch": ExecutorchAttention, "llama4-reference": MetaLlama4Attention}[client]
+                "executorch": ExecutorchAttention, "executorch-dynamic": ExecutorchDynamicAttention,
+                "llama4-reference": MetaLlama4Attention}[client]
         self.emb = nn.Embedding(VOCAB, DIM)
         self.layers = nn.ModuleList(attn() for _ in range(LAYERS))
         self.out = nn.Linear(DIM, VOCAB, bias=False)
@@ -188,6 +227,8 @@ class Decoder(nn.Module):
         elif self.client == "executorch":
             (input_pos,) = pos  # int64
             args = (input_pos, self.causal_mask[input_pos])  # [T, L]
+        elif self.client == "executorch-dynamic":
+            args = pos  # (input_pos,): int64 [1], the start position
         else:  # Meta: a [T, T] causal mask for the prompt at position 0, none for one token
             (start_pos,) = pos
             t = idx.shape[1]
@@ -198,7 +239,7 @@ class Decoder(nn.Module):
         return self.out(x)  # [B, T, VOCAB]
 
 
-CLIENTS = ("torchtune", "litgpt", "gpt-fast", "executorch", "llama4-reference")
+CLIENTS = ("torchtune", "litgpt", "gpt-fast", "executorch", "executorch-dynamic", "llama4-reference")
 
 
 def position_args(client: str, start: int, t: int):
@@ -212,14 +253,21 @@ def position_args(client: str, start: int, t: int):
         return (torch.arange(start, start + t, dtype=torch.int32),)
     if client == "executorch":
         return (torch.arange(start, start + t, dtype=torch.int64),)
+    if client == "executorch-dynamic":
+        return (torch.tensor([start], dtype=torch.int64),)
     return (start,)
 
 
 def reset_caches(model: Decoder) -> None:
+    for layer in model.layers:
+        for name in ("cache_k", "cache_v"):  # Meta's plain tensor attributes
+            if isinstance(getattr(layer, name, None), torch.Tensor):
+                getattr(layer, name).zero_()
     for name, b in model.named_buffers():
-        if name.endswith("cache_pos"):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "cache_pos":
             b.copy_(torch.arange(MAX_LEN))
-        elif any(name.endswith(s) for s in (".k", ".v", "k_cache", "v_cache", "cache_k", "cache_v")):
+        elif leaf in ("k", "v", "k_cache", "v_cache", "cache_k", "cache_v"):
             b.zero_()
 
 
