@@ -1,6 +1,7 @@
 """FX helpers shared by the passes: node metadata, view chains, cache layouts, cache-write idioms."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 from dataclasses import dataclass, field
@@ -742,6 +743,20 @@ def pad_mask(graph: fx.Graph, attn_mask: Optional[fx.Node], kv_len: Any, length:
     if attn_mask is None or kv_len is None:
         return attn_mask
     mt = fake(attn_mask)
-    fill = False if mt is not None and mt.dtype == torch.bool else float("-inf")
+    if mt is None:
+        raise ValueError("pad_mask: the mask has no recorded example value")
+    fill = False if mt.dtype == torch.bool else float("-inf")
+    aten = torch.ops.aten
     extra = length - kv_len if isinstance(kv_len, int) else graph.call_function(operator.sub, (length, kv_len))
-    return graph.call_function(torch.ops.aten.constant_pad_nd.default, (attn_mask, [0, extra], fill))
+    # [..., 1] of the mask, filled, expanded to [..., L - n], appended (cat: the sizes may be symbolic)
+    call = graph.call_function
+    edge = call(aten.full_like.default, (call(aten.slice.Tensor, (attn_mask, -1, 0, 1)), fill))
+    tail = call(aten.expand.default, (edge, [-1] * (mt.dim() - 1) + [extra]))
+    out = call(aten.cat.default, ([attn_mask, tail], -1))
+    # its example value (the later steps read the mask's dtype and shape from it), under the mask's fake mode
+    n = kv_len if isinstance(kv_len, int) else _example(kv_len)
+    mode = getattr(mt, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        e = aten.full_like.default(aten.slice.Tensor(mt, -1, 0, 1), fill)
+        out.meta["example_value"] = aten.cat.default([mt, aten.expand.default(e, [-1] * (mt.dim() - 1) + [length - n])], -1)
+    return out
