@@ -43,7 +43,9 @@ def _record(module: torch.nn.Module, store: list):
     def hook(_m, _inp, out):
         store.append(out[:, -1].detach().float().clone())  # [B, V] fp32
 
-    return module.register_forward_hook(hook)
+    # outside the graph: traced, the growing list would be guarded on its length and recompile every step
+    # (a graph break after the LM head instead; every attention site stays in the graph before it)
+    return module.register_forward_hook(torch.compiler.disable(hook))
 
 
 # --------------------------------------------------------------------------------------- the clients

@@ -327,8 +327,21 @@ def is_inplace(node: fx.Node) -> bool:
 
 
 def returns_self(node: fx.Node) -> bool:
-    """True for an in-place method call (``x.index_copy_(...)``): its value is ``x`` itself."""
-    return node.op == "call_method" and is_inplace(node) and bool(node.args) and isinstance(node.args[0], fx.Node)
+    """True for an in-place method call (``x.index_copy_(...)``), and for a conversion that converts nothing
+    (``x.to(y)``, ``x.type_as(y)``, ``x.to(dtype)`` at ``x``'s own dtype and device, as Meta's reference Llama
+    does with its caches each call): its value is ``x`` itself."""
+    if node.op != "call_method" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if is_inplace(node):
+        return True
+    return node.target in ("to", "type_as") and len(node.args) == 2 and not node.kwargs.get("copy", False) \
+        and _same_tensor_type(fake(node.args[0]), fake(node))
+
+
+def _same_tensor_type(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """``a.to(...)`` returned ``a`` itself: the same dtype, device, shape and strides (the graph is guarded on them)."""
+    return a is not None and b is not None and a.dtype == b.dtype and a.device == b.device \
+        and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride()
 
 
 def views_of(base: fx.Node) -> List[fx.Node]:

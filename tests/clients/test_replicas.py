@@ -345,3 +345,27 @@ def test_replica_dense_exact(client):
     assert_all_rewritten()
     torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
     assert torch.equal(got.argmax(-1), eager.argmax(-1))
+
+
+def converted_cache_site(q, kbuf, vbuf, k, v, start):
+    """Meta's idiom with a conversion that does convert: ``cache.to(torch.float64)`` is a new tensor each call."""
+    kc, vc = kbuf.to(torch.float64), vbuf.to(torch.float64)
+    kc[:1, start:start + 1] = k.to(torch.float64)
+    vc[:1, start:start + 1] = v.to(torch.float64)
+    kk = kc[:1, :start + 1].transpose(1, 2).repeat_interleave(HQ // HKV, dim=1)
+    vv = vc[:1, :start + 1].transpose(1, 2).repeat_interleave(HQ // HKV, dim=1)
+    return F.scaled_dot_product_attention(q.to(torch.float64), kk, vv)
+
+
+def test_converting_cache_copy_stays_dense():
+    """A ``.to()`` that converts is a copy, not the cache: the site stays dense with its reason, and is exact."""
+    g = torch.Generator().manual_seed(5)
+    kbuf, vbuf = torch.randn(2, MAX_LEN, HKV, HD, generator=g), torch.randn(2, MAX_LEN, HKV, HD, generator=g)
+    q = torch.randn(1, HQ, 1, HD, generator=g)
+    k, v = torch.randn(1, 1, HKV, HD, generator=g), torch.randn(1, 1, HKV, HD, generator=g)
+    want = converted_cache_site(q, kbuf.clone(), vbuf.clone(), k, v, 40)
+    got = torch.compile(converted_cache_site, backend="tinyserve", options=SPARSE)(q, kbuf.clone(), vbuf.clone(),
+                                                                                  k, v, 40)
+    assert tc.counters["rewritten"] == 0 and tc.counters["dense"] == 1, tc.explain()
+    assert "to" in tc.explain().dense_reasons[0], tc.explain()
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
