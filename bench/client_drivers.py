@@ -236,6 +236,15 @@ class Executorch:
         return torch.tensor(toks)
 
 
+class ExecutorchScalars(Executorch):
+    """The same loop with ``torch._dynamo.config.capture_scalar_outputs = True``: the cache's ``.item()`` stays in
+    the graph, so the write and the attention share one graph."""
+
+    def run(self, m, options, logits):
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            return super().run(m, options, logits)
+
+
 def _fairscale_single_process():
     """Meta's reference code runs under fairscale model parallelism: one gloo rank, one model-parallel group."""
     import os
@@ -328,7 +337,7 @@ class Llama3Reference:
 
 
 CLIENTS = {"torchtune": Torchtune, "litgpt": LitGPT, "gpt-fast": GptFast, "hf-static": HFStatic,
-           "executorch": Executorch,
+           "executorch": Executorch, "executorch-scalars": ExecutorchScalars,
            "llama4-reference": Llama4Reference, "llama3-reference": Llama3Reference}
 
 

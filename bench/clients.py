@@ -28,37 +28,50 @@ DRIVER = Path(__file__).resolve().parent / "client_drivers.py"
 CACHE = Path(os.environ.get("TINYSERVE_CLIENTS_CACHE", Path.home() / ".cache" / "tinyserve_compile" / "clients"))
 TORCH = "torch==2.13.0"
 
+#: executorch's requirements without coremltools, scikit-learn and the test tools (its llama example needs none)
+EXECUTORCH_DEPS = ["torchao==0.18.0", "pyyaml", "ruamel.yaml", "numpy", "sympy", "typing-extensions", "omegaconf",
+                   "hydra-core", "tabulate", "pytorch-tokenizers", "packaging", "flatbuffers"]
+#: llama-models' requirements plus fairscale, which its reference model code imports
+LLAMA_MODELS_DEPS = ["fairscale==0.4.13", "numpy", "pydantic>=2", "tiktoken", "pyyaml", "jinja2", "pillow",
+                     "termcolor", "rich", "httpx"]
+
 #: name -> what to install and what the client is. ``deps=None``: the library's own requirements (under a
 #: torch==2.13.0 constraint); a list: ``--no-deps`` and exactly these.
 CLIENTS = {
-    "torchtune": dict(
-        pkgs=["torchtune==0.6.1", "torchao==0.15.0"], deps=None,  # torchao 0.16+ drops the nf4 module torchtune imports
-        loop="torchtune.generation.generate with a compiled generate_next_token (KVCache.update: k_cache[:, :, cache_pos[:n]] = k)"),
+    "torchtune": dict(  # torchao 0.16 and later drop the nf4 module that torchtune 0.6.1 imports
+        pkgs=["torchtune==0.6.1", "torchao==0.15.0"], deps=None,
+        loop="torchtune.generation.generate with a compiled generate_next_token (KVCache.update: "
+             "k_cache[:, :, cache_pos[:n]] = k)"),
     "litgpt": dict(
         pkgs=["litgpt==0.5.13"], deps=None,
-        loop="litgpt.generate.base.generate (KVCache.forward: k.index_copy_ return value, [:n] prefix reads)"),
+        loop="litgpt.generate.base.generate with a compiled next_token, as its --compile does (KVCache.forward: "
+             "k = self.k[:bs].index_copy_(-2, pos, k), read as k[..., :input_pos_maxp1, :])"),
     "gpt-fast": dict(
         pkgs=["torchao==0.15.0"], deps=[],
-        loop="gpt-fast's model.py + generate.py as shipped in torchao/_models/llama (decode_n_tokens)"),
+        loop="gpt-fast's model.py + generate.py as torchao ships them (torchao/_models/llama, last in 0.15.0; "
+             "gpt-fast itself is not on PyPI): generate() with a compiled decode_one_token, as its main() does "
+             "(k_cache[:, :, input_pos] = k with int32 positions)"),
     "hf-static": dict(
         pkgs=["transformers==5.24.0"], deps=None,
-        loop="transformers generate() with cache_implementation='static' and a CompileConfig"),
+        loop="transformers generate() with cache_implementation='static' and a CompileConfig (StaticCache: "
+             "index_copy_ along the sequence dim)"),
     "executorch": dict(
-        pkgs=["executorch==1.5.1"], deps=["torchao==0.18.0", "pyyaml", "ruamel.yaml", "numpy", "sympy",
-                                          "typing-extensions", "omegaconf", "hydra-core", "tabulate",
-                                          "pytorch-tokenizers", "packaging", "flatbuffers"],
-        loop="executorch examples/models/llama: llama_transformer + KVCache (k_cache[:, :, input_pos] = k), "
-             "its eager runner's LlamaRunner.generate"),
+        pkgs=["executorch==1.5.1"], deps=EXECUTORCH_DEPS,
+        loop="executorch examples/models/llama: llama_transformer with its KVCache in dynamic-shape mode (what "
+             "its eager runner feeds: start_pos = input_pos[0].item(), k_cache.index_copy_(2, arange(n) + start_pos, "
+             "k)), run by its runner's LlamaRunner.generate"),
+    "executorch-scalars": dict(
+        venv="executorch", pkgs=["executorch==1.5.1"], deps=EXECUTORCH_DEPS,
+        loop="the executorch loop above with torch._dynamo.config.capture_scalar_outputs = True (the cache's "
+             ".item() stays in the graph)"),
     "llama4-reference": dict(
         venv="llama-models", pkgs=["llama-models==0.3.0"],
-        deps=["fairscale==0.4.13", "numpy", "pydantic>=2", "tiktoken", "pyyaml", "jinja2", "pillow", "termcolor",
-              "rich", "httpx"],
+        deps=LLAMA_MODELS_DEPS,
         loop="Meta's reference Llama 4 text model (llama_models.llama4.model: cache_k[:bsz, pos:pos+n] = xk, "
              "keys read as cache_k[:bsz, :pos+n], no mask in decode), in the loop of its generate()"),
     "llama3-reference": dict(
         venv="llama-models", pkgs=["llama-models==0.3.0"],
-        deps=["fairscale==0.4.13", "numpy", "pydantic>=2", "tiktoken", "pyyaml", "jinja2", "pillow", "termcolor",
-              "rich", "httpx"],
+        deps=LLAMA_MODELS_DEPS,
         loop="Meta's reference Llama 3 (llama_models.llama3.model: attention as matmul + softmax), in the loop of "
              "its generate()"),
 }

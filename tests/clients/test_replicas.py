@@ -14,6 +14,7 @@ Both the native kernel and the PyTorch ops (used when the native build is unavai
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -199,6 +200,7 @@ class Decoder(nn.Module):
 
     def __init__(self, client: str):
         super().__init__()
+        client = client.removesuffix("-scalars")
         self.client = client
         attn = {"torchtune": TorchtuneAttention, "litgpt": LitGPTAttention, "gpt-fast": GptFastAttention,
                 "executorch": ExecutorchAttention, "executorch-dynamic": ExecutorchDynamicAttention,
@@ -239,7 +241,11 @@ class Decoder(nn.Module):
         return self.out(x)  # [B, T, VOCAB]
 
 
-CLIENTS = ("torchtune", "litgpt", "gpt-fast", "executorch", "executorch-dynamic", "llama4-reference")
+CLIENTS = ("torchtune", "litgpt", "gpt-fast", "executorch", "executorch-dynamic-scalars", "llama4-reference",
+           pytest.param("executorch-dynamic", marks=pytest.mark.xfail(strict=True, reason=(
+               "the .item() of the start position breaks the graph between the cache write and the attention; "
+               "the site stays dense (torch._dynamo.config.capture_scalar_outputs = True keeps them in one graph: "
+               "the -scalars case)"))))
 
 
 def position_args(client: str, start: int, t: int):
@@ -289,7 +295,15 @@ def decode(model: Decoder, step, tokens: torch.Tensor, reference=None) -> torch.
     return torch.stack(out)
 
 
+def dynamo_config(client: str):
+    """``-scalars``: Dynamo keeps ``.item()`` in the graph (no graph break)."""
+    if client.endswith("-scalars"):
+        return torch._dynamo.config.patch(capture_scalar_outputs=True)
+    return contextlib.nullcontext()
+
+
 def build(client: str) -> Decoder:
+    """The replica, random-init."""
     torch.manual_seed(0)
     model = Decoder(client).eval()
     with torch.no_grad():
@@ -328,7 +342,8 @@ def test_replica_matches_reference(client, kernel_path):
     eager = decode(model, model, TOKENS)
     ref = decode(model, None, TOKENS, reference=SPARSE)
     step = torch.compile(model, backend="tinyserve", options=SPARSE)
-    got = decode(model, step, TOKENS)
+    with dynamo_config(client):
+        got = decode(model, step, TOKENS)
     assert_all_rewritten()
     assert (tc.explain().native_kernel == "in use") == (kernel_path == "native"), tc.explain()
     assert tc.explain().runtime["decode_calls"] >= LAYERS * (STEPS - 1)
@@ -341,7 +356,8 @@ def test_replica_dense_exact(client):
     model = build(client)
     eager = decode(model, model, TOKENS)
     step = torch.compile(model, backend="tinyserve", options=DENSE)
-    got = decode(model, step, TOKENS)
+    with dynamo_config(client):
+        got = decode(model, step, TOKENS)
     assert_all_rewritten()
     torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
     assert torch.equal(got.argmax(-1), eager.argmax(-1))
