@@ -9,8 +9,14 @@ A site is rewritten (status ``"sparse"``) only when all of these hold:
   caches transposed for SDPA), possibly a ``[:b]`` batch slice and a ``[:n]``
   sequence prefix (:class:`~._graph.CacheLayout`, recorded per site);
 * the graph writes the key cache in place along its sequence dim, with a
-  recognised idiom, before the attention, and does nothing else in place to it;
-* no ``is_causal``, no dropout, and a mask (if any) over the keys read.
+  recognised idiom, before the attention, and does nothing else in place to it.
+  The write may go through a view of the buffer (``self.k[:bs, ...]``, a
+  ``[..., :n, :]`` prefix, a transpose, a negative dim), take positions of any
+  integer dtype (0-d or ``[n]``), and its return value may be what SDPA reads
+  (litgpt's ``k = self.k[:bs, ...].index_copy_(-2, pos, k)``);
+* no ``is_causal``, no dropout, and a mask (if any) exactly as long as the keys
+  read: the whole cache, or the ``[:n]`` prefix read (litgpt's
+  ``input_pos_maxp1``; keys past ``n`` are never attended, so this is exact).
 
 The first ``dense_layers`` layers are rewritten too, and attend densely at run
 time (:mod:`tinyserve_compile.runtime` ranks layers across graphs).
