@@ -542,8 +542,7 @@ def match_cache_write(base: fx.Node, node: fx.Node, layout: Optional[CacheLayout
     if index_copy is not None:
         dim, pos = index_copy
         if dim % 4 != sd:
-            return (f"index_copy_ along dim {dim} of a view whose sequence dim is {sd} "
-                    f"(cache layout {layout_name(layout.perm)})")
+            return f"along dim {dim} of the written view, not its sequence dim {sd}"
         region = t
     else:
         ks = _expand_key(key, 4)

@@ -256,6 +256,7 @@ def test_litgpt_generate_matches_reference_and_dense(use_maxp1, lower):
     last = rep.graphs[-1]["sites"]
     assert [s["status"] for s in last] == ["sparse"] * 3, rep
     assert rep.runtime["decode_calls"] == 2 * 6, rep.runtime
+    assert tc.counters["graphs"] == (2 if use_maxp1 else 1), "one static graph, then one with a dynamic n"
     eager = litgpt_generate(model, model, use_maxp1=use_maxp1)
     assert not torch.allclose(got, eager, atol=1e-4), "budget 16 of 40+ tokens should change the logits"
     torch._dynamo.reset()
