@@ -88,6 +88,24 @@ SKIPPED = {
 }
 
 
+#: read with the table
+NOTES = [
+    "The libraries' generate loops run as their users run them with compilation on: torchtune's recipe "
+    "compiles generate_next_token, litgpt's --compile and gpt-fast's --compile compile their per-token step "
+    "function, transformers compiles the forward through CompileConfig, the others compile the model.",
+    "llama-models' own generate() allocates its tensors with device=\"cuda\" and its Llama 4 attention "
+    "creates its caches with .cuda(): the sweep builds the model with .cuda() as the identity and runs the "
+    "same prev_pos -> cur_pos loop on CPU. Its Llama 3 attention is written as matmul + softmax, so there is "
+    "no SDPA call to rewrite.",
+    "executorch's eager runner feeds the dynamic-shape cache, whose .item() of the start position breaks the "
+    "graph between the cache write and the attention: that site stays dense with its reason. With "
+    "torch._dynamo.config.capture_scalar_outputs = True the write and the attention share one graph and every "
+    "layer is rewritten (executorch-scalars).",
+    "A logit hook on the LM head records each step outside the compiled graph (a graph break after the head), "
+    "so graphs counts those too; layers_rewritten is the sparse attention calls per decode step.",
+]
+
+
 def _run(cmd, log, **kw):
     with open(log, "a") as f:
         f.write("$ " + " ".join(map(str, cmd)) + "\n")
@@ -158,9 +176,19 @@ def setup_venv(name: str, spec: dict, log=print) -> Path:
     return py
 
 
+def _commit() -> str:
+    """The checkout's commit, with ``+changes`` when the installed package's files differ from it."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(git + ["status", "--porcelain", "--", "tinyserve_compile", "passes", "kernels",
+                                  "pyproject.toml"], capture_output=True, text=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
 def run_client(name: str, lower: str, timeout: int, log=print) -> dict:
     """Install (or reuse) the client's virtualenv and run its driver there; the driver's row."""
     spec = CLIENTS[name]
+    commit = _commit()  # what setup_venv installs
     try:
         py = setup_venv(name, spec, log)
     except Exception as e:  # an install that fails is the client's result, with its reason
@@ -181,6 +209,7 @@ def run_client(name: str, lower: str, timeout: int, log=print) -> dict:
         tail = errf.read_text()[-2000:]
         return dict(client=name, error=f"driver wrote no result (see {errf}): {tail}")
     row = json.loads(out.read_text())
+    row["commit"] = commit
     log(f"[{name}] done in {time.time() - t0:.0f} s")
     return row
 
@@ -192,6 +221,8 @@ COLUMNS = ("client", "library", "layers_rewritten", "sites_rewritten", "sites_de
 
 def _cell(r: dict, k: str) -> str:
     v = r.get(k, "")
+    if k == "native_kernel" and isinstance(v, str) and v.startswith("unavailable"):
+        return "no: " + v.split(": ", 1)[-1].split(": /")[0][:60]  # the reason, without the path
     if isinstance(v, float):
         return f"{v:.2e}"
     if isinstance(v, list):
@@ -238,13 +269,13 @@ def write(rows, out_dir: Path, md: Path, lower: str) -> None:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows([{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in keep])
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = next((r["commit"] for r in rows if r.get("commit")), None) or _commit()
     run = next((r for r in rows if "options" in r), dict(options={}, prompt="?", new="?", dense_options={}))
     loops = "\n".join(f"- **{n}**: {s['loop']}; installed: {', '.join(s['pkgs'])}"
                       + ("" if s["deps"] is None else f" (`--no-deps`, then: {', '.join(s['deps']) or 'nothing'})")
                       for n, s in CLIENTS.items())
     skipped = "\n".join(f"- **{n}**: {why}" for n, why in SKIPPED.items())
+    notes = "\n".join(f"- {n}" for n in NOTES)
     md.write_text(f"""# Third-party decode loops through the backend
 
 `python -m bench clients` (`bench/clients.py`, driver `bench/client_drivers.py`) runs each library's own
@@ -275,6 +306,10 @@ Measured at commit {commit} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
 
 {loops}
 
+Notes:
+
+{notes}
+
 Not in the sweep:
 
 {skipped}
@@ -292,12 +327,20 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"), help="folder for clients.json/.csv")
     ap.add_argument("--md", default=str(ROOT / "docs" / "clients.md"))
     ap.add_argument("--list", action="store_true", help="print the clients and exit")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rebuild the table and docs from the JSON in --out (no run)")
     a = ap.parse_args(argv)
     if a.list:
         for n, s in CLIENTS.items():
             print(f"{n}: {s['loop']}")
         for n, why in SKIPPED.items():
             print(f"{n}: skipped: {why}")
+        return 0
+    if a.report_only:
+        rows = json.loads((Path(a.out) / "clients.json").read_text())
+        lower = next((r["lower"] for r in rows if "lower" in r), "?")
+        print(table(rows))
+        write(rows, Path(a.out), Path(a.md), lower)
         return 0
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CLIENTS)
     bad = [n for n in names if n not in CLIENTS]
