@@ -107,6 +107,12 @@ def some_rows_written(q, kc, vc, k, v, pos, mask):  # row 0 of 2 written, both r
     return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
 
 
+def broadcast_source(q, kc, vc, k, v, pos, mask):  # one row of keys broadcast into both rows of the cache
+    kc[:, :, pos] = k[:1]
+    vc[:, :, pos] = v[:1]
+    return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+
+
 CASES = [
     (graph_break_between, {}, "key cache is not written in this graph"),
     (written_twice, {}, "key cache is written 2 times in this graph"),
@@ -124,6 +130,9 @@ CASES = [
     (offset_view_write, {}, "unrecognised in-place write to the key cache: index_copy_(2, "),
     (some_rows_written, {"rows": 2, "batch": 2},
      "unrecognised in-place write to the key cache: index_copy_(2, "),
+    (broadcast_source, {"rows": 2, "batch": 2},
+     "unrecognised in-place write to the key cache: cache[:, :, <int64[1]>] = ...: the written source (1, 2, 1, 16) "
+     "is broadcast into the cache view (2, 2, 64, 16)"),
 ]
 #: the second part of the two reasons above whose first part is the generic prefix
 TAILS = {offset_view_write: "the write goes through a view that starts at sequence position 8",
