@@ -596,6 +596,13 @@ def match_cache_write(base: fx.Node, node: fx.Node, layout: Optional[CacheLayout
         return None
     if st.dim() + (squeeze is not None) != 4:
         return f"the written source is {st.dim()}-D {tuple(hint(s) for s in st.shape)}, not one entry per cache dim"
+    src_shape = [hint(x) for x in st.shape]
+    if squeeze is not None:
+        src_shape.insert(squeeze, 1)
+    want = [int(x) for x in region.shape]
+    if any(a != b for d, (a, b) in enumerate(zip(src_shape, want)) if d != sd):
+        return (f"the written source {tuple(hint(x) for x in st.shape)} is broadcast into the cache view "
+                f"{tuple(want)} (the write op takes one source entry per element written)")
     src_perm = tuple(r_perm.index(b) for b in lay_perm)  # source dims (the view's order) -> [B, Hkv, n, D]
     positions = pos if isinstance(pos, fx.Node) else (0 if pos.start is None else pos.start, pos.stop)
     return CacheWrite(node, kind, src, positions, list(extra), layout.perm, rows,

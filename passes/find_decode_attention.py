@@ -146,11 +146,9 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
     if q is None or q.dim() != 4:
         site.reason = "query shape unknown or not 4-D [B, H, Lq, D]"
         return
-    try:
-        site.query_len = int(q.shape[2])
-    except Exception:
-        site.reason = "query length is symbolic"
-        return
+    # a symbolic query length is a prompt of dynamic length (Dynamo specialises a length of 1): a prefill. It is
+    # not read with int(), which would specialise the graph on it (a recompile per prompt length)
+    site.query_len = q.shape[2] if isinstance(q.shape[2], int) else None
     if any(is_dtensor(fake(a[name])) for name in ("query", "key", "value")):
         site.reason = ("DTensor activations (a tensor-parallel plan that keeps DTensor outputs): the sparse ops have "
                        "no sharding rule; use local outputs (use_local_output=True) to rewrite")
@@ -163,7 +161,8 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
     why = k_lay if k_base is None else (v_lay if v_base is None else "")
     if site.query_len != 1:
         # prefill stays dense; its key-cache write is kept bounds-aware when the layout is known
-        site.status, site.reason = "prefill", f"prefill (query length {site.query_len}) stays dense"
+        n = site.query_len if site.query_len is not None else f"{q.shape[2]}, dynamic"
+        site.status, site.reason = "prefill", f"prefill (query length {n}) stays dense"
         if k_base is not None:
             site.k_base, site.k_layout = k_base, k_lay
             site.k_write, _ = _writes_reason(k_base, k_lay, order, site.node)

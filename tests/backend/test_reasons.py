@@ -107,6 +107,12 @@ def some_rows_written(q, kc, vc, k, v, pos, mask):  # row 0 of 2 written, both r
     return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
 
 
+def broadcast_source(q, kc, vc, k, v, pos, mask):  # one row of keys broadcast into both rows of the cache
+    kc[:, :, pos] = k[:1]
+    vc[:, :, pos] = v[:1]
+    return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+
+
 CASES = [
     (graph_break_between, {}, "key cache is not written in this graph"),
     (written_twice, {}, "key cache is written 2 times in this graph"),
@@ -124,6 +130,9 @@ CASES = [
     (offset_view_write, {}, "unrecognised in-place write to the key cache: index_copy_(2, "),
     (some_rows_written, {"rows": 2, "batch": 2},
      "unrecognised in-place write to the key cache: index_copy_(2, "),
+    (broadcast_source, {"rows": 2, "batch": 2},
+     "unrecognised in-place write to the key cache: cache[:, :, <int64[1]>] = ...: the written source (1, 2, 1, 16) "
+     "is broadcast into the cache view (2, 2, 64, 16)"),
 ]
 #: the second part of the two reasons above whose first part is the generic prefix
 TAILS = {offset_view_write: "the write goes through a view that starts at sequence position 8",
@@ -154,3 +163,26 @@ def test_dropout_site_names_its_cause():
     torch.manual_seed(0)
     got = compiled(*_inputs())
     assert torch.allclose(got, eager, atol=1e-6), worst(got, eager)
+
+
+def test_dynamic_length_prompt_is_a_prefill_without_recompiles():
+    """A prompt of dynamic length (``dynamic=True``) is a prefill: its length is not specialised on (one graph for
+    both lengths), its cache write keeps the bounds, and the output equals eager."""
+    def prefill(q, kc, vc, k, v, pos):
+        kc.index_copy_(2, pos, k)
+        vc.index_copy_(2, pos, v)
+        return F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
+
+    g = torch.Generator().manual_seed(1)
+    compiled = torch.compile(prefill, backend="tinyserve", options=OPTS, dynamic=True)
+    for n in (3, 5):
+        args = (torch.randn(1, HQ, n, D, generator=g), torch.randn(1, HKV, L, D, generator=g),
+                torch.randn(1, HKV, L, D, generator=g), torch.randn(1, HKV, n, D, generator=g),
+                torch.randn(1, HKV, n, D, generator=g), torch.arange(n))
+        want = prefill(*(a.clone() for a in args))
+        got = compiled(*(a.clone() for a in args))
+        assert torch.allclose(got, want, atol=1e-6), worst(got, want)
+    assert tc.counters["graphs"] == 1, tc.explain()
+    assert tc.counters["prefill_sites"] == 1 and tc.counters["cache_writes_rewritten"] == 1, tc.counters
+    (site,) = tc.explain().graphs[0]["sites"]
+    assert site["status"] == "prefill" and "dynamic" in site["reason"], site
