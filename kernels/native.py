@@ -189,9 +189,17 @@ def _load(verbose: bool) -> bool:
     build_dir = os.path.join(root, f"native-{key}")
     os.makedirs(build_dir, exist_ok=True)
     clear_stale_lock(build_dir)
+    # build from a copy inside the build folder: an editable checkout and an installed wheel (same source, other
+    # paths) then share one build instead of rebuilding each other's (ninja rebuilds when a command changes)
+    local = os.path.join(build_dir, os.path.basename(SOURCE))
+    if not os.path.exists(local) or open(local, "rb").read() != src:
+        tmp = f"{local}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(src)
+        os.replace(tmp, local)
     module = cpp_extension.load(
         name=f"tinyserve_native_{key}",
-        sources=[SOURCE],
+        sources=[local],
         extra_cflags=cflags,
         extra_ldflags=ldflags,
         build_directory=build_dir,

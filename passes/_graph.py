@@ -1,6 +1,7 @@
 """FX helpers shared by the passes: node metadata, view chains, cache layouts, cache-write idioms."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 from dataclasses import dataclass, field
@@ -104,7 +105,9 @@ def trace_view_chain(node: fx.Node) -> Tuple[Optional[fx.Node], List[fx.Node]]:
     """Walk up view-like steps from ``node`` to a graph input.
 
     Size arguments (SymInt nodes) may appear in the steps; a step with a second
-    tensor operand ends the walk.
+    tensor operand ends the walk. An in-place method (``index_copy_``,
+    ``copy_``, ...) returns its own ``self``: the walk goes on through it (it is
+    in the chain, and :func:`_replay` treats it as the identity).
 
     Returns
     -------
@@ -115,6 +118,10 @@ def trace_view_chain(node: fx.Node) -> Tuple[Optional[fx.Node], List[fx.Node]]:
     chain: List[fx.Node] = []
     cur = node
     while cur.op != "placeholder":
+        if returns_self(cur):  # x.index_copy_(...) and friends return x itself: an alias, not a new value
+            chain.append(cur)
+            cur = cur.args[0]
+            continue
         if not is_view_step(cur):
             return None, chain
         inputs = _tensor_inputs(cur)
@@ -188,6 +195,9 @@ def _replay(base: fx.Node, chain: List[fx.Node], code: torch.Tensor) -> torch.Te
 
     env = {base: code}
     for n in chain:
+        if returns_self(n):
+            env[n] = env[n.args[0]]
+            continue
         args = fx.node.map_arg(n.args, val)
         kwargs = fx.node.map_arg(n.kwargs, val)
         if n.op == "call_method":
@@ -303,7 +313,8 @@ def chain_is_repeat_kv(base: fx.Node, chain: List[fx.Node], n_q_heads: int, enab
     return None
 
 
-def _is_inplace(node: fx.Node) -> bool:
+def is_inplace(node: fx.Node) -> bool:
+    """True for an in-place op (a method or function whose name ends in one ``_``, or ``setitem``)."""
     if node.op == "call_method":
         t = str(node.target)
         return t.endswith("_") and not t.endswith("__")
@@ -315,13 +326,33 @@ def _is_inplace(node: fx.Node) -> bool:
     return False
 
 
+def returns_self(node: fx.Node) -> bool:
+    """True for an in-place method call (``x.index_copy_(...)``), and for a conversion that converts nothing
+    (``x.to(y)``, ``x.type_as(y)``, ``x.to(dtype)`` at ``x``'s own dtype and device, as Meta's reference Llama
+    does with its caches each call): its value is ``x`` itself."""
+    if node.op != "call_method" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if is_inplace(node):
+        return True
+    return node.target in ("to", "type_as") and len(node.args) == 2 and not node.kwargs.get("copy", False) \
+        and _same_tensor_type(fake(node.args[0]), fake(node))
+
+
+def _same_tensor_type(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """``a.to(...)`` returned ``a`` itself: the same dtype, device, shape and strides (the graph is guarded on them)."""
+    return a is not None and b is not None and a.dtype == b.dtype and a.device == b.device \
+        and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride()
+
+
 def views_of(base: fx.Node) -> List[fx.Node]:
-    """``base`` and every node reachable from it through view-like steps."""
+    """``base`` and every node reachable from it through view-like steps (and in-place results, which alias)."""
     seen, todo = [base], [base]
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u not in seen and is_view_step(u) and _tensor_inputs(u)[:1] == [n]:
+            if u in seen:
+                continue
+            if (is_view_step(u) and _tensor_inputs(u)[:1] == [n]) or (returns_self(u) and u.args[0] is n):
                 seen.append(u)
                 todo.append(u)
     return seen
@@ -332,11 +363,14 @@ class CacheWrite:
     """One recognised write into a cache buffer along its sequence dim.
 
     ``kind`` is ``index_copy_``, ``setitem``, ``index_put_`` or ``slice_copy_``;
-    ``positions`` is a node (int64 positions) or a ``(start, stop)`` pair of
-    int/SymInt nodes, indexing the buffer's sequence dim. ``src`` is in the
-    buffer's own layout: ``src.permute(perm)`` is ``[B, Hkv, n, D]``, written into
-    ``buffer[:batch].permute(perm)`` at ``positions`` along dim 2 (``perm`` None:
-    the identity; ``batch`` None: every row).
+    ``positions`` is a node (integer positions of any dtype, 0-d or 1-D) or a
+    ``(start, stop)`` pair of ints/SymInt nodes, indexing the buffer's sequence
+    dim. The write goes into ``buffer[:batch].permute(perm)`` (``[B, Hkv, L, D]``;
+    ``perm`` None: the identity; ``batch`` None: every row) at ``positions`` along
+    dim 2, and writes ``src.unsqueeze(src_unsqueeze).permute(src_perm)``
+    (``[B, Hkv, n, D]``; each step skipped when None). The write may go through
+    a view of the buffer (a ``[:b]`` batch slice, a ``[:n]`` sequence prefix, a
+    transpose, negative dims); ``src`` is in that view's dim order.
     """
 
     node: fx.Node
@@ -346,6 +380,8 @@ class CacheWrite:
     extra_nodes: List[fx.Node] = field(default_factory=list)
     perm: Optional[Tuple[int, ...]] = None
     batch: Optional[int] = None
+    src_perm: Optional[Tuple[int, ...]] = None
+    src_unsqueeze: Optional[int] = None
 
 
 def _full(s) -> bool:
@@ -365,86 +401,226 @@ def _expand_key(key, ndim: int) -> Optional[list]:
     return key + [slice(None)] * (ndim - len(key))
 
 
-def _batch_rows(entry, size) -> Union[None, int, str]:
-    """None for all ``size`` rows, an int for a ``[:b]`` prefix, "bad" for anything else."""
-    if _full(entry):
+def _coordinate_code(shape: Tuple[int, ...]) -> torch.Tensor:
+    """An integer tensor of ``shape`` whose elements are their own flat index (it encodes coordinates)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return torch.arange(numel, dtype=torch.int32 if numel < 2 ** 31 else torch.int64).reshape(shape)
+
+
+def _region(code: torch.Tensor, shape: Tuple[int, ...], r: torch.Tensor):
+    """``(perm, start, size)`` when ``r`` (a view of ``code``) is ``code.permute(perm)`` cut to a box, else None.
+
+    ``perm[d]`` is the buffer dim that dim ``d`` of ``r`` walks along (stride +1);
+    ``start`` and ``size`` are per buffer dim.
+    """
+    nd = len(shape)
+    if r.dim() != nd or r.numel() == 0:
         return None
-    if isinstance(entry, slice) and entry.start in (None, 0) and entry.step in (None, 1):
-        stop = _example(entry.stop) if isinstance(entry.stop, fx.Node) else entry.stop
-        if isinstance(stop, int) and not isinstance(stop, bool):
-            return None if stop >= size else stop
-    return "bad"
 
+    def coords(flat: int) -> List[int]:
+        out = []
+        for s in reversed(shape):
+            out.append(flat % s)
+            flat //= s
+        return out[::-1]
 
-def match_cache_write(base: fx.Node, node: fx.Node, layout: Optional[CacheLayout] = None) -> Optional[CacheWrite]:
-    """Recognise ``node`` as a sequence-dim write into ``base`` read through ``layout`` (default ``[B, Hkv, L, D]``)."""
-    layout = layout or CacheLayout()
-    sd, bd = layout.seq_dim, layout.batch_dim
-    bt = fake(base)
-    size = {i: hint(s) for i, s in enumerate(bt.shape)} if bt is not None else {}
-
-    def per_dim(key, what_ok) -> Optional[Tuple[Any, Optional[int]]]:
-        """``(entry of the sequence dim, batch rows)`` when every other dim is whole (batch: a prefix)."""
-        ks = _expand_key(key, 4)
-        if ks is None:
+    first = coords(int(r.reshape(-1)[0]))
+    perm: List[Optional[int]] = [None] * nd
+    for d in range(nd):
+        if r.shape[d] < 2:
+            continue
+        idx = [0] * nd
+        idx[d] = 1
+        delta = [a - b for a, b in zip(coords(int(r[tuple(idx)])), first)]
+        moved = [i for i, x in enumerate(delta) if x != 0]
+        if len(moved) != 1 or delta[moved[0]] != 1 or moved[0] in perm:
             return None
-        rows = _batch_rows(ks[bd], size.get(bd, 0))
-        if rows == "bad" or rows != layout.batch:
-            return None
-        if not all(_full(k) for i, k in enumerate(ks) if i not in (sd, bd)):
-            return None
-        return (ks[sd], rows) if what_ok(ks[sd]) else None
-
-    def is_index(idx) -> bool:
-        t = fake(idx)
-        return isinstance(idx, fx.Node) and t is not None and not t.is_floating_point() and t.dtype != torch.bool \
-            and t.dim() <= 1
-
-    def is_range(idx) -> bool:
-        return isinstance(idx, slice) and idx.step in (None, 1) and idx.start is not None and idx.stop is not None
-
-    def make(kind, src, idx, rows, extra=()) -> Optional[CacheWrite]:
-        if not isinstance(src, fx.Node):
-            return None
-        pos = idx if isinstance(idx, fx.Node) else (idx.start, idx.stop)
-        return CacheWrite(node, kind, src, pos, list(extra), layout.perm, rows)
-
-    if node.op == "call_method" and node.target == "index_copy_" and node.args[0] is base:
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        index = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
-        src = node.args[3] if len(node.args) > 3 else node.kwargs.get("source")
-        if isinstance(dim, int) and dim % 4 == sd and layout.batch is None and isinstance(index, fx.Node):
-            return make("index_copy_", src, index, None)
+        perm[d] = moved[0]
+    free = [b for b in range(nd) if b not in perm]
+    for d in range(nd):
+        if perm[d] is None:
+            perm[d] = free.pop(0)
+    start = tuple(first)
+    size = [0] * nd
+    for d in range(nd):
+        size[perm[d]] = int(r.shape[d])
+    box = code.permute(perm)[tuple(slice(start[perm[d]], start[perm[d]] + size[perm[d]]) for d in range(nd))]
+    if not torch.equal(r, box):
         return None
-    if node.op == "call_function" and node.target is operator.setitem and node.args[0] is base:
-        m = per_dim(node.args[1], lambda i: is_index(i) or is_range(i))
-        return make("setitem", node.args[2], m[0], m[1]) if m else None
-    if node.op == "call_method" and node.target == "index_put_" and node.args[0] is base:
-        indices, src = node.args[1], node.args[2]
-        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-        if isinstance(indices, (tuple, list)) and len(indices) == sd + 1 and all(i is None for i in indices[:sd]) \
-                and is_index(indices[sd]) and not accumulate and layout.batch is None:
-            return make("index_put_", src, indices[sd], None)
+    return tuple(perm), start, tuple(size)
+
+
+def _hint_slice(entry) -> Optional[slice]:
+    """A slice key entry with its int/SymInt nodes replaced by their size hints (None: not such a slice)."""
+    if not isinstance(entry, slice):
         return None
+    parts = []
+    for x in (entry.start, entry.stop, entry.step):
+        if isinstance(x, fx.Node):
+            ex = _example(x)
+            if not isinstance(ex, (int, torch.SymInt)):
+                return None
+            x = hint(ex)
+        parts.append(x)
+    return slice(*parts)
+
+
+def _written_part(node: fx.Node):
+    """``(kind, target, key, index_copy, src, extra)`` of an in-place node, a reason string, or None.
+
+    ``target`` is the tensor written into; ``key`` the per-dim entries applied to
+    it (``index_copy_``: None, and ``index_copy`` holds ``(dim, index)``).
+    """
+    def arg(i, name, default=None):
+        return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+    if node.op == "call_method" and node.target == "index_copy_":
+        dim, index, src = arg(1, "dim"), arg(2, "index"), arg(3, "source")
+        if not isinstance(dim, int):
+            return "index_copy_ along a dim that is not a constant"
+        return "index_copy_", node.args[0], None, (dim, index), src, []
+    if node.op == "call_function" and node.target is operator.setitem:
+        return "setitem", node.args[0], node.args[1], None, node.args[2], []
+    if node.op == "call_method" and node.target == "index_put_":
+        indices, src, accumulate = arg(1, "indices"), arg(2, "values"), arg(3, "accumulate", False)
+        if accumulate:
+            return "index_put_ with accumulate=True adds into the cache instead of writing it"
+        if not isinstance(indices, (tuple, list)):
+            return None
+        given = [i for i, x in enumerate(indices) if x is not None]
+        if len(given) != 1:
+            return f"index_put_ indexes {len(given)} dims of the cache (only the sequence dim may be indexed)"
+        key = [slice(None)] * given[0] + [indices[given[0]]]
+        return "index_put_", node.args[0], tuple(key), None, src, []
     if node.op == "call_method" and node.target == "copy_":
         dst = node.args[0]
-        if isinstance(dst, fx.Node) and dst.op == "call_function" and dst.target is operator.getitem \
-                and dst.args[0] is base:
-            m = per_dim(dst.args[1], is_range)
-            return make("slice_copy_", node.args[1], m[0], m[1], [dst]) if m else None
+        if isinstance(dst, fx.Node) and dst.op == "call_function" and dst.target is operator.getitem:
+            return "slice_copy_", dst.args[0], dst.args[1], None, node.args[1], [dst]
     return None
 
 
-def cache_writes(base: fx.Node, layout: Optional[CacheLayout] = None) -> Tuple[List[CacheWrite], List[fx.Node]]:
-    """Recognised writes into ``base`` and the in-place ops on it (or its views) that are not."""
+def match_cache_write(base: fx.Node, node: fx.Node, layout: Optional[CacheLayout] = None) -> Union[CacheWrite, str, None]:
+    """Recognise ``node`` as a sequence-dim write into ``base`` read through ``layout`` (default ``[B, Hkv, L, D]``).
+
+    The tensor written may be any view of ``base`` that :func:`trace_view_chain`
+    follows: the write's region is found by replaying that chain on a tensor that
+    encodes element coordinates, so a ``[:b]`` batch slice, a ``[:n]`` prefix of
+    the sequence dim, a transpose or a negative dim all resolve to the buffer's
+    own dims. Returns the :class:`CacheWrite`, a reason string for a write of a
+    known form that does not fit, or None for any other in-place op.
+    """
+    layout = layout or CacheLayout()
+    bt = fake(base)
+    if bt is None or bt.dim() != 4:
+        return None
+    parts = _written_part(node)
+    if not isinstance(parts, tuple):
+        return parts
+    kind, target, key, index_copy, src, extra = parts
+    if not isinstance(target, fx.Node) or not isinstance(src, fx.Node):
+        return None
+    root, chain = trace_view_chain(target)
+    if root is not base:
+        return None
+    shape = tuple(hint(s) for s in bt.shape)
+    code = _coordinate_code(shape)
+    try:
+        t = _replay(base, chain, code)
+    except Exception:  # noqa: BLE001 - a view chain that cannot be replayed
+        return None
+    if t.dim() != 4:
+        return f"the write goes through a {t.dim()}-D view of the cache, not one with its 4 dims"
+    lay_perm = layout.perm or (0, 1, 2, 3)
+    sd_buf, bd_buf = layout.seq_dim, layout.batch_dim
+    tgt = _region(code, shape, t)
+    if tgt is None:
+        return "the write goes through a view of the cache that is not a box of it (a reshape or a gather)"
+    sd = tgt[0].index(sd_buf)  # the sequence dim, counted in the written view
+    squeeze = None
+    if index_copy is not None:
+        dim, pos = index_copy
+        if dim % 4 != sd:
+            return f"along dim {dim} of the written view, not its sequence dim {sd}"
+        region = t
+    else:
+        ks = _expand_key(key, 4)
+        if ks is None:
+            return f"the write's index {_fmt_key(key)} is not one entry per cache dim"
+        pos = ks[sd]
+        rest = []
+        for i, k in enumerate(ks):
+            hk = slice(None) if i == sd else _hint_slice(k)
+            if hk is None:
+                return (f"the write indexes dim {i} of the cache with {_fmt(k)} "
+                        f"(only the sequence dim {sd} may hold positions)")
+            rest.append(hk)
+        region = t[tuple(rest)]
+        if isinstance(pos, slice):
+            if pos.step not in (None, 1) or pos.stop is None:
+                return f"the write takes the slice {_fmt(pos)} of the sequence dim (no end, or a step)"
+        elif not isinstance(pos, fx.Node):
+            return f"the sequence dim is indexed with {_fmt(pos)}, not with positions"
+        elif fake(pos) is not None and fake(pos).dim() == 0:
+            squeeze = sd  # a 0-d position drops the sequence dim: the source has none
+    if isinstance(pos, fx.Node):
+        pt = fake(pos)
+        if pt is None or pt.is_floating_point() or pt.is_complex() or pt.dtype == torch.bool:
+            return "the positions written are not an integer tensor"
+        if pt.dim() > 1:
+            return (f"the positions written are a {pt.dim()}-D tensor {tuple(hint(s) for s in pt.shape)} "
+                    f"(per-row positions); the write op writes the same positions in every row")
+    got = _region(code, shape, region)
+    if got is None:
+        return "the write goes through a view of the cache that is not a box of it"
+    r_perm, start, size = got
+    if r_perm.index(sd_buf) != sd:
+        return "the written view reorders the sequence dim"
+    if start[sd_buf] != 0:
+        return (f"the write goes through a view that starts at sequence position {start[sd_buf]} "
+                f"(the positions would be offset)")
+    for b in range(4):
+        if b not in (sd_buf, bd_buf) and (start[b] != 0 or size[b] != shape[b]):
+            return (f"the write covers [{start[b]}, {start[b] + size[b]}) of cache dim {b} (size {shape[b]}), "
+                    f"not all of it")
+    if start[bd_buf] != 0:
+        return f"the write goes through rows [{start[bd_buf]}, ...) of the cache, not a [:b] prefix"
+    rows = None if size[bd_buf] == shape[bd_buf] else size[bd_buf]
+    if rows != layout.batch:
+        read = "all rows" if layout.batch is None else f"rows [:{layout.batch}]"
+        wrote = "all rows" if rows is None else f"rows [:{rows}]"
+        return f"the write covers {wrote} of the cache while the attention reads {read}"
+    st = fake(src)
+    if st is None:
+        return None
+    if st.dim() + (squeeze is not None) != 4:
+        return f"the written source is {st.dim()}-D {tuple(hint(s) for s in st.shape)}, not one entry per cache dim"
+    src_shape = [hint(x) for x in st.shape]
+    if squeeze is not None:
+        src_shape.insert(squeeze, 1)
+    want = [int(x) for x in region.shape]
+    if any(a != b for d, (a, b) in enumerate(zip(src_shape, want)) if d != sd):
+        return (f"the written source {tuple(hint(x) for x in st.shape)} is broadcast into the cache view "
+                f"{tuple(want)} (the write op takes one source entry per element written)")
+    src_perm = tuple(r_perm.index(b) for b in lay_perm)  # source dims (the view's order) -> [B, Hkv, n, D]
+    positions = pos if isinstance(pos, fx.Node) else (0 if pos.start is None else pos.start, pos.stop)
+    return CacheWrite(node, kind, src, positions, list(extra), layout.perm, rows,
+                      None if src_perm == (0, 1, 2, 3) else src_perm, squeeze)
+
+
+def cache_writes(base: fx.Node, layout: Optional[CacheLayout] = None
+                 ) -> Tuple[List[CacheWrite], List[Tuple[fx.Node, str]]]:
+    """Recognised writes into ``base``, and the in-place ops on it (or its views) that are not, each with why."""
     writes, unknown = [], []
     for v in views_of(base):
         for u in v.users:
-            if not _is_inplace(u):
-                continue
+            if not is_inplace(u) or not u.args or u.args[0] is not v:
+                continue  # not in place, or in place on another tensor that only reads the cache
             w = match_cache_write(base, u, layout)
-            if w is None:
-                unknown.append(u)
+            if not isinstance(w, CacheWrite):
+                if all(u is not x for x, _ in unknown):
+                    unknown.append((u, w or ""))
             elif all(w.node is not x.node for x in writes):
                 writes.append(w)
     return writes, unknown
@@ -473,7 +649,7 @@ def first_non_view(node: fx.Node) -> fx.Node:
 
 def is_written_in_place(node: fx.Node) -> bool:
     """True when a graph input is mutated in place by the graph (a cache buffer)."""
-    return any(_is_inplace(u) and u.args and u.args[0] is v for v in views_of(node) for u in v.users)
+    return any(is_inplace(u) and u.args and u.args[0] is v for v in views_of(node) for u in v.users)
 
 
 def is_sliding_window_write(base: fx.Node, node: fx.Node) -> bool:
@@ -574,3 +750,32 @@ def decode_valid_len(graph: fx.Graph, k_view: fx.Node, attn_mask: Optional[fx.No
     ends = call(aten.arange.start, (1, call(operator.add, (L, 1))), {"dtype": torch.int64, "device": device})
     last = call(aten.amax.default, (call(aten.mul.Tensor, (allowed, ends)), []))  # newest allowed + 1
     return call(aten.reshape.default, (last, [1]))
+
+
+def pad_mask(graph: fx.Graph, attn_mask: Optional[fx.Node], kv_len: Any, length: int) -> Optional[fx.Node]:
+    """Insert ``attn_mask`` padded along its last dim from ``kv_len`` keys to ``length`` with "not attended".
+
+    A mask over a ``[:n]`` prefix read (``kv_len`` an int or a SymInt node) is
+    padded with False (bool) or -inf (additive) up to the cache length the ops
+    read; without a prefix (``kv_len`` None) or a mask, it is returned as is.
+    """
+    if attn_mask is None or kv_len is None:
+        return attn_mask
+    mt = fake(attn_mask)
+    if mt is None:
+        raise ValueError("pad_mask: the mask has no recorded example value")
+    fill = False if mt.dtype == torch.bool else float("-inf")
+    aten = torch.ops.aten
+    extra = length - kv_len if isinstance(kv_len, int) else graph.call_function(operator.sub, (length, kv_len))
+    # [..., 1] of the mask, filled, expanded to [..., L - n], appended (cat: the sizes may be symbolic)
+    call = graph.call_function
+    edge = call(aten.full_like.default, (call(aten.slice.Tensor, (attn_mask, -1, 0, 1)), fill))
+    tail = call(aten.expand.default, (edge, [-1] * (mt.dim() - 1) + [extra]))
+    out = call(aten.cat.default, ([attn_mask, tail], -1))
+    # its example value (the later steps read the mask's dtype and shape from it), under the mask's fake mode
+    n = kv_len if isinstance(kv_len, int) else _example(kv_len)
+    mode = getattr(mt, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        e = aten.full_like.default(aten.slice.Tensor(mt, -1, 0, 1), fill)
+        out.meta["example_value"] = aten.cat.default([mt, aten.expand.default(e, [-1] * (mt.dim() - 1) + [length - n])], -1)
+    return out

@@ -9,8 +9,14 @@ A site is rewritten (status ``"sparse"``) only when all of these hold:
   caches transposed for SDPA), possibly a ``[:b]`` batch slice and a ``[:n]``
   sequence prefix (:class:`~._graph.CacheLayout`, recorded per site);
 * the graph writes the key cache in place along its sequence dim, with a
-  recognised idiom, before the attention, and does nothing else in place to it;
-* no ``is_causal``, no dropout, and a mask (if any) over the keys read.
+  recognised idiom, before the attention, and does nothing else in place to it.
+  The write may go through a view of the buffer (``self.k[:bs, ...]``, a
+  ``[..., :n, :]`` prefix, a transpose, a negative dim), take positions of any
+  integer dtype (0-d or ``[n]``), and its return value may be what SDPA reads
+  (litgpt's ``k = self.k[:bs, ...].index_copy_(-2, pos, k)``);
+* no ``is_causal``, no dropout, and a mask (if any) exactly as long as the keys
+  read: the whole cache, or the ``[:n]`` prefix read (litgpt's
+  ``input_pos_maxp1``; keys past ``n`` are never attended, so this is exact).
 
 The first ``dense_layers`` layers are rewritten too, and attend densely at run
 time (:mod:`tinyserve_compile.runtime` ranks layers across graphs).
@@ -93,27 +99,44 @@ def _not_a_view_reason(node) -> str:
         return ("K/V are not views of a graph input: built by torch.cat each step "
                 "(a DynamicCache-style cache, no persistent buffer)")
     caches = [a for a in ancestors(stop) if a.op == "placeholder" and is_written_in_place(a)]
+    if caches and what in _CONVERSIONS and isinstance(stop.args[0], fx.Node) and \
+            trace_view_chain(stop.args[0])[0] in caches:
+        return (f"K/V are not views of a graph input: the cache buffer is converted by {what} each step "
+                f"(a cache stored in another dtype than the attention's), so no buffer holds the keys attended")
     if caches:
         return (f"K/V are not views of a graph input: computed each step by {what} from a cache buffer "
                 f"(e.g. a compressed MLA latent cache), not read from it")
     return f"K/V are not views of a graph input: they come from {what} (no persistent cache buffer)"
 
 
+#: ops that convert a tensor's dtype (a copy of the whole cache when applied to it)
+_CONVERSIONS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "_to_copy", "_to_copy.default"}
+
+
 def _writes_reason(base: fx.Node, lay: CacheLayout, order: dict, site_node: fx.Node):
     """``(the one write before the site, "")`` or ``(None, reason)``."""
     writes, unknown = cache_writes(base, lay)
     before = [w for w in writes if order[w.node] < order[site_node]]
-    if unknown and is_sliding_window_write(base, unknown[0]):
+    if unknown and is_sliding_window_write(base, unknown[0][0]):
         return None, ("sliding-window cache: the buffer is rolled and copied back whole each step "
                       "(cache.copy_(cache.roll(...))), so positions move; left to SDPA")
     if unknown:
+        node, why = unknown[0]
         name = layout_name(lay.perm)
         rows = f", rows [:{lay.batch}]" if lay.batch is not None else ""
-        return None, (f"unrecognised in-place write to the key cache: {describe_write(unknown[0])} "
-                      f"(cache layout {name}{rows}: expected a write along the sequence dim {lay.seq_dim})")
-    if len(writes) != 1 or len(before) != 1:
-        return None, (f"key cache must be written exactly once, before the attention, in this graph "
-                      f"(found {len(writes)} write(s), {len(before)} before)")
+        why = why or f"not a write of new positions along the sequence dim {lay.seq_dim}"
+        return None, (f"unrecognised in-place write to the key cache: {describe_write(node)}: {why} "
+                      f"(cache layout {name}{rows})")
+    if not writes:
+        return None, ("key cache is not written in this graph: the step's write must be in the same graph as the "
+                      "attention (a graph break between them, or a cache filled elsewhere, leaves no write to keep "
+                      "the page bounds with)")
+    if len(writes) > 1:
+        return None, (f"key cache is written {len(writes)} times in this graph "
+                      f"({', '.join(describe_write(w.node) for w in writes)}): one write per step is kept bounds-aware")
+    if not before:
+        return None, ("key cache is written after the attention in this graph: the attention reads the cache as it "
+                      "was before this step's write")
     return before[0], ""
 
 
@@ -123,11 +146,9 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
     if q is None or q.dim() != 4:
         site.reason = "query shape unknown or not 4-D [B, H, Lq, D]"
         return
-    try:
-        site.query_len = int(q.shape[2])
-    except Exception:
-        site.reason = "query length is symbolic"
-        return
+    # a symbolic query length is a prompt of dynamic length (Dynamo specialises a length of 1): a prefill. It is
+    # not read with int(), which would specialise the graph on it (a recompile per prompt length)
+    site.query_len = q.shape[2] if isinstance(q.shape[2], int) else None
     if any(is_dtensor(fake(a[name])) for name in ("query", "key", "value")):
         site.reason = ("DTensor activations (a tensor-parallel plan that keeps DTensor outputs): the sparse ops have "
                        "no sharding rule; use local outputs (use_local_output=True) to rewrite")
@@ -140,7 +161,8 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
     why = k_lay if k_base is None else (v_lay if v_base is None else "")
     if site.query_len != 1:
         # prefill stays dense; its key-cache write is kept bounds-aware when the layout is known
-        site.status, site.reason = "prefill", f"prefill (query length {site.query_len}) stays dense"
+        n = site.query_len if site.query_len is not None else f"{q.shape[2]}, dynamic"
+        site.status, site.reason = "prefill", f"prefill (query length {n}) stays dense"
         if k_base is not None:
             site.k_base, site.k_layout = k_base, k_lay
             site.k_write, _ = _writes_reason(k_base, k_lay, order, site.node)
@@ -179,9 +201,6 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
     mask = a["attn_mask"]
     L = k_shape[2]
     if k_lay.length is not None:
-        if mask is not None:
-            site.reason = f"attention mask over a [:n] prefix of the cache (keys read {k_lay.length} of {L})"
-            return
         site.kv_len = size_node(graph, k_lay.length)
         if site.kv_len is None:
             site.reason = f"K/V read a [:n] prefix of the cache, n={k_lay.length} is not a value of the graph"
@@ -191,9 +210,20 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
         if mt is None:
             site.reason = "attention mask is not a tensor"
             return
-        if mt.dim() > 4 or not same_int(mt.shape[-1], L_sym) or \
-                (mt.dim() == 4 and int(mt.shape[1]) not in (1, int(q.shape[1]))):
-            site.reason = f"attention mask shape {tuple(mt.shape)} does not cover the cache length {L}"
+        # the mask covers exactly the keys read: the whole cache, or the [:n] prefix read (keys past n are never
+        # attended, so the op's mask is padded with "not attended" up to the cache length)
+        keys = L_sym if k_lay.length is None else k_lay.length
+        what = f"the cache length {L}" if k_lay.length is None else f"the {k_lay.length} keys read (a [:n] prefix)"
+        if mt.dim() > 4 or not same_int(mt.shape[-1], keys):
+            if mt.dim() <= 4 and same_int(mt.shape[-1], 1):
+                site.reason = (f"attention mask shape {tuple(mt.shape)} broadcasts one value over all keys "
+                               f"(last dim 1), not one per key of {what}")
+            else:
+                site.reason = f"attention mask shape {tuple(mt.shape)} does not cover {what}"
+            return
+        if mt.dim() == 4 and int(mt.shape[1]) not in (1, int(q.shape[1])):
+            site.reason = (f"attention mask shape {tuple(mt.shape)} has {int(mt.shape[1])} heads, "
+                           f"neither 1 nor the {int(q.shape[1])} query heads")
             return
     site.status, site.reason = "sparse", ""
 

@@ -31,7 +31,7 @@ BOUNDS_PREFIX = "tinyserve_bounds_"
 def _positions(graph: fx.Graph, site, device) -> fx.Node:
     w = site.k_write
     if isinstance(w.positions, fx.Node):
-        return graph.call_function(torch.ops.aten.reshape.default, (w.positions, [-1]))
+        return graph.call_function(torch.ops.aten.reshape.default, (w.positions, [-1]))  # [n], any integer dtype
     start, stop = w.positions
     return graph.call_function(torch.arange, (start, stop), {"device": device, "dtype": torch.int64})
 
@@ -68,10 +68,14 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
             pos = _positions(graph, site, device)
             # other layouts ([B, L, H, D] ...): write through the [B, Hkv, L, D] view, the source permuted alike
             view = cache_view(graph, site.k_base, w.perm, w.batch, site.k_layout.batch_dim)
-            src = w.src if w.perm is None else graph.call_function(torch.ops.aten.permute.default,
-                                                                   (w.src, list(w.perm)))
+            src = w.src  # in the written view's dim order
+            if w.src_unsqueeze is not None:  # a 0-d position: the source has no sequence dim
+                src = graph.call_function(torch.ops.aten.unsqueeze.default, (src, w.src_unsqueeze))
+            if w.src_perm is not None:  # [B, Hkv, n, D]
+                src = graph.call_function(torch.ops.aten.permute.default, (src, list(w.src_perm)))
             graph.call_function(write_op, (view, *nodes, pos, src, SelectionSpec.from_config(config).to_list()))
-        w.node.replace_all_uses_with(site.k_base)
+        # an in-place method returns the tensor it wrote into (litgpt reads K from it): that view stays
+        w.node.replace_all_uses_with(w.node.args[0])
         graph.erase_node(w.node)
         for extra in w.extra_nodes:
             if not extra.users:

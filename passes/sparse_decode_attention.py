@@ -19,7 +19,7 @@ from tinyserve_compile import runtime
 from tinyserve_compile.explain import counters
 from tinyserve_compile.kernels.spec import SelectionSpec
 
-from ._graph import cache_view, decode_valid_len, fake
+from ._graph import cache_view, decode_valid_len, fake, is_inplace, pad_mask
 
 __all__ = ["sparse_decode_attention"]
 
@@ -28,8 +28,8 @@ def _erase_dead_chain(graph: fx.Graph, node) -> None:
     todo = [node]
     while todo:
         n = todo.pop()
-        if not isinstance(n, fx.Node) or n.users or n.op in ("placeholder", "output"):
-            continue
+        if not isinstance(n, fx.Node) or n.users or n.op in ("placeholder", "output") or is_inplace(n):
+            continue  # in use, an input, or a write (litgpt reads V from its index_copy_: the write stays)
         inputs = list(n.all_input_nodes)
         graph.erase_node(n)
         todo.extend(inputs)
@@ -58,17 +58,19 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
             # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
             k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)
             v = cache_view(graph, site.v_base, site.v_perm, site.v_layout.batch, site.v_layout.batch_dim)
-            valid_len = decode_valid_len(graph, k, a["attn_mask"], site.kv_len, q.device)  # [1] int64
+            # a mask over a [:n] prefix read is padded to the cache length ("not attended" past n)
+            mask = pad_mask(graph, a["attn_mask"], site.kv_len, site.k_layout.full(fake(site.k_base))[2])
+            valid_len = decode_valid_len(graph, k, mask, site.kv_len, q.device)  # [1] int64
             if query_aware:  # one call of the fused op
                 new = graph.call_function(
                     torch.ops.tinyserve.sparse_decode.default,
-                    (a["query"], k, v, kmax, kmin, kabs, valid_len, a["attn_mask"], float(scale), spec, config.kernel,
+                    (a["query"], k, v, kmax, kmin, kabs, valid_len, mask, float(scale), spec, config.kernel,
                      ctrl),
                 )
             else:
                 new = graph.call_function(
                     torch.ops.tinyserve.paged_attention.default,
-                    (a["query"], k, v, kmax, kmin, kabs, ctrl, valid_len, a["attn_mask"], float(scale), spec,
+                    (a["query"], k, v, kmax, kmin, kabs, ctrl, valid_len, mask, float(scale), spec,
                      config.policy, config.kernel),
                 )
             counters["native_sites" if native else "python_op_sites"] += 1

@@ -56,6 +56,8 @@ class _SparseReferenceMode(TorchFunctionMode):
         if layer < self.config.dense_layers:
             return func(*args, **kwargs)
         mask = a["attn_mask"]
+        if mask is not None and mask.dim() < 4:  # SDPA broadcasts a [L] / [1, L] / [B, 1, L] mask from the left
+            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         if folded:
             q = q.reshape(q.shape[0], Hq, 1, q.shape[-1])
             if mask is not None and mask.dim() == 4 and mask.shape[1] == Hkv and mask.shape[2] == G:

@@ -111,11 +111,18 @@ def head_dim_strided(q, kc, vc, k, v, pos, mask):  # [B, H, D, L]: keys stored t
     return F.scaled_dot_product_attention(q, kc.transpose(2, 3), vc.transpose(2, 3), attn_mask=mask, enable_gqa=True)
 
 
-def masked_prefix(q, kc, vc, k, v, pos, mask):  # a [:48] prefix read with a mask over it
+def masked_prefix(q, kc, vc, k, v, pos, mask):  # a [:48] prefix read with a mask over it (rewritten)
     kc.index_copy_(2, pos, k)
     vc.index_copy_(2, pos, v)
     kk, vv = kc[:, :, :48], vc[:, :, :48]
     return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[..., :48], enable_gqa=True)
+
+
+def broadcast_mask_prefix(q, kc, vc, k, v, pos, mask):  # a [:48] prefix read with a mask broadcast over its keys
+    kc.index_copy_(2, pos, k)
+    vc.index_copy_(2, pos, v)
+    kk, vv = kc[:, :, :48], vc[:, :, :48]
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[..., :1], enable_gqa=True)
 
 
 def rolled_window(q, kc, vc, k, v, pos, mask):  # a full sliding window: roll left, write the last slot
@@ -132,7 +139,8 @@ def window_read(q, kc, vc, k, v, pos, mask):  # attends the last 48 positions of
     return F.scaled_dot_product_attention(q, kc[:, :, 16:], vc[:, :, 16:], enable_gqa=True)
 
 
-@pytest.mark.parametrize("fn, layout", [(good, "bhld"), (good_blhd, "blhd"), (good_mqa_broadcast, "mqa")])
+@pytest.mark.parametrize("fn, layout", [(good, "bhld"), (good_blhd, "blhd"), (good_mqa_broadcast, "mqa"),
+                                        (masked_prefix, "bhld")])
 def test_positive_control_is_rewritten(fn, layout):
     from tinyserve_compile.testing import reference_sparse_attention
 
@@ -150,11 +158,11 @@ def test_positive_control_is_rewritten(fn, layout):
     (unknown_write, "bhld", "unrecognised in-place write to the key cache: mul_(1.0)"),
     (scatter_write, "bhld", "unrecognised in-place write to the key cache: scatter_("),
     (write_along_heads, "blhd", "unrecognised in-place write to the key cache: index_copy_(2, "),
-    (write_after_read, "bhld", "key cache must be written exactly once, before the attention"),
+    (write_after_read, "bhld", "key cache is written after the attention in this graph"),
     (tiled_heads, "bhld", "grouped heads: K/V heads are tiled"),
     (tiled_heads_blhd, "blhd", "grouped heads: K/V heads are tiled (query head h reads cache head h % 2)"),
     (head_dim_strided, "bhdl", "cache layout [B, Hkv, D, L] stores head_dim with stride 64"),
-    (masked_prefix, "bhld", "attention mask over a [:n] prefix of the cache"),
+    (broadcast_mask_prefix, "bhld", "attention mask shape (1, 1, 1, 1) broadcasts one value over all keys"),
     (rolled_window, "bhld", "sliding-window cache: the buffer is rolled"),
     (window_read, "bhld", "K/V read cache positions [16, 64) of 64: a window that does not start at 0"),
 ])
@@ -173,7 +181,7 @@ def test_layout_reasons_name_the_sequence_dim():
     reason takes the sequence length for heads (the old "cache heads (64)")."""
     torch.compile(write_along_heads, backend="tinyserve", options=OPTS)(*_inputs(layout="blhd"))
     (reason,) = tc.explain().dense_reasons
-    assert "cache layout [B, L, Hkv, D]: expected a write along the sequence dim 1" in reason, reason
+    assert "along dim 2 of the written view, not its sequence dim 1 (cache layout [B, L, Hkv, D])" in reason, reason
     tc.reset()
     torch._dynamo.reset()
     torch.compile(tiled_heads_blhd, backend="tinyserve", options=OPTS)(*_inputs(layout="blhd"))
