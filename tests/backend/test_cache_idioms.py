@@ -294,10 +294,12 @@ def gpt_fast_generate(model, step, n_prompt=40, n_new=5, reference=None):
 def test_gpt_fast_int32_input_pos(path, monkeypatch):
     """gpt-fast's int32 ``input_pos`` through the native write op and through ``tinyserve::cache_write`` (the
     PyTorch op every non-CPU device uses), which once required int64 positions."""
+    from tinyserve_compile.kernels import bounds as bounds_mod
+
     if path == "torch":
-        monkeypatch.setattr(runtime, "_native_loaded", lambda: False)
+        monkeypatch.setattr(bounds_mod, "cache_write_impl", lambda device: "torch")
     model = gpt_fast_model(seed=3)
-    opts = {"token_budget": 16, "page_size": 8, "dense_layers": 1, "lower": "eager"}
+    opts = {"token_budget": 16, "page_size": 8, "dense_layers": 1, "lower": "eager", "kernel": path}
     ref = gpt_fast_generate(model, None, reference=opts)
     compiled = torch.compile(model, backend="tinyserve", options=opts)
     got = gpt_fast_generate(model, compiled)
