@@ -308,10 +308,16 @@ def test_gpt_fast_int32_input_pos(path, monkeypatch):
     assert tc.counters["native_sites" if path == "native" else "python_op_sites"] == 4, tc.counters
 
 
-def test_cache_write_op_takes_any_integer_positions():
+@pytest.mark.parametrize("impl", ["native", "torch"])
+def test_cache_write_op_takes_any_integer_positions(impl, monkeypatch):
     """``tinyserve::cache_write`` writes int32, int64, 0-d and ``[1]`` positions alike; float positions are an
     error naming the argument."""
+    from tinyserve_compile.kernels import bounds as bounds_mod
     from tinyserve_compile.kernels.reference import page_bounds
+    from tinyserve_compile.kernels.spec import SelectionSpec
+
+    monkeypatch.setattr(bounds_mod, "cache_write_impl", lambda device: impl)
+    spec = SelectionSpec.default(page_size=8, bounds_dtype=torch.float32).to_list()
 
     g = torch.Generator().manual_seed(9)
     cache = torch.randn(2, HKV, 32, HD, generator=g)
@@ -323,10 +329,10 @@ def test_cache_write_op_takes_any_integer_positions():
         c = cache.clone()
         b = page_bounds(c, 8)
         ctrl = torch.zeros(2, dtype=torch.int32)
-        torch.ops.tinyserve.cache_write(c, *b, ctrl, pos, src, 8)
+        torch.ops.tinyserve.cache_write(c, *b, ctrl, pos, src, spec)
         assert torch.equal(c, want), pos
         fresh = page_bounds(c, 8)
         assert torch.equal(b.kmax, fresh.kmax) and torch.equal(b.kmin, fresh.kmin), pos
     with pytest.raises(ValueError, match="positions"):
         torch.ops.tinyserve.cache_write(cache.clone(), *page_bounds(cache, 8), torch.zeros(2, dtype=torch.int32),
-                                        torch.tensor([13.0]), src, 8)
+                                        torch.tensor([13.0]), src, spec)
