@@ -917,8 +917,9 @@ inline int64_t chunk_size(int64_t total, int64_t min_chunk, int64_t align) {
 // A helper that is descheduled (another process holds its core) costs only the items it has already claimed: unlike
 // at::parallel_for under OpenMP, whose region ends in a barrier that waits for every team member, a helper that
 // wakes late finds the ticket moved on and does nothing. Items are claimed one by one, so a slow thread takes fewer.
-// Helpers start at the first parallel call (never at load), spin briefly when idle, then sleep on a condition
-// variable; a forked child starts its own. One caller at a time: a second concurrent caller runs its items itself.
+// Helpers start at the first parallel call (never at load), spin for 20 us when idle, then sleep on a condition
+// variable (a sleeping helper neither holds a core that Inductor's OpenMP threads need between the kernel's calls,
+// nor loses its turn to a process that spins on its core); a forked child starts its own. One caller at a time: a second concurrent caller runs its items itself.
 // TINYSERVE_NATIVE_SCHED=omp (read at each call) runs the same claiming inside at::parallel_for instead.
 // ------------------------------------------------------------------------------------------------------------
 
@@ -1005,7 +1006,7 @@ class Pool {
       const auto t0 = std::chrono::steady_clock::now();
       for (int spins = 0; g == seen; g = ticket_.load(std::memory_order_acquire) >> 32) {
         cpu_relax();
-        if ((++spins & 255) == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(50)) {
+        if ((++spins & 255) == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(20)) {
           std::unique_lock<std::mutex> lk(mu_);  // idle: sleep until the next job is published
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           while ((g = ticket_.load(std::memory_order_seq_cst) >> 32) == seen) cv_.wait(lk);
