@@ -81,15 +81,3 @@ def test_timed_window_refuses_compiles():
     assert demo._window("idle", [0.5, 0.25], {"frames": 0, "graphs": 0})["tok_s"] == pytest.approx(2 / 0.75)
     with pytest.raises(RuntimeError, match="compiled"):
         demo._window("idle", [0.5], {"frames": 1, "graphs": 0})
-
-
-def test_busy_neighbour_runs_and_stops():
-    with demo.BusyNeighbour(seconds=60, nice=5) as nb:
-        assert nb.proc.poll() is None
-        with open(f"/proc/{nb.proc.pid}/stat") as f:
-            assert int(f.read().rsplit(")", 1)[1].split()[16]) == 5  # its nice value
-    assert nb.proc.poll() is not None
-    with demo.BusyNeighbour(seconds=0.3) as nb:
-        assert nb.proc.wait(timeout=60) == 0  # stops by itself at its deadline
-    with pytest.raises(ValueError, match="nice"):
-        demo.BusyNeighbour(nice=-1)
