@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's bars; the demo prints its own progress
 
 import torch  # noqa: E402
 
@@ -257,6 +258,7 @@ def main(argv=None) -> List[dict]:
     torch.manual_seed(0)
     passkey = random.Random(a.seed).randint(10000, 99999)
     t_start = time.perf_counter()
+    print("loading SmolLM2-135M-Instruct (GGUF, dequantized to fp32) ...", flush=True)
     model, tok = load_smollm2()
     windows = 1 + (3 if a.busy else 0)
     n_steps = a.warmup + windows * a.steps

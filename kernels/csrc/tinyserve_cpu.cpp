@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -957,6 +958,7 @@ class Pool {
     const uint64_t g = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
     Job& j = jobs_[g & 1];  // job g - 1 is done and job g - 2's slot is free: a stale helper reads the other slot
     j.fn.store([](const void* x, int64_t i) { (*static_cast<const F*>(x))(i); }, std::memory_order_relaxed);
+    err_ = nullptr;
     j.ctx.store(&f, std::memory_order_relaxed);
     j.n.store(n, std::memory_order_relaxed);
     j.helpers.store(nt - 1, std::memory_order_relaxed);
@@ -974,6 +976,7 @@ class Pool {
         spins = 0;
       }
     }
+    if (err_) std::rethrow_exception(err_);  // the first item that threw, as at::parallel_for does
   }
 
  private:
@@ -994,7 +997,12 @@ class Pool {
       const void* ctx = j.ctx.load(std::memory_order_relaxed);
       if (i >= j.n.load(std::memory_order_relaxed)) return;
       if (!ticket_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_relaxed)) continue;
-      fn(ctx, i);  // the CAS succeeded on generation g with items left: the caller is still waiting for them
+      try {
+        fn(ctx, i);  // the CAS succeeded on generation g with items left: the caller is still waiting for them
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!err_) err_ = std::current_exception();
+      }
       done_.fetch_add(1, std::memory_order_acq_rel);
     }
   }
@@ -1025,7 +1033,8 @@ class Pool {
   std::atomic<uint64_t> ticket_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
-  int64_t started_ = 0;  // helpers started (under caller_)
+  int64_t started_ = 0;     // helpers started (under caller_)
+  std::exception_ptr err_;  // the first exception of the current job (under mu_)
   Job jobs_[2];
 };
 
