@@ -118,20 +118,34 @@ def build_prompt(tok, n_tokens: int, depth: float, passkey: int) -> torch.Tensor
 
 
 @torch.no_grad()
-def prefill(model, ids: torch.Tensor, cache, chunk: int = 512, out=sys.stdout):
-    """Eager prefill of ``ids`` (int64 ``[1, L]``) into ``cache`` in chunks, with a progress bar.
+def prefill(model, ids: torch.Tensor, cache, chunk: int = 512, out=sys.stdout) -> torch.Tensor:
+    """Eager prefill of ``ids`` (int64 ``[1, L]``) into the static ``cache``, in chunks, with a progress bar.
+
+    The chunks go through a ``DynamicCache``, so that each attends only to the tokens before it (a static
+    cache's attention spans its whole length, masked); the keys and values are then copied into ``cache``.
 
     Returns the logits of the last position, float ``[1, vocab]``.
     """
+    from transformers import DynamicCache
+
     n = ids.shape[1]
+    if n > cache.layers[0].max_cache_len:
+        raise ValueError(f"ids: {n} tokens do not fit the cache's {cache.layers[0].max_cache_len}")
+    dyn = DynamicCache(config=model.config)
     t0, logits = time.perf_counter(), None
     for s in range(0, n, chunk):
-        logits = model(input_ids=ids[:, s: s + chunk], cache=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=ids[:, s: s + chunk], cache=dyn, use_cache=True, logits_to_keep=1).logits[:, -1]
         done = min(n, s + chunk)
         bar = "#" * (30 * done // n)
-        el = time.perf_counter() - t0
-        print(f"\rprefill [{bar:<30}] {done}/{n} tokens  {el:5.1f} s", end="", file=out, flush=True)
+        print(f"\rprefill [{bar:<30}] {done}/{n} tokens  {time.perf_counter() - t0:5.1f} s", end="", file=out,
+              flush=True)
     print(file=out, flush=True)
+    for src, dst in zip(dyn.layers, cache.layers):  # [1, Hkv, n, D] into [1, Hkv, max_cache_len, D]
+        if not dst.is_initialized:
+            dst.lazy_initialization(src.keys, src.values)
+        dst.keys[:, :, :n].copy_(src.keys)
+        dst.values[:, :, :n].copy_(src.values)
+        dst.cumulative_length.fill_(n)
     return logits
 
 

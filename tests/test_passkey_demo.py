@@ -62,6 +62,19 @@ def test_chunked_prefill_equals_one_pass():
     for a, b in zip(caches[0].layers, caches[1].layers):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+        assert int(a.cumulative_length) == int(b.cumulative_length) == 45
+    with torch.no_grad():  # the next decode step reads the same cache
+        nxt = torch.tensor([[5]])
+        torch.testing.assert_close(model(input_ids=nxt, cache=caches[1], use_cache=True).logits,
+                                   model(input_ids=nxt, cache=caches[0], use_cache=True).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rejects_a_prompt_longer_than_the_cache():
+    from transformers import StaticCache
+
+    model = hf_model("llama")
+    with pytest.raises(ValueError, match="ids"):
+        demo.prefill(model, torch.zeros(1, 20, dtype=torch.long), StaticCache(config=model.config, max_cache_len=16))
 
 
 def test_compile_watch_sees_compiles_and_recompiles():
