@@ -65,8 +65,15 @@ def filler_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+#: the start of the assistant's reply, part of the prompt: the model goes on with the number
+ANSWER_PREFIX = "The pass key is"
+
+
 def build_prompt(tok, n_tokens: int, depth: float, passkey: int) -> torch.Tensor:
     """Chat prompt of at most ``n_tokens`` tokens: a document with the passkey sentence at ``depth``.
+
+    The user's message says that a pass key is hidden, gives the document, and asks for the key; the
+    prompt ends with the start of the assistant's reply, :data:`ANSWER_PREFIX`.
 
     Parameters
     ----------
@@ -89,7 +96,7 @@ def build_prompt(tok, n_tokens: int, depth: float, passkey: int) -> torch.Tensor
         raise ValueError(f"depth: must be in [0, 1], got {depth}")
     if n_tokens < 64:
         raise ValueError(f"n_tokens: need at least 64, got {n_tokens}")
-    needle = f" IMPORTANT: the pass key is {passkey}. Remember it: the pass key is {passkey}. "
+    needle = f"\n\nIMPORTANT: the pass key is {passkey}. Remember it: the pass key is {passkey}.\n\n"
     words = filler_text().split(" ")
 
     def prompt(n_chars: int) -> torch.Tensor:
@@ -101,9 +108,10 @@ def build_prompt(tok, n_tokens: int, depth: float, passkey: int) -> torch.Tensor
             n += len(w) + 1
         cut = int(len(body) * depth)
         doc = " ".join(body[:cut]) + needle + " ".join(body[cut:])
-        messages = [{"role": "user", "content": f"Read this document.\n\n{doc}\n\nWhat is the pass key? "
-                                                "Answer with the number only."}]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": "There is a pass key hidden in the document below. Find it and "
+                                                f"remember it.\n\nRead this document.\n\n{doc}\n\nWhat is the "
+                                                "pass key? Answer with the number only."}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + ANSWER_PREFIX
         return tok(text, return_tensors="pt").input_ids
 
     n_chars = n_tokens * 4  # about 4 characters per token of English; corrected from the measured length
@@ -233,7 +241,7 @@ def run_provider(name: str, step: Callable, cache, first: torch.Tensor, a, eos: 
         toks += more
     if eos in toks:
         toks = toks[: toks.index(eos)]
-    answer = tok.decode([int(first)] + toks, skip_special_tokens=True).strip()
+    answer = (ANSWER_PREFIX + tok.decode([int(first)] + toks, skip_special_tokens=True)).strip()
     return {"provider": name, "answer": answer, "compile_s": compile_s, "windows": windows}
 
 
