@@ -1,8 +1,8 @@
 """SmolLM2 finds a passkey hidden in 8K tokens: stock ``torch.compile`` vs ``backend="tinyserve"``.
 
 The document is real English text (Python's ``pydoc_data.topics``) with one
-sentence holding a 5-digit passkey at a chosen depth, filling SmolLM2's 8K
-context. The prompt is prefilled once, eagerly and in chunks (with a progress
+sentence holding a 5-digit key (a "secret number") at a chosen depth, filling
+SmolLM2's 8K context. The prompt is prefilled once, eagerly and in chunks (with a progress
 bar), into a static cache; then each provider decodes greedily from its own
 copy of that cache:
 
@@ -66,14 +66,16 @@ def filler_text() -> str:
 
 
 #: the start of the assistant's reply, part of the prompt: the model goes on with the number
-ANSWER_PREFIX = "The pass key is"
+ANSWER_PREFIX = "The secret number is"
 
 
 def build_prompt(tok, n_tokens: int, depth: float, passkey: int) -> torch.Tensor:
     """Chat prompt of at most ``n_tokens`` tokens: a document with the passkey sentence at ``depth``.
 
-    The user's message says that a pass key is hidden, gives the document, and asks for the key; the
-    prompt ends with the start of the assistant's reply, :data:`ANSWER_PREFIX`.
+    The key is called a "secret number": the document is Python's documentation, where "pass key" reads as
+    Python's ``pass`` (SmolLM2-135M then answers with a string from the text at 4K-8K tokens). The user's
+    message says that a secret number is hidden, gives the document, and asks for the number; the prompt
+    ends with the start of the assistant's reply, :data:`ANSWER_PREFIX`.
 
     Parameters
     ----------
@@ -96,7 +98,7 @@ def build_prompt(tok, n_tokens: int, depth: float, passkey: int) -> torch.Tensor
         raise ValueError(f"depth: must be in [0, 1], got {depth}")
     if n_tokens < 64:
         raise ValueError(f"n_tokens: need at least 64, got {n_tokens}")
-    needle = f"\n\nIMPORTANT: the pass key is {passkey}. Remember it: the pass key is {passkey}.\n\n"
+    needle = f"\n\nThe secret number is {passkey}. Remember it: the secret number is {passkey}.\n\n"
     words = filler_text().split(" ")
 
     def prompt(n_chars: int) -> torch.Tensor:
@@ -108,9 +110,9 @@ def build_prompt(tok, n_tokens: int, depth: float, passkey: int) -> torch.Tensor
             n += len(w) + 1
         cut = int(len(body) * depth)
         doc = " ".join(body[:cut]) + needle + " ".join(body[cut:])
-        messages = [{"role": "user", "content": "There is a pass key hidden in the document below. Find it and "
-                                                f"remember it.\n\nRead this document.\n\n{doc}\n\nWhat is the "
-                                                "pass key? Answer with the number only."}]
+        messages = [{"role": "user", "content": "There is a secret number hidden in the document below. Find it "
+                                                f"and remember it.\n\n{doc}\n\nWhat is the secret number? Answer "
+                                                "with the number only."}]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + ANSWER_PREFIX
         return tok(text, return_tensors="pt").input_ids
 

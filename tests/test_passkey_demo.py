@@ -35,12 +35,13 @@ def test_prompt_fits_and_holds_the_passkey_at_depth(n_tokens, depth):
     ids = demo.build_prompt(tok, n_tokens, depth, 12345)
     assert 0.9 * n_tokens <= ids.shape[1] <= n_tokens
     words = tok.text.split()
-    head = 19  # "<user> There is a pass key hidden in the document below. Find it and remember it. Read this document."
-    tail = 14  # "What is the pass key? Answer with the number only. <assistant>The pass key is"
-    needle = 13  # "IMPORTANT: the pass key is 12345. Remember it: the pass key is 12345."
-    assert words[words.index("IMPORTANT:") + needle - 1] == "12345."
+    head = 16  # "<user> There is a secret number hidden in the document below. Find it and remember it."
+    tail = 14  # "What is the secret number? Answer with the number only. <assistant>The secret number is"
+    needle = 12  # "The secret number is 12345. Remember it: the secret number is 12345."
+    start = words.index("12345.") - 4
+    assert words[start: start + needle] == "The secret number is 12345. Remember it: the secret number is 12345.".split()
     assert tok.text.endswith(demo.ANSWER_PREFIX)
-    where = (words.index("IMPORTANT:") - head) / (len(words) - head - tail - needle)
+    where = (start - head) / (len(words) - head - tail - needle)
     assert abs(where - depth) < 0.05, where  # depth counts " "-separated pieces, some hold a newline
 
 
