@@ -14,8 +14,9 @@
 // The semantics are those of kernels/reference/ (sparse_decode_reference, page_bounds, store_bounds); see there
 // for the algorithm. Page bounds are stored as float32, bfloat16 (rounded outward) or int8 codes on a per-page grid
 // of step max(kabs / 126, FLT_MIN) (kabs: the page's exact max |k|), decoded as code * step in fp32.
-// Work is split over (batch, KV head, chunk of pages or kept tokens) with at::parallel_for; the chunks of one
-// (batch, KV head) are merged with a log-sum-exp combine.
+// Work is split over (batch, KV head, chunk of pages or kept tokens); the chunks are claimed one at a time from a
+// shared counter by the calling thread and helper threads (see Pool), and the chunks of one (batch, KV head) are
+// merged with a log-sum-exp combine.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -31,9 +32,13 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <atomic>
+#include <condition_variable>
+#include <cstdlib>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -41,6 +46,7 @@
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
+#include <unistd.h>
 
 namespace tinyserve_native {
 namespace {
@@ -905,11 +911,148 @@ inline int64_t chunk_size(int64_t total, int64_t min_chunk, int64_t align) {
   return (ch + align - 1) / align * align;
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// parallel regions that never wait for a thread that has not started
+//
+// Pool::run(n, nt, f) calls f(i) for i in [0, n): the calling thread and up to nt - 1 helper threads claim items one
+// at a time from a shared ticket, (generation << 32) | next item, and the caller returns once every item is done.
+// A helper that is descheduled (another process holds its core) costs only the items it has already claimed: unlike
+// at::parallel_for under OpenMP, whose region ends in a barrier that waits for every team member, a helper that
+// wakes late finds the ticket moved on and does nothing. Items are claimed one by one, so a slow thread takes fewer.
+// Helpers start at the first parallel call (never at load), spin for 20 us when idle, then sleep on a condition
+// variable (a sleeping helper neither holds a core that Inductor's OpenMP threads need between the kernel's calls,
+// nor loses its turn to a process that spins on its core); a forked child starts its own. One caller at a time: a second concurrent caller runs its items itself.
+// TINYSERVE_NATIVE_SCHED=omp (read at each call) runs the same claiming inside at::parallel_for instead.
+// ------------------------------------------------------------------------------------------------------------
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#endif
+}
+
+class Pool {
+ public:
+  using Fn = void (*)(const void*, int64_t);
+
+  static Pool& current() {
+    static std::atomic<Pool*> cur{nullptr};
+    Pool* p = cur.load(std::memory_order_acquire);
+    if (p == nullptr || p->pid_ != getpid()) {  // first use, or a forked child: the parent's helpers are not here
+      Pool* q = new Pool();                       // never freed: detached helpers may outlive static destructors
+      if (cur.compare_exchange_strong(p, q)) p = q;
+      else delete q;
+    }
+    return *p;
+  }
+
+  template <typename F>
+  void run(int64_t n, int64_t nt, const F& f) {
+    if (n <= 0) return;
+    nt = std::max<int64_t>(1, std::min(nt, n));
+    std::unique_lock<std::mutex> mine(caller_, std::try_to_lock);
+    if (nt == 1 || !mine.owns_lock()) {
+      for (int64_t i = 0; i < n; ++i) f(i);
+      return;
+    }
+    while (started_ < nt - 1) std::thread(&Pool::helper, this, started_++).detach();
+    const uint64_t g = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+    Job& j = jobs_[g & 1];  // job g - 1 is done and job g - 2's slot is free: a stale helper reads the other slot
+    j.fn.store([](const void* x, int64_t i) { (*static_cast<const F*>(x))(i); }, std::memory_order_relaxed);
+    err_ = nullptr;
+    j.ctx.store(&f, std::memory_order_relaxed);
+    j.n.store(n, std::memory_order_relaxed);
+    j.helpers.store(nt - 1, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    ticket_.store(g << 32, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> lk(mu_); }
+      cv_.notify_all();
+    }
+    work(g);
+    for (int spins = 0; done_.load(std::memory_order_acquire) < n;) {  // items claimed by helpers still running
+      cpu_relax();
+      if (++spins > 2000) {
+        std::this_thread::yield();
+        spins = 0;
+      }
+    }
+    if (err_) std::rethrow_exception(err_);  // the first item that threw, as at::parallel_for does
+  }
+
+ private:
+  struct Job {
+    std::atomic<Fn> fn{nullptr};
+    std::atomic<const void*> ctx{nullptr};
+    std::atomic<int64_t> n{0}, helpers{0};
+  };
+
+  // claim and run items of generation g until none is left or a newer job is published
+  void work(uint64_t g) {
+    const Job& j = jobs_[g & 1];
+    for (;;) {
+      uint64_t s = ticket_.load(std::memory_order_acquire);
+      if ((s >> 32) != (g & 0xffffffffu)) return;
+      const int64_t i = static_cast<int64_t>(s & 0xffffffffu);
+      const Fn fn = j.fn.load(std::memory_order_relaxed);
+      const void* ctx = j.ctx.load(std::memory_order_relaxed);
+      if (i >= j.n.load(std::memory_order_relaxed)) return;
+      if (!ticket_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_relaxed)) continue;
+      try {
+        fn(ctx, i);  // the CAS succeeded on generation g with items left: the caller is still waiting for them
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!err_) err_ = std::current_exception();
+      }
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void helper(int64_t id) {
+    uint64_t seen = ticket_.load(std::memory_order_acquire) >> 32;
+    for (;;) {
+      uint64_t g = ticket_.load(std::memory_order_acquire) >> 32;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int spins = 0; g == seen; g = ticket_.load(std::memory_order_acquire) >> 32) {
+        cpu_relax();
+        if ((++spins & 255) == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(20)) {
+          std::unique_lock<std::mutex> lk(mu_);  // idle: sleep until the next job is published
+          sleepers_.fetch_add(1, std::memory_order_seq_cst);
+          while ((g = ticket_.load(std::memory_order_seq_cst) >> 32) == seen) cv_.wait(lk);
+          sleepers_.fetch_sub(1, std::memory_order_relaxed);
+          break;
+        }
+      }
+      seen = g;
+      if (id < jobs_[g & 1].helpers.load(std::memory_order_relaxed)) work(g);
+    }
+  }
+
+  const pid_t pid_ = getpid();
+  std::mutex caller_, mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  int64_t started_ = 0;     // helpers started (under caller_)
+  std::exception_ptr err_;  // the first exception of the current job (under mu_)
+  Job jobs_[2];
+};
+
+inline bool omp_scheduling() {
+  const char* s = std::getenv("TINYSERVE_NATIVE_SCHED");
+  return s != nullptr && std::strcmp(s, "omp") == 0;
+}
+
+// f(i) for i in [0, n), items claimed one at a time by at most at::get_num_threads() threads
 template <typename F>
 inline void run_items(int64_t n, const F& f) {
   if (n <= 0) return;
-  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) f(i);
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  if (!omp_scheduling()) return Pool::current().run(n, nt, f);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(i);
   });
 }
 
@@ -1262,21 +1405,15 @@ struct Pipeline {
   void run() {
     const int64_t n = static_cast<int64_t>(tasks.size());
     if (n == 0) return;
-    std::atomic<int64_t> next{0};
-    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-    at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
-      for (;;) {
-        const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-        if (i >= n) break;
-        const Task& t = tasks[i];
+    run_items(n, [&](int64_t i) {
+      const Task& t = tasks[i];
 #ifdef TS_PROFILE
-        const double t0 = Prof::now();
+      const double t0 = Prof::now();
 #endif
-        execute(t);
+      execute(t);
 #ifdef TS_PROFILE
-        prof().add(t.kind, kTaskNames[t.kind], Prof::now() - t0);
+      prof().add(t.kind, kTaskNames[t.kind], Prof::now() - t0);
 #endif
-      }
     });
   }
 
