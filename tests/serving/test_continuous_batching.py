@@ -35,7 +35,8 @@ def checked_bounds(monkeypatch):
 
     real, checked = cbm.paged_sparse_decode, [0]
 
-    def check(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, S, *args):
+    def check(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, spec):
+        S = spec.page_size
         for r, L in enumerate(seq_lens.tolist()):
             P = math.ceil(L / S)
             slots = torch.tensor([min(S, L - p * S) for p in range(P)])
@@ -44,7 +45,7 @@ def checked_bounds(monkeypatch):
             assert torch.equal(bounds.kmax[ids], want.kmax) and torch.equal(bounds.kmin[ids], want.kmin)
             assert torch.equal(bounds.kabs[ids], want.kabs)
             checked[0] += P
-        return real(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, S, *args)
+        return real(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, spec)
 
     monkeypatch.setattr(cbm, "paged_sparse_decode", check)
     return checked
