@@ -6,7 +6,7 @@ threads at the end (OpenMP's barrier, under ``at::parallel_for``) then waits for
 scheduler time slice, every call; the native kernel's own pool (the default) never waits for a helper that has not
 claimed work.
 
-One op call = ``tinyserve_native::sparse_decode`` at SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64,
+One op call = the native module's ``sparse_decode`` (the CPU kernel of ``tinyserve::sparse_decode``) at SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64,
 fp32 cache, int8 page bounds) and the backend's default options, at ``--context`` tokens. Variants, timed
 interleaved round by round in the same run:
 
@@ -102,10 +102,12 @@ def op_inputs(ctx: int, seed: int = 0):
 
 
 def make_call(args, cfg):
+    from tinyserve_compile.kernels.native import native_module
+
     q, k, v, b, vl = args
 
     def call():
-        return torch.ops.tinyserve_native.sparse_decode(
+        return native_module().sparse_decode(
             q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.125, cfg.page_size, cfg.token_budget, cfg.sink_pages,
             cfg.candidate_factor, None, cfg.candidate_extra, cfg.keep_tokens)
 
