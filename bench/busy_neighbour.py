@@ -102,10 +102,13 @@ def op_inputs(ctx: int, seed: int = 0):
 
 
 def make_call(args, cfg):
+    from tinyserve_compile.kernels.native import native_module
+
     q, k, v, b, vl = args
+    lib = native_module()
 
     def call():
-        return torch.ops.tinyserve_native.sparse_decode(
+        return lib.sparse_decode(
             q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.125, cfg.page_size, cfg.token_budget, cfg.sink_pages,
             cfg.candidate_factor, None, cfg.candidate_extra, cfg.keep_tokens)
 
@@ -139,7 +142,7 @@ def _time_variant(call, variant: str, n_calls: int, threads: int) -> List[float]
 def measure(ctx: int, n_calls: int, rounds: int, nice: int, seconds: float, log=print) -> List[Dict]:
     """Rows per (neighbour, variant): mean and median microseconds per call, slowdown against no neighbour."""
     from tinyserve_compile.cost import sparse_site_bytes
-    from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
+    from tinyserve_compile.kernels.native import load_native, native_module, native_unavailable_reason
 
     if not load_native():
         raise RuntimeError(f"native kernel unavailable: {native_unavailable_reason()}")

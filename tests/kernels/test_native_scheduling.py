@@ -13,7 +13,8 @@ import torch
 
 from kernel_checks import TOL, assert_close_report, make_gen, randn
 from tinyserve_compile.kernels import reference as ref
-from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
+from tinyserve_compile.kernels.native import load_native, native_module, native_unavailable_reason
+from tinyserve_compile.kernels.spec import SelectionSpec
 
 pytestmark = pytest.mark.skipif(not load_native(), reason=f"native kernel unavailable: {native_unavailable_reason()}")
 
@@ -30,13 +31,13 @@ def _case(seed, B=2, Hkv=3, G=3, L=1024, D=64, S=8, valid=(1000, 700)):
 
 def _native(q, k, v, vl, b, budget=128, cf=2, extra=64, keep_tokens=True):
     # q: [B, Hq, 1, D] fp32; k, v: [B, Hkv, L, D] fp32; vl: int64 [B]
-    return torch.ops.tinyserve_native.sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.125, 8, budget, 1,
-                                                    cf, None, extra, keep_tokens)
+    return native_module().sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.125, 8, budget, 1, cf, None,
+                                         extra, keep_tokens)
 
 
 def _reference(q, k, v, vl, b, budget=128, cf=2, extra=64, keep_tokens=True):
-    return ref.sparse_decode_reference(q, k, v, vl, None, 0.125, 8, budget, 1, cf, bounds=b, candidate_extra=extra,
-                                       keep_tokens=keep_tokens)
+    spec = SelectionSpec(8, budget, 1, cf, extra, keep_tokens, torch.int8)
+    return ref.sparse_decode_reference(q, k, v, vl, None, 0.125, spec, bounds=b)
 
 
 @pytest.fixture
@@ -110,7 +111,7 @@ def test_bounds_rebuild_pool_and_parallel_for(two_threads, monkeypatch):
     for sched in ("pool", "omp"):
         monkeypatch.setenv("TINYSERVE_NATIVE_SCHED", sched)
         kmax, kmin, kabs = torch.empty_like(want.kmax), torch.empty_like(want.kmin), torch.empty_like(want.kabs)
-        torch.ops.tinyserve_native.rebuild_bounds(k, kmax, kmin, kabs, 8)
+        native_module().rebuild_bounds(k, kmax, kmin, kabs, 8)
         outs.append((kmax, kmin, kabs))
     for kmax, kmin, kabs in outs:
         assert torch.equal(kmax, want.kmax) and torch.equal(kmin, want.kmin) and torch.equal(kabs, want.kabs)
