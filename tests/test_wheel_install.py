@@ -92,7 +92,7 @@ _CHECK = textwrap.dedent('''
     assert tc.explain().native_kernel == "in use", tc.explain()
     err = (got - ref).abs().max().item()
     assert err < 1e-5, err
-    print("ok", native.native_build_dir(), err)
+    print("ok", native.native_module().__file__, err)
 ''')
 
 
