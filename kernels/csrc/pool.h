@@ -2,7 +2,23 @@
 // Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
 #pragma once
 
-#include "simd.h"
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+#include <unistd.h>
 
 namespace tinyserve_native {
 
