@@ -6,7 +6,7 @@ threads at the end (OpenMP's barrier, under ``at::parallel_for``) then waits for
 scheduler time slice, every call; the native kernel's own pool (the default) never waits for a helper that has not
 claimed work.
 
-One op call = the native module's ``sparse_decode`` (the CPU kernel of ``tinyserve::sparse_decode``) at SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64,
+One op call = ``tinyserve_native::sparse_decode`` at SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64,
 fp32 cache, int8 page bounds) and the backend's default options, at ``--context`` tokens. Variants, timed
 interleaved round by round in the same run:
 
@@ -105,9 +105,10 @@ def make_call(args, cfg):
     from tinyserve_compile.kernels.native import native_module
 
     q, k, v, b, vl = args
+    lib = native_module()
 
     def call():
-        return native_module().sparse_decode(
+        return lib.sparse_decode(
             q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.125, cfg.page_size, cfg.token_budget, cfg.sink_pages,
             cfg.candidate_factor, None, cfg.candidate_extra, cfg.keep_tokens)
 
@@ -141,7 +142,7 @@ def _time_variant(call, variant: str, n_calls: int, threads: int) -> List[float]
 def measure(ctx: int, n_calls: int, rounds: int, nice: int, seconds: float, log=print) -> List[Dict]:
     """Rows per (neighbour, variant): mean and median microseconds per call, slowdown against no neighbour."""
     from tinyserve_compile.cost import sparse_site_bytes
-    from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
+    from tinyserve_compile.kernels.native import load_native, native_module, native_unavailable_reason
 
     if not load_native():
         raise RuntimeError(f"native kernel unavailable: {native_unavailable_reason()}")

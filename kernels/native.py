@@ -1,7 +1,7 @@
-"""Build and load the native CPU kernels (``kernels/csrc/tinyserve_cpu.cpp``) at first use.
+"""Build and load the native CPU kernels (the C++ files of ``kernels/csrc/``) at first use.
 
-The C++ source is compiled with :func:`torch.utils.cpp_extension.load` into a cache
-folder keyed by a hash of the source, the torch version, the compiler flags and the
+The C++ sources are compiled with :func:`torch.utils.cpp_extension.load` into a cache
+folder keyed by a hash of every file of ``csrc/``, the torch version, the compiler flags and the
 CPU's vector features (``-march=native`` makes the binary specific to the host), so a
 second process loads it in milliseconds. The result is a Python extension module with the
 functions ``sparse_decode``, ``kept_pages``, ``cache_write`` and ``rebuild_bounds``
@@ -36,10 +36,19 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load_native", "native_module", "native_unavailable_reason", "SOURCE"]
+__all__ = ["load_native", "native_module", "native_unavailable_reason", "SOURCE_DIR", "source_files"]
 
-#: the C++ source of the native ops
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "tinyserve_cpu.cpp")
+#: the folder of the C++ sources (headers and .cpp files) of the native ops
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+
+
+def source_files() -> list:
+    """The names of the files of :data:`SOURCE_DIR` (headers and sources), sorted; empty when it is missing."""
+    try:
+        names = os.listdir(SOURCE_DIR)
+    except OSError:
+        return []
+    return sorted(n for n in names if os.path.isfile(os.path.join(SOURCE_DIR, n)))
 
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "reason": None, "module": None}
@@ -159,8 +168,9 @@ def _load(verbose: bool) -> bool:
     if not torch.backends.openmp.is_available() and not torch.__config__.parallel_info().count("OpenMP"):
         _state["reason"] = "this torch build has no OpenMP (the native kernel's thread pool)"
         return False
-    if not os.path.exists(SOURCE):
-        _state["reason"] = f"native kernel source missing: {SOURCE}"
+    names = source_files()
+    if not any(n.endswith(".cpp") for n in names):
+        _state["reason"] = f"native kernel source missing: no .cpp file in {SOURCE_DIR}"
         return False
     # ---- the build must find ninja (pip-installed next to this interpreter) without an activated venv
     bindir = os.path.dirname(sys.executable)
@@ -176,11 +186,18 @@ def _load(verbose: bool) -> bool:
     flags = _cpu_flags()
     isa = _isa(flags)
     cflags, ldflags = _flags(isa)
-    with open(SOURCE, "rb") as f:
-        src = f.read()
+    srcs = {}
+    for n in names:
+        with open(os.path.join(SOURCE_DIR, n), "rb") as f:
+            srcs[n] = f.read()
     vec_flags = sorted(x for x in flags if x.startswith(("avx", "fma", "f16c", "sse", "amx", "neon", "sve", "asimd")))
     h = hashlib.sha256()
-    for part in (src, torch.__version__.encode(), " ".join(cflags + ldflags).encode(), " ".join(vec_flags).encode(),
+    for n in names:  # every file of csrc/, name and content, in sorted order
+        h.update(n.encode())
+        h.update(b"\0")
+        h.update(srcs[n])
+        h.update(b"\0")
+    for part in (torch.__version__.encode(), " ".join(cflags + ldflags).encode(), " ".join(vec_flags).encode(),
                  platform.machine().encode(), sys.version.split()[0].encode()):
         h.update(part)
         h.update(b"\0")
@@ -189,17 +206,21 @@ def _load(verbose: bool) -> bool:
     build_dir = os.path.join(root, f"native-{key}")
     os.makedirs(build_dir, exist_ok=True)
     clear_stale_lock(build_dir)
-    # build from a copy inside the build folder: an editable checkout and an installed wheel (same source, other
-    # paths) then share one build instead of rebuilding each other's (ninja rebuilds when a command changes)
-    local = os.path.join(build_dir, os.path.basename(SOURCE))
-    if not os.path.exists(local) or open(local, "rb").read() != src:
-        tmp = f"{local}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(src)
-        os.replace(tmp, local)
+    # build from a copy of csrc/ inside the build folder: an editable checkout and an installed wheel (same
+    # sources, other paths) then share one build instead of rebuilding each other's (ninja rebuilds when a command
+    # changes); the headers travel with the sources, since the sources include them by relative name
+    local_dir = os.path.join(build_dir, "csrc")
+    os.makedirs(local_dir, exist_ok=True)
+    for n in names:
+        local = os.path.join(local_dir, n)
+        if not os.path.exists(local) or open(local, "rb").read() != srcs[n]:
+            tmp = f"{local}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(srcs[n])
+            os.replace(tmp, local)
     module = cpp_extension.load(
         name=f"tinyserve_native_{key}",
-        sources=[local],
+        sources=[os.path.join(local_dir, n) for n in names if n.endswith(".cpp")],
         extra_cflags=cflags,
         extra_ldflags=ldflags,
         build_directory=build_dir,

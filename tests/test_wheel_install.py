@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CPP = "tinyserve_compile/kernels/csrc/tinyserve_cpu.cpp"
+CSRC = ROOT / "kernels" / "csrc"
+#: every file of the native kernel's C++ source folder (headers and sources)
+CSRC_FILES = sorted(p.name for p in CSRC.iterdir() if p.is_file())
 #: what a clean clone holds that the build reads (the rest of the checkout is copied without these)
 _SKIP = shutil.ignore_patterns(".git", ".venv", "build", "dist", "results", "*.egg-info", "__pycache__",
                                ".hypothesis", ".pytest_cache", ".whl")
@@ -45,12 +47,17 @@ def dists(tmp_path_factory):
 
 def test_wheel_and_sdist_carry_the_native_source(dists):
     wheel, sdist = dists
+    assert any(n.endswith(".cpp") for n in CSRC_FILES) and any(n.endswith(".h") for n in CSRC_FILES), CSRC_FILES
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
-        assert CPP in names, [n for n in names if "kernels" in n]
-        assert z.read(CPP) == (ROOT / "kernels" / "csrc" / "tinyserve_cpu.cpp").read_bytes()
+        for name in CSRC_FILES:
+            member = f"tinyserve_compile/kernels/csrc/{name}"
+            assert member in names, (name, [n for n in names if "kernels" in n])
+            assert z.read(member) == (CSRC / name).read_bytes(), name
     with tarfile.open(sdist) as t:
-        assert any(n.endswith("kernels/csrc/tinyserve_cpu.cpp") for n in t.getnames()), t.getnames()
+        members = t.getnames()
+        for name in CSRC_FILES:
+            assert any(n.endswith(f"kernels/csrc/{name}") for n in members), (name, members)
 
 
 _CHECK = textwrap.dedent('''
@@ -85,7 +92,7 @@ _CHECK = textwrap.dedent('''
     assert tc.explain().native_kernel == "in use", tc.explain()
     err = (got - ref).abs().max().item()
     assert err < 1e-5, err
-    print("ok", native.native_build_dir(), err)
+    print("ok", native.native_module().__file__, err)
 ''')
 
 

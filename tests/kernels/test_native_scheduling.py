@@ -36,8 +36,8 @@ def _native(q, k, v, vl, b, budget=128, cf=2, extra=64, keep_tokens=True):
 
 
 def _reference(q, k, v, vl, b, budget=128, cf=2, extra=64, keep_tokens=True):
-    spec = SelectionSpec(8, budget, 1, cf, extra, keep_tokens, b.kmax.dtype)
-    return ref.sparse_decode_reference(q, k, v, vl, None, 0.125, spec, b)
+    spec = SelectionSpec(8, budget, 1, cf, extra, keep_tokens, torch.int8)
+    return ref.sparse_decode_reference(q, k, v, vl, None, 0.125, spec, bounds=b)
 
 
 @pytest.fixture

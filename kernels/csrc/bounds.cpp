@@ -1,0 +1,220 @@
+// Page bounds: cache_write and rebuild_bounds (see sparse_decode.cpp for the overview).
+
+#include "bounds.h"
+#include "dtypes.h"
+#include "pool.h"
+#include "simd.h"
+
+namespace tinyserve_native {
+namespace {
+
+// ------------------------------------------------------------------------------------------------------------
+// page bounds
+// ------------------------------------------------------------------------------------------------------------
+
+// bfloat16 rounded outward: up for the max, down for the min (the score stays an upper bound)
+inline float round_up_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0xFFFFu) == 0) return x;
+  if (x > 0.f)
+    bits = (bits + 0x10000u) & 0xFFFF0000u;
+  else
+    bits &= 0xFFFF0000u;
+  float y;
+  std::memcpy(&y, &bits, 4);
+  return y;
+}
+inline float round_down_bf16(float x) { return -round_up_bf16(-x); }
+
+// int8 code c in [-127, 127]: the smallest c with c * step >= x (up) or the largest with c * step <= x
+// (reference._int8_codes). The division is rounded once, so ceil/floor is off by at most one either way: one
+// check of each neighbour corrects it. fp32 throughout; NaN gives 0 (as torch's clamp then cast on x86), +-inf
+// saturate.
+inline int8_t int8_code(float x, float step, bool up) {
+  float c = up ? std::ceil(x / step) : std::floor(x / step);
+  if (up) {
+    if ((c - 1.f) * step >= x) c -= 1.f;
+    if (c * step < x) c += 1.f;
+  } else {
+    if ((c + 1.f) * step <= x) c += 1.f;
+    if (c * step > x) c -= 1.f;
+  }
+  if (std::isnan(c)) return 0;
+  return static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
+}
+
+// bounds of pages [p0, p1) of one (batch, KV head), every slot of a page inside the cache
+template <typename T, typename BT>
+void bound_pages(const T* kb, int64_t ksl, int64_t L, int64_t D, int64_t S, int64_t p0, int64_t p1, BT* M, BT* m,
+                 float* kab) {
+  float* hi = scratch_f<8>(2 * D);
+  float* lo = hi + D;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t t0 = p * S, t1 = std::min(t0 + S, L);
+    // ---- channel-wise max and min (NaN propagates, as amax/amin)
+    {
+      const T* r = kb + t0 * ksl;
+      int64_t i = 0;
+      for (; i + VS <= D; i += VS) loadf(r + i).store(hi + i);
+      for (; i < D; ++i) hi[i] = static_cast<float>(r[i]);
+      std::memcpy(lo, hi, D * sizeof(float));
+    }
+    for (int64_t t = t0 + 1; t < t1; ++t) {
+      const T* r = kb + t * ksl;
+      int64_t i = 0;
+      for (; i + VS <= D; i += VS) {
+        const Vec x = loadf(r + i);
+        at::vec::maximum(Vec::loadu(hi + i), x).store(hi + i);
+        at::vec::minimum(Vec::loadu(lo + i), x).store(lo + i);
+      }
+      for (; i < D; ++i) {
+        const float x = static_cast<float>(r[i]);
+        hi[i] = (std::isnan(x) || x > hi[i]) ? x : hi[i];
+        lo[i] = (std::isnan(x) || x < lo[i]) ? x : lo[i];
+      }
+    }
+    if constexpr (std::is_same_v<BT, int8_t>) {
+      // ---- int8: kabs = the exact max |k| of the page, then the codes on its grid (reference.store_bounds)
+      float a = 0.f;
+      bool nan = false;
+      for (int64_t i = 0; i < D; ++i) {
+        const float ab = std::max(std::fabs(hi[i]), std::fabs(lo[i]));
+        nan |= std::isnan(ab);
+        a = std::max(a, ab);
+      }
+      if (nan) a = std::numeric_limits<float>::quiet_NaN();
+      const float step = int8_step(a);
+      for (int64_t i = 0; i < D; ++i) {
+        M[p * D + i] = int8_code(hi[i], step, true);
+        m[p * D + i] = int8_code(lo[i], step, false);
+      }
+      kab[p] = a;
+      continue;
+    }
+    // ---- stored format, then kabs from the stored values
+    float a = 0.f;
+    bool nan = false;
+    for (int64_t i = 0; i < D; ++i) {
+      float x = hi[i], y = lo[i];
+      if constexpr (std::is_same_v<BT, c10::BFloat16>) {
+        x = round_up_bf16(x);
+        y = round_down_bf16(y);
+        M[p * D + i] = c10::BFloat16(x);  // exact: low 16 bits are zero
+        m[p * D + i] = c10::BFloat16(y);
+      } else if constexpr (std::is_same_v<BT, float>) {
+        M[p * D + i] = x;
+        m[p * D + i] = y;
+      }
+      const float ab = std::max(std::fabs(x), std::fabs(y));
+      nan |= std::isnan(ab);
+      a = std::max(a, ab);
+    }
+    kab[p] = nan ? std::numeric_limits<float>::quiet_NaN() : a;
+  }
+}
+
+void check_bounds_args(const at::Tensor& k, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                       int64_t S) {
+  TORCH_CHECK(S > 0, "tinyserve (native): page_size must be positive");
+  TORCH_CHECK(k.dim() == 4 && k.device().is_cpu(), "tinyserve (native): k_cache must be a CPU [B, Hkv, L, D] tensor");
+  TORCH_CHECK(k.size(3) == 0 || k.stride(3) == 1, "tinyserve (native): k_cache needs a unit stride on D");
+  const int64_t P = (k.size(2) + S - 1) / S;
+  TORCH_CHECK(kmax.dim() == 4 && kmax.size(0) == k.size(0) && kmax.size(1) == k.size(1) && kmax.size(2) == P &&
+                  kmax.size(3) == k.size(3) && kmin.sizes() == kmax.sizes() && kmax.is_contiguous() &&
+                  kmin.is_contiguous(),
+              "tinyserve (native): kmax/kmin must be contiguous [B, Hkv, P, D]");
+  TORCH_CHECK(kmax.scalar_type() == kmin.scalar_type() &&
+                  (kmax.scalar_type() == at::kFloat || kmax.scalar_type() == at::kBFloat16 ||
+                   kmax.scalar_type() == at::kChar),
+              "tinyserve (native): kmax/kmin must be float32, bfloat16 or int8");
+  TORCH_CHECK(kabs.dim() == 3 && kabs.size(0) == k.size(0) && kabs.size(1) == k.size(1) && kabs.size(2) == P &&
+                  kabs.scalar_type() == at::kFloat && kabs.is_contiguous(),
+              "tinyserve (native): kabs must be contiguous float32 [B, Hkv, P]");
+}
+
+// pages: ascending page list, or nullptr for every page
+void bounds_for_pages(const at::Tensor& k, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                      int64_t S, const std::vector<int64_t>* pages) {
+  const int64_t B = k.size(0), H = k.size(1), L = k.size(2), D = k.size(3), P = (L + S - 1) / S;
+  if (B * H == 0 || P == 0) return;
+  dispatch_kv(k.scalar_type(), "tinyserve.bounds (native)", [&](auto tag) {
+    using T = decltype(tag);
+    auto body = [&](auto* Mp, auto* mp) {
+      using BT = std::remove_pointer_t<decltype(Mp)>;
+      const T* kd = k.data_ptr<T>();
+      float* ka = kabs.data_ptr<float>();
+      const int64_t sb = k.stride(0), sh = k.stride(1), sl = k.stride(2);
+      if (pages == nullptr) {
+        const int64_t ch = std::max<int64_t>(16, (P + 3) / 4);
+        const int64_t nch = (P + ch - 1) / ch;
+        run_items(B * H * nch, [&](int64_t i) {
+          const int64_t bh = i / nch, c0 = (i % nch) * ch;
+          const T* kb = kd + (bh / H) * sb + (bh % H) * sh;
+          bound_pages<T, BT>(kb, sl, L, D, S, c0, std::min(P, c0 + ch), Mp + bh * P * D, mp + bh * P * D,
+                             ka + bh * P);
+        });
+      } else {
+        const int64_t np = static_cast<int64_t>(pages->size());
+        if (np == 0) return;
+        auto one = [&](int64_t i) {
+          const int64_t bh = i / np, p = (*pages)[i % np];
+          const T* kb = kd + (bh / H) * sb + (bh % H) * sh;
+          bound_pages<T, BT>(kb, sl, L, D, S, p, p + 1, Mp + bh * P * D, mp + bh * P * D, ka + bh * P);
+        };
+        if (B * H * np * S * D < (1 << 16)) {
+          for (int64_t i = 0; i < B * H * np; ++i) one(i);  // a decode step: too little work to fork
+        } else {
+          run_items(B * H * np, one);
+        }
+      }
+    };
+    dispatch_bt(kmax.scalar_type(), "tinyserve.bounds (native)", [&](auto btag) {
+      using BT = decltype(btag);
+      body(kmax.data_ptr<BT>(), kmin.data_ptr<BT>());
+    });
+  });
+}
+
+}  // namespace
+
+void rebuild_bounds(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                    int64_t page_size) {
+  check_bounds_args(k_cache, kmax, kmin, kabs, page_size);
+  bounds_for_pages(k_cache, kmax, kmin, kabs, page_size, nullptr);
+}
+
+void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                 const at::Tensor& ctrl, const at::Tensor& positions, const at::Tensor& src, int64_t page_size) {
+  check_bounds_args(k_cache, kmax, kmin, kabs, page_size);
+  TORCH_CHECK(ctrl.device().is_cpu() && ctrl.scalar_type() == at::kInt && ctrl.numel() >= 1 && ctrl.is_contiguous(),
+              "tinyserve.cache_write (native): ctrl must be a contiguous int32 CPU tensor");
+  TORCH_CHECK_VALUE(at::isIntegralType(positions.scalar_type(), /*includeBool=*/false),
+                    "tinyserve.cache_write: argument 'positions' must be an integer tensor, got ",
+                    positions.scalar_type());
+  // ---- the write itself (positions: 0-d, [1] or [n], any integer dtype)
+  at::Tensor pos = positions.reshape({-1}).to(at::kLong);
+  at::Tensor kc = k_cache;
+  kc.index_copy_(2, pos, src);
+  // ---- bounds: everything when flagged stale, else the touched pages
+  int32_t* flag = ctrl.data_ptr<int32_t>();
+  if (flag[0] != 0) {
+    bounds_for_pages(k_cache, kmax, kmin, kabs, page_size, nullptr);
+    flag[0] = 0;
+    return;
+  }
+  const int64_t P = kmax.size(2);
+  at::Tensor pc = pos.contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  std::vector<int64_t> pages;
+  pages.reserve(pc.numel());
+  for (int64_t i = 0; i < pc.numel(); ++i) {
+    const int64_t p = pp[i] >= 0 ? pp[i] / page_size : -1;
+    if (p >= 0 && p < P) pages.push_back(p);
+  }
+  std::sort(pages.begin(), pages.end());
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  bounds_for_pages(k_cache, kmax, kmin, kabs, page_size, &pages);
+}
+
+}  // namespace tinyserve_native

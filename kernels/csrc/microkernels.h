@@ -1,0 +1,341 @@
+// Micro-kernels: row conversion, blocked dots, bound scores, value accumulation.
+// Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
+#pragma once
+
+#include "dtypes.h"
+#include "simd.h"
+
+namespace tinyserve_native {
+
+// n rows of T -> fp32 rows of Dp floats (zero padded) at dst
+template <typename T>
+inline void rows_to_f32(const T* const* src, int n, int64_t D, int64_t Dp, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const T* s = src[r];
+    float* d = dst + r * Dp;
+    int64_t i = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(d, s, D * sizeof(float));
+      i = D;
+    } else {
+      for (; i + VS <= D; i += VS) loadf(s + i).store(d + i);
+      for (; i < D; ++i) d[i] = static_cast<float>(s[i]);
+    }
+    for (; i < Dp; ++i) d[i] = 0.f;
+  }
+}
+
+// n rows of int8 bound codes -> fp32 rows of Dp floats (zero padded) at dst: code * step of the row's page
+inline void int8_rows_to_f32(const int8_t* src, const float* kab, int n, int64_t D, int64_t Dp, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const int8_t* s = src + r * D;
+    float* d = dst + r * Dp;
+    const float step = int8_step(kab[r]);
+    for (int64_t i = 0; i < D; ++i) d[i] = static_cast<float>(s[i]) * step;  // vectorised by the compiler
+    for (int64_t i = D; i < Dp; ++i) d[i] = 0.f;
+  }
+}
+
+// Micro-kernels on a block of VS fp32 rows stored contiguously (row stride nv * VS floats). NV > 0 fixes nv at
+// compile time, so that every row is addressed with an immediate offset from one base register; NV == 0 is the
+// generic version. One is picked per call (Kern::pick).
+
+// out[g * ld + j] = q_g . row_j for j < n (the block has VS readable rows)
+template <int NV>
+void dot_block(const float* rows, int n, const float* q, int64_t G, int64_t nv_rt, float* out, int64_t ld) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec acc[VS];
+    for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+    const float* qg = q + g * st;
+    for (int64_t i = 0; i < nv; ++i) {
+      const Vec qv = Vec::loadu(qg + i * VS);
+      for (int j = 0; j < VS; ++j) acc[j] = at::vec::fmadd(qv, Vec::loadu(rows + j * st + i * VS), acc[j]);
+    }
+    reduce_rows(acc).store(out + g * ld, n);
+  }
+}
+
+// r_j = relu(qp).M_j + min(q,0).m_j for the VS pages of a block (sum_d max(q_d M_jd, q_d m_jd))
+template <int NV>
+Vec bound_block(const float* M, const float* m, const float* qp, const float* qn, int64_t nv_rt) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  Vec acc[VS];
+  for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+  for (int64_t i = 0; i < nv; ++i) {
+    const Vec a = Vec::loadu(qp + i * VS);
+    const Vec z = Vec::loadu(qn + i * VS);
+    for (int j = 0; j < VS; ++j) {
+      acc[j] = at::vec::fmadd(a, Vec::loadu(M + j * st + i * VS), acc[j]);
+      acc[j] = at::vec::fmadd(z, Vec::loadu(m + j * st + i * VS), acc[j]);
+    }
+  }
+  return reduce_rows(acc);
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define TS_BF16_PAIRS 1
+// bfloat16 pairs: one 32-bit lane holds channels 2i (low half) and 2i+1 (high half), so a shift and a mask give
+// both as fp32 without shuffles; the query is stored in the same even/odd order (see permute_pairs)
+#if defined(CPU_CAPABILITY_AVX512)
+inline void bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
+  const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#else
+inline void bf16_pairs(const c10::BFloat16* p, Vec& even, Vec& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+
+// bound_block for bfloat16 bounds read in place: rows of D = NC * 2 * VS channels, q in even/odd order
+template <int NC>
+Vec bound_block_bf16(const c10::BFloat16* M, const c10::BFloat16* m, const float* qp, const float* qn,
+                     int64_t nc_rt) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  Vec acc[VS];
+  for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+  for (int64_t c = 0; c < nc; ++c) {
+    const Vec ae = Vec::loadu(qp + 2 * c * VS), ao = Vec::loadu(qp + (2 * c + 1) * VS);
+    const Vec ze = Vec::loadu(qn + 2 * c * VS), zo = Vec::loadu(qn + (2 * c + 1) * VS);
+    for (int j = 0; j < VS; ++j) {
+      Vec e, o;
+      bf16_pairs(M + j * D + c * 2 * VS, e, o);
+      acc[j] = at::vec::fmadd(ae, e, acc[j]);
+      acc[j] = at::vec::fmadd(ao, o, acc[j]);
+      bf16_pairs(m + j * D + c * 2 * VS, e, o);
+      acc[j] = at::vec::fmadd(ze, e, acc[j]);
+      acc[j] = at::vec::fmadd(zo, o, acc[j]);
+    }
+  }
+  return reduce_rows(acc);
+}
+// dot_block for bfloat16 rows read in place (VS rows of D = NC * 2 * VS channels, contiguous), q in pair order
+template <int NC>
+void dot_block_bf16(const c10::BFloat16* rows, int n, const float* q, int64_t G, int64_t nc_rt, float* out,
+                    int64_t ld) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec acc[VS];
+    for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+    const float* qg = q + g * D;
+    for (int64_t c = 0; c < nc; ++c) {
+      const Vec qe = Vec::loadu(qg + 2 * c * VS), qo = Vec::loadu(qg + (2 * c + 1) * VS);
+      for (int j = 0; j < VS; ++j) {
+        Vec e, o;
+        bf16_pairs(rows + j * D + c * 2 * VS, e, o);
+        acc[j] = at::vec::fmadd(qe, e, acc[j]);
+        acc[j] = at::vec::fmadd(qo, o, acc[j]);
+      }
+    }
+    reduce_rows(acc).store(out + g * ld, n);
+  }
+}
+
+// v_accum for n bfloat16 rows read in place; acc[g] in pair order
+template <int NC>
+void v_accum_bf16(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nc_rt, const c10::BFloat16* rows,
+                  int n) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = p + g * ldp;
+    float* ag = acc + g * D;
+    if constexpr (NC > 0 && NC <= 4) {
+      Vec a[2 * NC];
+      for (int i = 0; i < 2 * NC; ++i) a[i] = Vec::loadu(ag + i * VS);
+      for (int j = 0; j < n; ++j) {
+        const Vec pj(pg[j]);
+        for (int cc = 0; cc < NC; ++cc) {
+          Vec e, o;
+          bf16_pairs(rows + j * D + cc * 2 * VS, e, o);
+          a[2 * cc] = at::vec::fmadd(pj, e, a[2 * cc]);
+          a[2 * cc + 1] = at::vec::fmadd(pj, o, a[2 * cc + 1]);
+        }
+      }
+      for (int i = 0; i < 2 * NC; ++i) a[i].store(ag + i * VS);
+    } else {
+      for (int64_t cc = 0; cc < nc; ++cc) {
+        Vec ae = Vec::loadu(ag + 2 * cc * VS), ao = Vec::loadu(ag + (2 * cc + 1) * VS);
+        for (int j = 0; j < n; ++j) {
+          Vec e, o;
+          bf16_pairs(rows + j * D + cc * 2 * VS, e, o);
+          ae = at::vec::fmadd(Vec(pg[j]), e, ae);
+          ao = at::vec::fmadd(Vec(pg[j]), o, ao);
+        }
+        ae.store(ag + 2 * cc * VS);
+        ao.store(ag + (2 * cc + 1) * VS);
+      }
+    }
+  }
+}
+#else
+#define TS_BF16_PAIRS 0
+#endif
+
+// even/odd order of D = nc * 2 * VS channels: chunk c holds channels 2*VS*c + {0, 2, ..} then {1, 3, ..}
+inline void permute_pairs(float* x, int64_t D) {
+  float tmp[2 * VS];
+  for (int64_t c = 0; c + 2 * VS <= D; c += 2 * VS) {
+    for (int l = 0; l < VS; ++l) {
+      tmp[l] = x[c + 2 * l];
+      tmp[VS + l] = x[c + 2 * l + 1];
+    }
+    std::memcpy(x + c, tmp, 2 * VS * sizeof(float));
+  }
+}
+
+// acc[g, :] += sum_{j < n} p[g * ldp + j] * row_j
+template <int NV>
+void v_accum(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv_rt, const float* rows, int n) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  if constexpr (NV > 0 && NV <= 8) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      Vec a[NV];
+      for (int i = 0; i < NV; ++i) a[i] = Vec::loadu(ag + i * VS);
+      for (int j = 0; j < n; ++j) {
+        const Vec pj(pg[j]);
+        for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(pj, Vec::loadu(rows + j * st + i * VS), a[i]);
+      }
+      for (int i = 0; i < NV; ++i) a[i].store(ag + i * VS);
+    }
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      for (int64_t i = 0; i < nv; ++i) {
+        Vec a = Vec::loadu(ag + i * VS);
+        for (int j = 0; j < n; ++j) a = at::vec::fmadd(Vec(pg[j]), Vec::loadu(rows + j * st + i * VS), a);
+        a.store(ag + i * VS);
+      }
+    }
+  }
+}
+
+struct Kern {
+  decltype(&dot_block<0>) dot;
+  decltype(&bound_block<0>) bound;
+  decltype(&v_accum<0>) vacc;
+#if TS_BF16_PAIRS
+  // bfloat16 pair kernels, set when D is a multiple of 2 * VS
+  decltype(&bound_block_bf16<0>) bound16 = nullptr;
+  decltype(&dot_block_bf16<0>) dot16 = nullptr;
+  decltype(&v_accum_bf16<0>) vacc16 = nullptr;
+#endif
+  static Kern pick(int64_t nv) {
+    Kern k;
+    switch (nv) {
+      case 1: k = {&dot_block<1>, &bound_block<1>, &v_accum<1>}; break;
+      case 2: k = {&dot_block<2>, &bound_block<2>, &v_accum<2>}; break;
+      case 4: k = {&dot_block<4>, &bound_block<4>, &v_accum<4>}; break;
+      case 8: k = {&dot_block<8>, &bound_block<8>, &v_accum<8>}; break;
+      case 16: k = {&dot_block<16>, &bound_block<16>, &v_accum<16>}; break;
+      default: k = {&dot_block<0>, &bound_block<0>, &v_accum<0>}; break;
+    }
+#if TS_BF16_PAIRS
+    switch (nv) {
+      case 2: k.bound16 = &bound_block_bf16<1>; k.dot16 = &dot_block_bf16<1>; k.vacc16 = &v_accum_bf16<1>; break;
+      case 4: k.bound16 = &bound_block_bf16<2>; k.dot16 = &dot_block_bf16<2>; k.vacc16 = &v_accum_bf16<2>; break;
+      case 8: k.bound16 = &bound_block_bf16<4>; k.dot16 = &dot_block_bf16<4>; k.vacc16 = &v_accum_bf16<4>; break;
+      case 16: k.bound16 = &bound_block_bf16<8>; k.dot16 = &dot_block_bf16<8>; k.vacc16 = &v_accum_bf16<8>; break;
+      default:
+        if (nv % 2 == 0) {
+          k.bound16 = &bound_block_bf16<0>;
+          k.dot16 = &dot_block_bf16<0>;
+          k.vacc16 = &v_accum_bf16<0>;
+        }
+        break;
+    }
+#endif
+    return k;
+  }
+};
+
+// whether bf16 keys and values are read in place as even/odd pairs (then q*scale and the value accumulators are
+// in that order)
+template <typename T>
+inline bool kv_pairs_used(int64_t D) {
+  return TS_BF16_PAIRS && std::is_same_v<T, c10::BFloat16> && D % (2 * VS) == 0;
+}
+
+
+// whether bf16 bounds are read in place as even/odd pairs (then qp/qn are stored in that order)
+template <typename BT>
+inline bool bf16_pairs_used(int64_t D) {
+  return TS_BF16_PAIRS && std::is_same_v<BT, c10::BFloat16> && D % (2 * VS) == 0;
+}
+
+// A block of n <= VS bfloat16 token rows as VS contiguous rows of D: in place when the tokens are consecutive and
+// the rows contiguous, else copied raw into scr (zero rows after n when pad)
+inline const c10::BFloat16* token_block_raw(const c10::BFloat16* base, int64_t stride, const int64_t* tok, int n,
+                                            int64_t D, c10::BFloat16* scr, bool pad) {
+  if (n == VS && stride == D && tok[VS - 1] == tok[0] + VS - 1) {
+    bool run = true;
+    for (int j = 1; j < VS - 1; ++j) run &= tok[j] == tok[0] + j;
+    if (run) return base + tok[0] * stride;
+  }
+  for (int j = 0; j < n; ++j) std::memcpy(scr + j * D, base + tok[j] * stride, D * sizeof(c10::BFloat16));
+  if (pad) std::memset(static_cast<void*>(scr + n * D), 0, (VS - n) * D * sizeof(c10::BFloat16));
+  return scr;
+}
+
+// A block of n <= VS token rows (tokens tok[0..n), row t at base + t * stride) as VS contiguous fp32 rows of Dp:
+// the cache itself when that is already the layout (fp32, Dp == D == stride, consecutive tokens, full block),
+// else a copy in scr (zero rows after n when pad).
+template <typename T>
+inline const float* token_block(const T* base, int64_t stride, const int64_t* tok, int n, int64_t D, int64_t Dp,
+                                float* scr, bool pad) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == VS && Dp == D && stride == D && tok[VS - 1] == tok[0] + VS - 1) {
+      bool run = true;
+      for (int j = 1; j < VS - 1; ++j) run &= tok[j] == tok[0] + j;
+      if (run) return base + tok[0] * stride;
+    }
+  }
+  const T* src[VS];
+  for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
+  rows_to_f32<T>(src, n, D, Dp, scr);
+  if (pad) std::fill(scr + n * Dp, scr + VS * Dp, 0.f);
+  return scr;
+}
+
+// Logits of a block of n <= VS tokens (rows at base + tok[j] * stride) for G heads: out[g * ld + j].
+// bf16 rows are read in place as even/odd pairs when `pairs` (q in pair order), else through fp32 rows.
+template <typename T>
+inline void key_dots(const Kern& kern, const T* base, int64_t stride, const int64_t* tok, int n, int64_t D,
+                     int64_t Dp, float* scr, const float* q, int64_t G, float* out, int64_t ld, bool pairs) {
+#if TS_BF16_PAIRS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pairs) {
+      const c10::BFloat16* rows = token_block_raw(base, stride, tok, n, D, reinterpret_cast<c10::BFloat16*>(scr), true);
+      kern.dot16(rows, n, q, G, Dp / (2 * VS), out, ld);
+      return;
+    }
+  }
+#endif
+  const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, true);
+  kern.dot(rows, n, q, G, Dp / VS, out, ld);
+}
+
+// acc[g] += sum_j p[g * ldp + j] * v_j over a block of n <= VS tokens (acc in pair order when `pairs`)
+template <typename T>
+inline void value_accum(const Kern& kern, const T* base, int64_t stride, const int64_t* tok, int n, int64_t D,
+                        int64_t Dp, float* scr, float* acc, const float* p, int64_t ldp, int64_t G, bool pairs) {
+#if TS_BF16_PAIRS
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (pairs) {
+      const c10::BFloat16* rows = token_block_raw(base, stride, tok, n, D, reinterpret_cast<c10::BFloat16*>(scr), false);
+      kern.vacc16(acc, p, ldp, G, Dp / (2 * VS), rows, n);
+      return;
+    }
+  }
+#endif
+  const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, false);
+  kern.vacc(acc, p, ldp, G, Dp / VS, rows, n);
+}
+
+}  // namespace tinyserve_native

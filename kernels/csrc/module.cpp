@@ -1,0 +1,12 @@
+// The Python extension module of the native CPU kernels (see sparse_decode.cpp for the overview).
+#include <torch/csrc/utils/pybind.h>
+
+#include "bounds.h"
+#include "pipeline.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sparse_decode", &tinyserve_native::sparse_decode, "query-aware paged sparse decode attention");
+  m.def("kept_pages", &tinyserve_native::kept_pages, "the pages sparse_decode attends, bool [B, Hkv, P]");
+  m.def("cache_write", &tinyserve_native::cache_write, "key write plus the bounds of the touched pages");
+  m.def("rebuild_bounds", &tinyserve_native::rebuild_bounds, "every page's bounds");
+}
