@@ -232,6 +232,10 @@ def _load(verbose: bool) -> bool:
     if problem:
         _state["reason"] = f"native kernel self-check failed ({isa} build in {build_dir}): {problem}"
         return False
+    # only a kernel that passed its self-check becomes the dispatcher's CPU kernel of tinyserve::sparse_decode
+    from .sparse_decode import python_kernel
+
+    module.register_cpu_kernel(python_kernel)
     return True
 
 

@@ -591,14 +591,16 @@ def _sparse_decode_op(
     kernel: str,
     ctrl: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    # any device without a kernel of its own: the PyTorch path (or what ``kernel`` asks for)
-    return run_kernel(resolve_kernel(kernel, q.device), q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask,
-                      scale, _spec_of(tuple(spec)), ctrl)
+    # any device without a kernel of its own (CPU too, until the native module registers its kernel)
+    return python_kernel(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl)
 
 
-@_sparse_decode_op.register_kernel("cpu")
-def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl):
-    # native when it builds, else the PyTorch path
+def python_kernel(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl):
+    """The op's kernel in Python: what ``kernel`` resolves to on ``q``'s device (:func:`resolve_kernel`).
+
+    It serves every device until the native module loads; the native module then registers its own CPU
+    kernel with the dispatcher (no Python per call), which hands the other ``kernel`` choices back to this.
+    """
     return run_kernel(resolve_kernel(kernel, q.device), q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask,
                       scale, _spec_of(tuple(spec)), ctrl)
 

@@ -2,6 +2,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "bounds.h"
+#include "dispatch.h"
 #include "pipeline.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -9,4 +10,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kept_pages", &tinyserve_native::kept_pages, "the pages sparse_decode attends, bool [B, Hkv, P]");
   m.def("cache_write", &tinyserve_native::cache_write, "key write plus the bounds of the touched pages");
   m.def("rebuild_bounds", &tinyserve_native::rebuild_bounds, "every page's bounds");
+  m.def("register_cpu_kernel", &tinyserve_native::register_cpu_kernel,
+        "make the native kernel the CPU kernel of tinyserve::sparse_decode");
 }
