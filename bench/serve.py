@@ -48,7 +48,6 @@ import argparse
 import csv
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -113,18 +112,6 @@ def workload(kind: str, vocab: int, n_requests: int, prompt_lens: Sequence[int],
         start = int(torch.randint(0, text.numel() - L + 1, (1,), generator=g))
         out.append(Request(i, float(arrivals[i]), text[start:start + L].tolist()))
     return out
-
-
-def read_bandwidth_gbs(mb: int = 256, reps: int = 7) -> float:
-    """Read bandwidth in GB/s: median time of one ``sum`` over an ``mb`` MB fp32 buffer."""
-    x = torch.ones(mb * 2**20 // 4)
-    x.sum()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def _pct(xs: List[float], p: float) -> float:
@@ -324,6 +311,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model, name = load_model(a.model)
     prompt_lens = [int(x) for x in a.prompt_lens.split(",")]
     reqs = workload(a.model, model.config.vocab_size, a.requests, prompt_lens, a.interval)
+    from bench.bench_op import read_bandwidth_gbs
+
     stream = read_bandwidth_gbs()
     rows = []
     with tqdm(total=len(reqs) * len(providers), desc="serve", unit="req", file=sys.stderr) as bar:
