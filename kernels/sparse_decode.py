@@ -608,8 +608,7 @@ def python_kernel(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, s
 @_sparse_decode_op.register_kernel("cuda")
 def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl):
     # Triton when it is installed, else the PyTorch path
-    return run_kernel(resolve_kernel(kernel, q.device), q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask,
-                      scale, _spec_of(tuple(spec)), ctrl)
+    return python_kernel(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl)
 
 
 @_sparse_decode_op.register_fake
