@@ -3,14 +3,16 @@
 A *busy neighbour* is a separate process that spins on one core (:class:`BusyNeighbour`). On a 2-core machine it
 takes half of one core from whichever of our threads shares that core. A parallel region that waits for all its
 threads at the end (OpenMP's barrier, under ``at::parallel_for``) then waits for the descheduled one, up to a
-scheduler time slice, every call; the native kernel's own pool (the default) never waits for a helper that has not
-claimed work.
+scheduler time slice, every call; the native kernel's own pool never waits for a helper that has not claimed work.
+On an idle machine the opposite holds: the pool's helpers compete for the cores with OpenMP's spinning workers, so
+the default (``auto``) runs on ``at::parallel_for`` and switches to the pool while the machine is oversubscribed.
 
 One op call = ``tinyserve_native::sparse_decode`` at SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64,
 fp32 cache, int8 page bounds) and the backend's default options, at ``--context`` tokens. Variants, timed
 interleaved round by round in the same run:
 
-* ``pool``: the default scheduling, ``torch.get_num_threads()`` threads;
+* ``auto``: the default scheduling (``TINYSERVE_NATIVE_SCHED`` unset), ``torch.get_num_threads()`` threads;
+* ``pool``: ``TINYSERVE_NATIVE_SCHED=pool``, the same work items on the kernel's own pool;
 * ``parallel_for``: ``TINYSERVE_NATIVE_SCHED=omp``, the same work items inside ``at::parallel_for``;
 * ``one thread``: ``torch.set_num_threads(1)``.
 
@@ -115,13 +117,16 @@ def make_call(args, cfg):
     return call
 
 
-VARIANTS = ("pool", "parallel_for", "one thread")
+VARIANTS = ("auto", "pool", "parallel_for", "one thread")
 
 
 def _time_variant(call, variant: str, n_calls: int, threads: int) -> List[float]:
     """Seconds of each of ``n_calls`` calls under ``variant``."""
     old_sched = os.environ.get("TINYSERVE_NATIVE_SCHED")
-    os.environ["TINYSERVE_NATIVE_SCHED"] = "omp" if variant == "parallel_for" else "pool"
+    if variant == "auto":
+        os.environ.pop("TINYSERVE_NATIVE_SCHED", None)
+    else:
+        os.environ["TINYSERVE_NATIVE_SCHED"] = "omp" if variant == "parallel_for" else "pool"
     torch.set_num_threads(1 if variant == "one thread" else threads)
     try:
         call()  # the first call after a switch starts threads
@@ -134,7 +139,7 @@ def _time_variant(call, variant: str, n_calls: int, threads: int) -> List[float]
     finally:
         torch.set_num_threads(threads)
         if old_sched is None:
-            del os.environ["TINYSERVE_NATIVE_SCHED"]
+            os.environ.pop("TINYSERVE_NATIVE_SCHED", None)
         else:
             os.environ["TINYSERVE_NATIVE_SCHED"] = old_sched
 

@@ -19,9 +19,11 @@ decode tokens/s, their ratio, and the K/V bytes each reads per token
 
 ``--busy`` adds timed windows per provider with a busy neighbour: a separate
 process that spins one core (at nice ``--busy-nice``, 0 by default: it competes
-as an equal) for at most ``--busy-seconds``. For tinyserve it also times the
-native kernel scheduled by ``at::parallel_for`` instead of its own thread pool
-(``TINYSERVE_NATIVE_SCHED=omp``), idle and busy, side by side in the same run.
+as an equal) for at most ``--busy-seconds``. The native kernel schedules its
+work by the machine's load by default (``at::parallel_for`` idle, its own pool
+while the machine is oversubscribed); for tinyserve the demo also times each of
+the two forced (``TINYSERVE_NATIVE_SCHED=pool`` / ``=omp``), idle and busy, side
+by side in the same run.
 OpenMP's wait policy (Inductor's kernels and ATen run on OpenMP) is read once
 at start-up: set ``OMP_WAIT_POLICY=passive`` in the environment to compare.
 
@@ -218,7 +220,7 @@ def _timed(step, cache, last: int, a, wname: str, sched: Optional[str], busy: bo
     finally:
         if sched:
             if old is None:
-                del os.environ["TINYSERVE_NATIVE_SCHED"]
+                os.environ.pop("TINYSERVE_NATIVE_SCHED", None)
             else:
                 os.environ["TINYSERVE_NATIVE_SCHED"] = old
 
@@ -233,8 +235,10 @@ def run_provider(name: str, step: Callable, cache, first: torch.Tensor, a, eos: 
     variants = [("idle", None, False)]
     if a.busy:
         variants.append(("busy", None, True))
-        if name.startswith("tinyserve"):  # the native kernel's own pool against at::parallel_for
-            variants += [("idle, native kernel on at::parallel_for", "omp", False),
+        if name.startswith("tinyserve"):  # the native kernel's own pool against at::parallel_for, each forced
+            variants += [("idle, native kernel on its pool", "pool", False),
+                         ("busy, native kernel on its pool", "pool", True),
+                         ("idle, native kernel on at::parallel_for", "omp", False),
                          ("busy, native kernel on at::parallel_for", "omp", True)]
     windows = []
     for wname, sched, busy in variants:

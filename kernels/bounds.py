@@ -6,14 +6,16 @@ any sequence of writes (appends, overwrites, roll-backs) leaves them equal to a
 rebuild from scratch: a touched page is recomputed whole, never merged.
 
 ``tinyserve::cache_write`` is registered once, with one kernel per device chosen by the
-dispatcher: on CPU the native C++ kernel when it builds, on CUDA the Triton bounds kernel
+dispatcher: on CPU the native C++ kernel when it builds (registered from C++, see
+``kernels/csrc/dispatch.cpp``), on CUDA the Triton bounds kernel
 (:mod:`.triton_bounds`, no host sync) when Triton is installed, else (and on any other
 device) the PyTorch path :func:`cache_write_torch`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -21,7 +23,7 @@ from .reference import BOUNDS_DTYPES, PageBounds, num_pages, page_bounds, store_
 from .spec import SelectionSpec
 
 __all__ = ["allocate_bounds", "rebuild_bounds_", "update_bounds_", "cache_write_torch", "cache_write_impl",
-           "CACHE_WRITE_IMPLS"]
+           "use_cache_write_impl", "python_cache_write_kernel", "CACHE_WRITE_IMPLS"]
 
 
 def allocate_bounds(k_cache: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float32) -> PageBounds:
@@ -183,10 +185,15 @@ def _cache_write_triton(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_si
 CACHE_WRITE_IMPLS = {"torch": cache_write_torch, "native": _cache_write_native, "triton": _cache_write_triton}
 
 
+_forced_impl: Optional[str] = None  # set by use_cache_write_impl
+
+
 def cache_write_impl(device: torch.device) -> str:
     """The implementation of ``tinyserve::cache_write`` that runs on ``device``: native on CPU when it builds,
-    Triton on CUDA when it is installed, else the PyTorch path."""
+    Triton on CUDA when it is installed, else the PyTorch path (or what :func:`use_cache_write_impl` forces)."""
     device = torch.device(device)
+    if _forced_impl is not None:
+        return _forced_impl
     if device.type == "cpu":
         from .native import load_native
 
@@ -196,6 +203,40 @@ def cache_write_impl(device: torch.device) -> str:
 
         return "triton" if triton_available() else "torch"
     return "torch"
+
+
+@contextlib.contextmanager
+def use_cache_write_impl(name: str):
+    """Run ``tinyserve::cache_write`` through implementation ``name`` (a key of :data:`CACHE_WRITE_IMPLS`) inside
+    the block, on every device; for tests and comparisons of the paths."""
+    global _forced_impl
+    if name not in CACHE_WRITE_IMPLS:
+        raise ValueError(f"use_cache_write_impl: argument 'name' must be one of {sorted(CACHE_WRITE_IMPLS)}, "
+                         f"got {name!r}")
+    from .native import load_native, native_module
+
+    native = load_native()
+    before = _forced_impl
+    _forced_impl = name
+    if native:  # the dispatcher's native CPU kernel hands the write back to python_cache_write_kernel
+        native_module().set_native_cache_write(name == "native")
+    try:
+        yield
+    finally:
+        _forced_impl = before
+        if native:
+            native_module().set_native_cache_write(before in (None, "native"))
+
+
+def python_cache_write_kernel(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec) -> None:
+    """The op's kernel in Python: what :func:`cache_write_impl` picks for ``k_cache``'s device.
+
+    It serves every device until the native module loads; the native module then registers its own CPU kernel
+    with the dispatcher (no Python per call), which hands the write back to this inside
+    :func:`use_cache_write_impl` blocks that pick another path."""
+    _check_ctrl(ctrl)
+    impl = CACHE_WRITE_IMPLS[cache_write_impl(k_cache.device)]
+    impl(k_cache, kmax, kmin, kabs, ctrl, positions, src, _page_size_of(tuple(spec)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -232,22 +273,14 @@ def _cache_write_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tenso
     spec : list of int
         :meth:`.spec.SelectionSpec.to_list` (the page size is what the write reads).
     """
-    _check_ctrl(ctrl)
-    cache_write_torch(k_cache, kmax, kmin, kabs, ctrl, positions, src, _page_size_of(tuple(spec)))
-
-
-@_cache_write_op.register_kernel("cpu")
-def _(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec):
-    _check_ctrl(ctrl)
-    impl = CACHE_WRITE_IMPLS[cache_write_impl(k_cache.device)]
-    impl(k_cache, kmax, kmin, kabs, ctrl, positions, src, _page_size_of(tuple(spec)))
+    # any device without a kernel of its own (CPU too, until the native module registers its kernel)
+    python_cache_write_kernel(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec)
 
 
 @_cache_write_op.register_kernel("cuda")
 def _(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec):
-    _check_ctrl(ctrl)
-    impl = CACHE_WRITE_IMPLS[cache_write_impl(k_cache.device)]
-    impl(k_cache, kmax, kmin, kabs, ctrl, positions, src, _page_size_of(tuple(spec)))
+    # the key write plus the Triton bounds kernel when Triton is installed, else the PyTorch path
+    python_cache_write_kernel(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec)
 
 
 @_cache_write_op.register_fake

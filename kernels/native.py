@@ -232,10 +232,12 @@ def _load(verbose: bool) -> bool:
     if problem:
         _state["reason"] = f"native kernel self-check failed ({isa} build in {build_dir}): {problem}"
         return False
-    # only a kernel that passed its self-check becomes the dispatcher's CPU kernel of tinyserve::sparse_decode
+    # only kernels that passed their self-check become the dispatcher's CPU kernels of tinyserve::sparse_decode
+    # and tinyserve::cache_write
+    from .bounds import python_cache_write_kernel
     from .sparse_decode import python_kernel
 
-    module.register_cpu_kernel(python_kernel)
+    module.register_cpu_kernel(python_kernel, python_cache_write_kernel)
     return True
 
 

@@ -1,20 +1,26 @@
-// The CPU kernel of tinyserve::sparse_decode, registered with the dispatcher once the native module has loaded
-// and passed its self-check, so that a compiled graph's call reaches C++ with no Python in between.
+// The CPU kernels of tinyserve::sparse_decode and tinyserve::cache_write, registered with the dispatcher once the
+// native module has loaded and passed its self-check, so that a compiled graph's calls reach C++ with no Python in
+// between.
 // Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 
+#include "bounds.h"
 #include "dispatch.h"
 #include "pipeline.h"
 
 namespace tinyserve_native {
 namespace {
 
-// the op's Python kernel: runs every other choice of the `kernel` argument ("torch", "triton")
+// the ops' Python kernels: sparse_decode's runs every other choice of the `kernel` argument ("torch", "triton");
+// cache_write's runs the implementation Python picks while the native write is switched off (tests of other paths)
 pybind11::object* fallback = nullptr;
+pybind11::object* cache_write_fallback = nullptr;
+std::atomic<bool> native_cache_write{true};
 std::unique_ptr<torch::Library> cpu_library;
 
 at::Tensor sparse_decode_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -33,14 +39,37 @@ at::Tensor sparse_decode_cpu(const at::Tensor& q, const at::Tensor& k_cache, con
   return out.cast<at::Tensor>();
 }
 
+void cache_write_cpu(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                     const at::Tensor& ctrl, const at::Tensor& positions, const at::Tensor& src,
+                     c10::ArrayRef<int64_t> spec) {
+  if (native_cache_write.load(std::memory_order_relaxed) && spec.size() == 7) {
+    TORCH_CHECK_VALUE(ctrl.device().is_cpu() && ctrl.scalar_type() == at::kInt && ctrl.numel() >= 2 &&
+                          ctrl.is_contiguous(),
+                      "cache_write: argument 'ctrl' must be a contiguous int32 CPU tensor of 2 elements, got ",
+                      ctrl.scalar_type(), " ", ctrl.sizes(), " on ", ctrl.device());
+    // positions of any integer dtype and src of any float dtype, as the PyTorch path takes them
+    const at::Tensor s = src.scalar_type() == k_cache.scalar_type() ? src : src.to(k_cache.scalar_type());
+    cache_write(k_cache, kmax, kmin, kabs, ctrl, positions, s, spec[0]);
+    return;
+  }
+  pybind11::gil_scoped_acquire gil;
+  (*cache_write_fallback)(k_cache, kmax, kmin, kabs, ctrl, positions, src,
+                          std::vector<int64_t>(spec.begin(), spec.end()));
+}
+
 }  // namespace
 
-void register_cpu_kernel(pybind11::object python_kernel) {
+void register_cpu_kernel(pybind11::object sparse_decode_kernel, pybind11::object cache_write_kernel) {
   if (cpu_library) return;  // once per process
-  fallback = new pybind11::object(std::move(python_kernel));  // lives as long as the registration
+  // both live as long as the registration
+  fallback = new pybind11::object(std::move(sparse_decode_kernel));
+  cache_write_fallback = new pybind11::object(std::move(cache_write_kernel));
   cpu_library = std::make_unique<torch::Library>(torch::Library::IMPL, "tinyserve", c10::DispatchKey::CPU,
                                                  __FILE__, __LINE__);
   cpu_library->impl("sparse_decode", TORCH_FN(sparse_decode_cpu));
+  cpu_library->impl("cache_write", TORCH_FN(cache_write_cpu));
 }
+
+void set_native_cache_write(bool on) { native_cache_write.store(on, std::memory_order_relaxed); }
 
 }  // namespace tinyserve_native

@@ -1,4 +1,5 @@
-// Registration of the native CPU kernel of tinyserve::sparse_decode with the dispatcher (dispatch.cpp).
+// Registration of the native CPU kernels of tinyserve::sparse_decode and tinyserve::cache_write with the
+// dispatcher (dispatch.cpp).
 // Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
 #pragma once
 
@@ -6,8 +7,10 @@
 
 namespace tinyserve_native {
 
-// make the native kernel the CPU kernel of tinyserve::sparse_decode; python_kernel(same arguments) runs the
-// choices of the `kernel` argument other than "auto" and "native"
-void register_cpu_kernel(pybind11::object python_kernel);
+// make the native kernels the CPU kernels of tinyserve::sparse_decode and tinyserve::cache_write;
+// sparse_decode_kernel(same arguments) runs the choices of the `kernel` argument other than "auto" and "native",
+// cache_write_kernel(same arguments) runs the write while set_native_cache_write(false) is in force
+void register_cpu_kernel(pybind11::object sparse_decode_kernel, pybind11::object cache_write_kernel);
+void set_native_cache_write(bool on);
 
 }  // namespace tinyserve_native

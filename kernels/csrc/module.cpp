@@ -4,6 +4,7 @@
 #include "bounds.h"
 #include "dispatch.h"
 #include "pipeline.h"
+#include "pool.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_decode", &tinyserve_native::sparse_decode, "query-aware paged sparse decode attention");
@@ -11,5 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_write", &tinyserve_native::cache_write, "key write plus the bounds of the touched pages");
   m.def("rebuild_bounds", &tinyserve_native::rebuild_bounds, "every page's bounds");
   m.def("register_cpu_kernel", &tinyserve_native::register_cpu_kernel,
-        "make the native kernel the CPU kernel of tinyserve::sparse_decode");
+        "make the native kernels the CPU kernels of tinyserve::sparse_decode and tinyserve::cache_write");
+  m.def("set_native_cache_write", &tinyserve_native::set_native_cache_write,
+        "route tinyserve::cache_write on CPU to its native kernel (True) or to its Python kernel (False)");
+  m.def("scheduling", &tinyserve_native::scheduling_name,
+        "which threads run the kernels' items: omp, pool, or auto and its current choice");
 }

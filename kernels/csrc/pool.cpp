@@ -1,6 +1,10 @@
 // The item-claiming thread pool: the shared instance, claiming items, helper threads (see pool.h).
 #include "pool.h"
 
+#include <sched.h>
+
+#include <cstdio>
+
 namespace tinyserve_native {
 
 Pool& Pool::current() {
@@ -52,6 +56,66 @@ void Pool::helper(int64_t id) {
     seen = g;
     if (id < jobs_[g & 1].helpers.load(std::memory_order_relaxed)) work(g);
   }
+}
+
+namespace {
+
+// 0: auto, 1: omp, 2: pool (TINYSERVE_NATIVE_SCHED, read at every call so that a test or a benchmark can switch)
+int forced_scheduling() {
+  const char* s = std::getenv("TINYSERVE_NATIVE_SCHED");
+  if (s == nullptr) return 0;
+  if (std::strcmp(s, "omp") == 0) return 1;
+  if (std::strcmp(s, "pool") == 0) return 2;
+  return 0;
+}
+
+// the cores this process may run on
+int usable_cores() {
+  static const int n = [] {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  }();
+  return n;
+}
+
+// tasks runnable right now, system-wide (the "running/total" field of /proc/loadavg); -1 when unreadable
+int runnable_tasks() {
+  std::FILE* f = std::fopen("/proc/loadavg", "r");
+  if (f == nullptr) return -1;
+  double a, b, c;
+  int running = -1, total = 0;
+  if (std::fscanf(f, "%lf %lf %lf %d/%d", &a, &b, &c, &running, &total) != 5) running = -1;
+  std::fclose(f);
+  return running;
+}
+
+std::atomic<int64_t> next_sample_ns{0};
+std::atomic<int> busy_score{0};  // 0..4: +1 per oversubscribed sample, -1 per other; the pool from 2 up
+
+}  // namespace
+
+Sched scheduling() {
+  const int forced = forced_scheduling();
+  if (forced != 0) return forced == 1 ? Sched::kOmp : Sched::kPool;
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch()).count();
+  int64_t due = next_sample_ns.load(std::memory_order_relaxed);
+  if (now >= due && next_sample_ns.compare_exchange_strong(due, now + 50000000, std::memory_order_relaxed)) {
+    const int r = runnable_tasks();
+    // the caller itself is one of the runnable tasks; OpenMP's workers count while they spin
+    const bool over = r > usable_cores();
+    const int s = busy_score.load(std::memory_order_relaxed);
+    busy_score.store(over ? std::min(s + 1, 4) : std::max(s - 1, 0), std::memory_order_relaxed);
+  }
+  return busy_score.load(std::memory_order_relaxed) >= 2 ? Sched::kPool : Sched::kOmp;
+}
+
+const char* scheduling_name() {
+  const int forced = forced_scheduling();
+  if (forced != 0) return forced == 1 ? "omp" : "pool";
+  return scheduling() == Sched::kPool ? "auto (pool: the machine is oversubscribed)"
+                                      : "auto (omp: a free core per thread)";
 }
 
 }  // namespace tinyserve_native

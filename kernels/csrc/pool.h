@@ -115,17 +115,26 @@ class Pool {
   Job jobs_[2];
 };
 
-inline bool omp_scheduling() {
-  const char* s = std::getenv("TINYSERVE_NATIVE_SCHED");
-  return s != nullptr && std::strcmp(s, "omp") == 0;
-}
+// Which threads run the items of one call.
+//   omp:  at::parallel_for, the OpenMP team the rest of the graph (inductor, MKL) already keeps spinning; the
+//         fastest on a machine with a free core per thread, but its closing barrier waits for a descheduled thread.
+//   pool: the item-claiming Pool above; the caller waits only for items a helper has claimed, so a thread that
+//         another process descheduled delays one item, not the call. On an idle machine its helpers compete with
+//         OpenMP's spinning workers for the cores (about 0.4 ms per call at 8K on 2 cores).
+// TINYSERVE_NATIVE_SCHED=omp or =pool forces one; by default (auto) the pool runs while the machine is
+// oversubscribed (more runnable tasks than this process may use cores, sampled from /proc/loadavg every 50 ms,
+// with hysteresis) and OpenMP otherwise.
+enum class Sched { kOmp, kPool };
+Sched scheduling();
+// "omp", "pool" or "auto", and what auto chose last
+const char* scheduling_name();
 
 // f(i) for i in [0, n), items claimed one at a time by at most at::get_num_threads() threads
 template <typename F>
 inline void run_items(int64_t n, const F& f) {
   if (n <= 0) return;
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  if (!omp_scheduling()) return Pool::current().run(n, nt, f);
+  if (scheduling() == Sched::kPool) return Pool::current().run(n, nt, f);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(i);

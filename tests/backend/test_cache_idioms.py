@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from unittest import mock
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -291,48 +292,56 @@ def gpt_fast_generate(model, step, n_prompt=40, n_new=5, reference=None):
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])
-def test_gpt_fast_int32_input_pos(path, monkeypatch):
-    """gpt-fast's int32 ``input_pos`` through the native write op and through ``tinyserve::cache_write`` (the
-    PyTorch op every non-CPU device uses), which once required int64 positions."""
+def test_gpt_fast_int32_input_pos(path):
+    """gpt-fast's int32 ``input_pos`` through the native write op and through ``tinyserve::cache_write``'s PyTorch
+    path (what every device without a kernel of its own runs), which once required int64 positions."""
     from tinyserve_compile.kernels import bounds as bounds_mod
 
-    if path == "torch":
-        monkeypatch.setattr(bounds_mod, "cache_write_impl", lambda device: "torch")
     model = gpt_fast_model(seed=3)
     opts = {"token_budget": 16, "page_size": 8, "dense_layers": 1, "lower": "eager", "kernel": path}
     ref = gpt_fast_generate(model, None, reference=opts)
-    compiled = torch.compile(model, backend="tinyserve", options=opts)
-    got = gpt_fast_generate(model, compiled)
+    calls = []
+    torch_path = bounds_mod.CACHE_WRITE_IMPLS["torch"]
+    with mock.patch.dict(bounds_mod.CACHE_WRITE_IMPLS, torch=lambda *a: calls.append(1) or torch_path(*a)), \
+            bounds_mod.use_cache_write_impl(path):
+        compiled = torch.compile(model, backend="tinyserve", options=opts)
+        got = gpt_fast_generate(model, compiled)
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), worst(got, ref)
     assert tc.counters["rewritten"] == 4, tc.explain()
     assert tc.counters["native_sites" if path == "native" else "python_op_sites"] == 4, tc.counters
+    assert (len(calls) > 0) == (path == "torch"), len(calls)  # the write ran through the path under test
 
 
 @pytest.mark.parametrize("impl", ["native", "torch"])
-def test_cache_write_op_takes_any_integer_positions(impl, monkeypatch):
+def test_cache_write_op_takes_any_integer_positions(impl):
     """``tinyserve::cache_write`` writes int32, int64, 0-d and ``[1]`` positions alike; float positions are an
     error naming the argument."""
     from tinyserve_compile.kernels import bounds as bounds_mod
     from tinyserve_compile.kernels.reference import page_bounds
     from tinyserve_compile.kernels.spec import SelectionSpec
 
-    monkeypatch.setattr(bounds_mod, "cache_write_impl", lambda device: impl)
     spec = SelectionSpec.default(page_size=8, bounds_dtype=torch.float32).to_list()
-
     g = torch.Generator().manual_seed(9)
     cache = torch.randn(2, HKV, 32, HD, generator=g)
     src = torch.randn(2, HKV, 1, HD, generator=g)
     want = cache.clone()
     want[:, :, 13] = src[:, :, 0]
-    for pos in (torch.tensor(13, dtype=torch.int32), torch.tensor([13], dtype=torch.int32), torch.tensor([13]),
-                torch.tensor(13, dtype=torch.int16)):
-        c = cache.clone()
-        b = page_bounds(c, 8)
-        ctrl = torch.zeros(2, dtype=torch.int32)
-        torch.ops.tinyserve.cache_write(c, *b, ctrl, pos, src, spec)
-        assert torch.equal(c, want), pos
-        fresh = page_bounds(c, 8)
-        assert torch.equal(b.kmax, fresh.kmax) and torch.equal(b.kmin, fresh.kmin), pos
-    with pytest.raises(ValueError, match="positions"):
-        torch.ops.tinyserve.cache_write(cache.clone(), *page_bounds(cache, 8), torch.zeros(2, dtype=torch.int32),
-                                        torch.tensor([13.0]), src, spec)
+    calls = []
+    torch_path = bounds_mod.CACHE_WRITE_IMPLS["torch"]
+    with mock.patch.dict(bounds_mod.CACHE_WRITE_IMPLS, torch=lambda *a: calls.append(1) or torch_path(*a)), \
+            bounds_mod.use_cache_write_impl(impl):
+        for pos in (torch.tensor(13, dtype=torch.int32), torch.tensor([13], dtype=torch.int32), torch.tensor([13]),
+                    torch.tensor(13, dtype=torch.int16)):
+            c = cache.clone()
+            b = page_bounds(c, 8)
+            ctrl = torch.zeros(2, dtype=torch.int32)
+            torch.ops.tinyserve.cache_write(c, *b, ctrl, pos, src, spec)
+            assert torch.equal(c, want), pos
+            fresh = page_bounds(c, 8)
+            assert torch.equal(b.kmax, fresh.kmax) and torch.equal(b.kmin, fresh.kmin), pos
+        with pytest.raises(ValueError, match="positions"):
+            torch.ops.tinyserve.cache_write(cache.clone(), *page_bounds(cache, 8), torch.zeros(2, dtype=torch.int32),
+                                            torch.tensor([13.0]), src, spec)
+    assert len(calls) == (5 if impl == "torch" else 0), len(calls)  # the write ran through the path under test
+
+

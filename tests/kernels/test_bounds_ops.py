@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import pytest
+from unittest import mock
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,20 +94,24 @@ def test_rebuild_matches_page_bounds():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_opcheck_cache_write_torch_path(dtype, monkeypatch):
+def test_opcheck_cache_write_torch_path(dtype):
     """``tinyserve::cache_write`` through its PyTorch path (the native kernel's opcheck is in test_native_bounds)."""
     from tinyserve_compile.kernels import bounds as bounds_mod
     from tinyserve_compile.kernels.spec import SelectionSpec
 
-    monkeypatch.setattr(bounds_mod, "cache_write_impl", lambda device: "torch")
     gen = make_gen(3)
     k = randn((2, 2, 19, 8), gen, dtype)
     b = allocate_bounds(k, 4)
     spec = SelectionSpec(4, 8, 0, 1, 0, False, torch.float32).to_list()
-    for stale, pos in ((1, torch.tensor([0, 5, 18])), (0, torch.tensor(6, dtype=torch.int32))):
-        ctrl = torch.tensor([stale, 0], dtype=torch.int32)
-        torch.library.opcheck(torch.ops.tinyserve.cache_write.default,
-                              (k, *b, ctrl, pos, randn((2, 2, pos.numel(), 8), gen, dtype), spec))
+    calls = []
+    torch_path = bounds_mod.CACHE_WRITE_IMPLS["torch"]
+    with mock.patch.dict(bounds_mod.CACHE_WRITE_IMPLS, torch=lambda *a: calls.append(1) or torch_path(*a)), \
+            bounds_mod.use_cache_write_impl("torch"):
+        for stale, pos in ((1, torch.tensor([0, 5, 18])), (0, torch.tensor(6, dtype=torch.int32))):
+            ctrl = torch.tensor([stale, 0], dtype=torch.int32)
+            torch.library.opcheck(torch.ops.tinyserve.cache_write.default,
+                                  (k, *b, ctrl, pos, randn((2, 2, pos.numel(), 8), gen, dtype), spec))
+    assert calls, "the PyTorch path did not run"
 
 
 def _bounds_args():

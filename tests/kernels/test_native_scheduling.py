@@ -1,12 +1,15 @@
 """How the native kernel schedules its work: its own thread pool, ``at::parallel_for``, one thread, many callers.
 
-The pool (the default) and ``TINYSERVE_NATIVE_SCHED=omp`` split the work into the same chunks, so with the same
-thread count their outputs are bitwise equal; every output is also checked against the reference. Skipped, with
+``TINYSERVE_NATIVE_SCHED=pool`` and ``=omp`` split the work into the same chunks, so with the same thread count
+their outputs are bitwise equal (the default, auto, picks one of the two by the machine's load); every output is also checked against the reference. Skipped, with
 the build's reason, only where the native kernel cannot be built.
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -51,6 +54,7 @@ def two_threads():
 @pytest.mark.parametrize("keep_tokens", [False, True])
 def test_pool_and_parallel_for_agree_bitwise(two_threads, monkeypatch, keep_tokens):
     args = _case(1)
+    monkeypatch.setenv("TINYSERVE_NATIVE_SCHED", "pool")
     pooled = _native(*args, keep_tokens=keep_tokens)
     monkeypatch.setenv("TINYSERVE_NATIVE_SCHED", "omp")
     omp = _native(*args, keep_tokens=keep_tokens)
@@ -116,3 +120,41 @@ def test_bounds_rebuild_pool_and_parallel_for(two_threads, monkeypatch):
     for kmax, kmin, kabs in outs:
         assert torch.equal(kmax, want.kmax) and torch.equal(kmin, want.kmin) and torch.equal(kabs, want.kabs)
 
+
+
+def test_scheduling_names(monkeypatch):
+    monkeypatch.delenv("TINYSERVE_NATIVE_SCHED", raising=False)
+    assert native_module().scheduling().startswith("auto (")
+    for forced in ("omp", "pool"):
+        monkeypatch.setenv("TINYSERVE_NATIVE_SCHED", forced)
+        assert native_module().scheduling() == forced
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="no /proc/loadavg to read the machine's load from")
+def test_auto_takes_the_pool_on_an_oversubscribed_machine(monkeypatch):
+    """With more spinning processes than usable cores, auto switches to the pool within a few 50 ms samples."""
+    monkeypatch.delenv("TINYSERVE_NATIVE_SCHED", raising=False)
+    n = len(os.sched_getaffinity(0)) + 2
+    stop = multiprocessing.get_context("spawn").Event()
+    spinners = [multiprocessing.get_context("spawn").Process(target=_spin, args=(stop,), daemon=True)
+                for _ in range(n)]
+    for p in spinners:
+        p.start()
+    try:
+        seen = []
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            seen.append(native_module().scheduling())
+            if "pool" in seen[-1]:
+                break
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        for p in spinners:
+            p.join(5)
+    assert "pool" in seen[-1], seen[-5:]
+
+
+def _spin(stop):
+    while not stop.is_set():
+        pass
