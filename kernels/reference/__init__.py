@@ -63,8 +63,10 @@ from .select import (
     choose,
     choose_pages,
     choose_with,
+    forced_pages,
     mask_page_max,
     page_scores,
+    rank_candidate_pages,
     rank_candidate_tokens,
     rank_candidates,
     refine_by_page_mass,
@@ -73,6 +75,7 @@ from .select import (
     score_underflow_slack,
     select_pages,
     selected_token_mask,
+    top_pages,
 )
 from .attend import dropped_mass_bound, softmax_attend, sparse_decode_reference
 
@@ -90,11 +93,14 @@ __all__ = [
     "page_scores",
     "mask_page_max",
     "select_pages",
+    "top_pages",
+    "forced_pages",
     "refine_by_page_mass",
     "selected_token_mask",
     "sparse_decode_reference",
     "softmax_attend",
     "rank_candidates",
+    "rank_candidate_pages",
     "choose_pages",
     "choose",
     "choose_with",
