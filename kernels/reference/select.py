@@ -247,7 +247,7 @@ def _selected_tokens(sel: Selection, page_size: int, length: int, valid_len: tor
     return tok.clamp(max=length - 1), ok
 
 
-def refine_by_page_mass(
+def refine_candidates(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     cand: Selection,
@@ -255,15 +255,16 @@ def refine_by_page_mass(
     attn_mask: Optional[torch.Tensor],
     scale: float,
     page_size: int,
-    n_select: int,
+    n_keep: int,
     sink_pages: int,
+    keep_tokens: bool = False,
 ) -> Selection:
-    """Second stage: keep the ``n_select`` candidate pages of highest true attention mass.
+    """Second stage: keep the ``n_keep`` candidate pages (or, with ``keep_tokens``, single tokens) of highest
+    true attention mass.
 
-    Exact logits are computed over the candidates' keys (no values are read). A
-    page's mass for query head ``h`` is its share of softmax mass among the
-    candidates; the KV-head score is the max over the group. Forced pages
-    (newest, sinks) stay.
+    Exact logits are computed over the candidates' keys (no values are read). A page's (token's) mass for
+    query head ``h`` is its share of softmax mass among the candidates; the KV-head score is the max over
+    the group (:func:`rank_candidates`, :func:`rank_candidate_tokens`). Forced pages (newest, sinks) stay.
 
     Parameters
     ----------
@@ -278,16 +279,21 @@ def refine_by_page_mass(
     attn_mask : torch.Tensor, optional
         As in :func:`sparse_decode_reference`.
     scale : float
-    page_size, n_select, sink_pages : int
+    page_size, n_keep, sink_pages : int
+    keep_tokens : bool
+        Keep single tokens instead of whole pages.
 
     Returns
     -------
     Selection
-        ``[B, Hkv, n_select]``.
+        The kept pages ``[B, Hkv, n_keep]``, or the kept tokens ``[B, Hkv, n']`` as pages of one token.
     """
     vl = _as_valid_len(valid_len, q.shape[0], q.device)
     logits = _candidate_logits(q, k_cache, cand, vl, attn_mask, scale, page_size)  # [B,Hkv,G,Kc*S]
-    return rank_candidates(logits, cand, vl, page_size, n_select, sink_pages)[0]
+    if not keep_tokens:
+        return rank_candidates(logits, cand, vl, page_size, n_keep, sink_pages)[0]
+    # a valid length past the cache means every slot of it: no token beyond L is forced or kept
+    return rank_candidate_tokens(logits, cand, vl.clamp(max=k_cache.shape[2]), page_size, n_keep, sink_pages)[0]
 
 
 def _candidate_logits(q, k_cache, cand: Selection, vl, attn_mask, scale: float, page_size: int) -> torch.Tensor:
@@ -299,29 +305,6 @@ def _candidate_logits(q, k_cache, cand: Selection, vl, attn_mask, scale: float, 
     logits = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
     logits = logits + _gathered_mask(attn_mask, tok, B, Hq, L)
     return logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
-
-
-def refine_by_token_mass(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    cand: Selection,
-    valid_len: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
-    scale: float,
-    page_size: int,
-    n_tokens: int,
-    sink_pages: int,
-) -> Selection:
-    """Second stage keeping single tokens: the ``n_tokens`` candidate tokens of highest softmax share.
-
-    As :func:`refine_by_page_mass` (exact logits over the candidates' keys, no values read), ranked by
-    :func:`rank_candidate_tokens`. Returns the kept tokens ``[B, Hkv, n']`` as a :class:`Selection` of
-    pages of one token.
-    """
-    vl = _as_valid_len(valid_len, q.shape[0], q.device)
-    logits = _candidate_logits(q, k_cache, cand, vl, attn_mask, scale, page_size)  # [B,Hkv,G,Kc*S]
-    # a valid length past the cache means every slot of it: no token beyond L is forced or kept
-    return rank_candidate_tokens(logits, cand, vl.clamp(max=k_cache.shape[2]), page_size, n_tokens, sink_pages)[0]
 
 
 def rank_candidates(logits, cand: Selection, valid_len, page_size: int, n_select: int, sink_pages: int):
@@ -454,8 +437,8 @@ def rank_candidate_tokens(logits, cand: Selection, valid_len, page_size: int, n_
 def choose_with(score_fn, q, k_cache, valid_len, attn_mask, scale, spec: SelectionSpec):
     """Page selection around any page scorer: dense when every valid page fits in the budget (the scorer is
     then not called), else the top pages by ``score_fn()`` (fp32 ``[B, Hkv, P]``), refined in a second stage
-    when ``spec.n_candidates`` exceeds ``K``: whole pages (:func:`refine_by_page_mass`) or, with
-    ``spec.keep_tokens``, single tokens (:func:`refine_by_token_mass`).
+    when ``spec.n_candidates`` exceeds ``K`` (:func:`refine_candidates`): whole pages or, with
+    ``spec.keep_tokens``, single tokens.
 
     Returns ``(selection, unit)``: ``selection`` is None when attention is dense, else the kept pages
     (``unit = page_size``) or the kept tokens (``unit = 1``). Shapes as in :func:`.attend.sparse_decode_reference`;
@@ -476,9 +459,9 @@ def choose_with(score_fn, q, k_cache, valid_len, attn_mask, scale, spec: Selecti
         P = scores.shape[-1]
         idx = torch.arange(P, device=q.device).expand(B, scores.shape[1], P)
         cand = Selection(idx.contiguous(), (idx < n_valid.reshape(B, 1, 1)))
-    if not spec.keep_tokens:
-        return refine_by_page_mass(q, k_cache, cand, vl, attn_mask, scale, S, K, spec.sink_pages), S
-    return refine_by_token_mass(q, k_cache, cand, vl, attn_mask, scale, S, K * S, spec.sink_pages), 1
+    keep = spec.keep_tokens
+    sel = refine_candidates(q, k_cache, cand, vl, attn_mask, scale, S, K * S if keep else K, spec.sink_pages, keep)
+    return sel, 1 if keep else S
 
 
 def choose(q, k_cache, bounds, valid_len, attn_mask, scale, spec: SelectionSpec):
