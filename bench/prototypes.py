@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from tinyserve_compile.kernels.reference import (PageBounds, Selection, page_scores, rank_candidates,
-                                                 refine_by_page_mass, refine_by_token_mass, select_pages)
+                                                 refine_candidates, select_pages)
 from tinyserve_compile.policies import DecodeContext, PagePolicy, register_policy
 
 try:
@@ -235,11 +235,11 @@ class TwoLevelPolicy(PagePolicy):
         if cand is None:
             return None, ctx.page_size
         vl = ctx.valid_len.reshape(-1).expand(ctx.q.shape[0])
-        if self.token:  # the token_budget single tokens (pages of one token)
-            return refine_by_token_mass(ctx.q, ctx.k_cache, cand, vl, None, ctx.scale, ctx.page_size,
-                                        ctx.token_budget, ctx.sink_pages), 1
-        return refine_by_page_mass(ctx.q, ctx.k_cache, cand, vl, None, ctx.scale, ctx.page_size,
-                                   ctx.token_budget // ctx.page_size, ctx.sink_pages), ctx.page_size
+        # with self.token, the token_budget single tokens (pages of one token)
+        n_keep = ctx.token_budget if self.token else ctx.token_budget // ctx.page_size
+        sel = refine_candidates(ctx.q, ctx.k_cache, cand, vl, None, ctx.scale, ctx.page_size, n_keep,
+                                ctx.sink_pages, keep_tokens=self.token)
+        return sel, 1 if self.token else ctx.page_size
 
 
 TWO_LEVEL = {_register(f"tl{R}e{E}{'tok' if t else ''}", TwoLevelPolicy, coarse=R, extra=E, token=t): (R, E, t)

@@ -34,6 +34,7 @@ from .reference import (
     rank_candidates,
     select_pages,
     softmax_attend,
+    top_pages,
 )
 from .spec import KERNELS, SelectionSpec
 
@@ -179,31 +180,6 @@ def _uniform_len(valid_len: torch.Tensor, attn_mask: Optional[torch.Tensor], bat
     return (lo if lo == hi else None), attn_mask
 
 
-def _select_uniform(scores: torch.Tensor, n: int, page_size: int, K: int, sink_pages: int) -> torch.Tensor:
-    """:func:`.reference.select_pages` for rows that share one valid length, in place on ``scores``.
-
-    Parameters
-    ----------
-    scores : torch.Tensor
-        ``[B, Hkv, P]`` fp32 page scores (overwritten: forced pages +inf, pages past
-        the valid length -inf, exactly the values ``select_pages`` builds).
-    n : int
-        The shared valid length, with ``ceil(n / page_size) > K``.
-
-    Returns
-    -------
-    torch.Tensor
-        int64 ``[B, Hkv, K]`` page indices, in ``topk`` order (the same set as
-        ``select_pages``; every slot is a valid page since more than ``K`` exist).
-    """
-    n_valid = (n + page_size - 1) // page_size
-    scores[..., n_valid:] = float("-inf")
-    scores[..., (n - 1) // page_size] = float("inf")
-    if sink_pages:
-        scores[..., :sink_pages] = float("inf")
-    return scores.topk(min(K, scores.shape[-1]), dim=-1, sorted=False).indices
-
-
 def _gather_pages_raw(cache: torch.Tensor, idx: torch.Tensor, page_size: int) -> torch.Tensor:
     """Whole pages of a contiguous cache, in the cache dtype.
 
@@ -299,7 +275,8 @@ def _fast_sparse(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, K, 
     Hkv = k_cache.shape[1]
     # ---- stage 1: bound scan (the reference scorer, bit for bit) and top-K pages
     scores = page_scores(q, PageBounds(kmax, kmin, kabs), scale)  # [B,Hkv,P] fp32
-    idx = _select_uniform(scores, n, page_size, K, sink_pages).sort(-1).values  # [B,Hkv,K] ascending
+    vl = torch.full((B,), n, dtype=torch.int64, device=q.device)
+    idx = top_pages(scores, vl, page_size, K, sink_pages).idx  # [B,Hkv,K] ascending, every one a valid page
     # ---- stage 2: gather whole pages in the cache dtype
     T = idx.shape[-1] * page_size
     kg = _gather_pages_raw(k_cache, idx, page_size).view(B, Hkv, T, D)  # [B,Hkv,K*S,D]
@@ -369,7 +346,7 @@ def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, 
         kg = k_cache[:, :, :n_valid * S].float()  # [B,Hkv,Kc*S,D]
     else:
         scores = page_scores(q, PageBounds(kmax, kmin, kabs), scale)  # [B,Hkv,P] fp32
-        idx = _select_uniform(scores, n, S, n_cand, sink_pages).sort(-1).values  # [B,Hkv,Kc]
+        idx = top_pages(scores, vl, S, n_cand, sink_pages).idx  # [B,Hkv,Kc] ascending, every one a valid page
         kg = None if 2 * idx.shape[-1] >= n_valid else _gather_pages_raw(k_cache, idx, S).view(B, Hkv, -1, D).float()
     Kc = idx.shape[-1]
     # ---- stage 2: exact logits over the candidates' keys; rank pages by softmax mass

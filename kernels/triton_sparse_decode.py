@@ -19,8 +19,9 @@ grid-wide barrier. So the work is split at that reduction:
    query head of the group with exactly the formula of
    :func:`.reference.page_scores` (``relu(q).M + min(q,0).m`` plus the same rounding
    slack, times ``scale``, plus the page max of the mask), reduces with a max over
-   the group, and writes ``+inf`` for the forced pages (newest page, sink pages)
-   and ``-inf`` past ``valid_len``. Pages past ``valid_len`` are never loaded.
+   the group, and writes ``+inf`` for the forced pages (newest page, sink pages: the rule
+   of :func:`.reference.forced_pages`, fused) and ``-inf`` past ``valid_len``. Pages past
+   ``valid_len`` are never loaded.
 2. ``torch.topk`` over ``[B, Hkv, P]`` fp32 scores (a few KB per head; the one
    place where a hand-written radix select would save a launch or two, not bytes).
    No host synchronisation: when every valid page fits in the budget, the top-K
@@ -46,8 +47,8 @@ Two-stage selection (``N1 = candidate_factor * K + candidate_extra // page_size 
 :func:`.reference.candidate_pages`) takes the top-``N1`` pages by bound and adds
 :func:`_candidate_page_lse_kernel`, the attention-logit kernel without ``V``: it
 computes each candidate page's log-sum-exp of exact logits per query head; the
-share-of-mass ranking of :func:`.reference.rank_candidates` then runs on the tiny
-``[B, Hkv, G, N1]`` result in PyTorch, and step 3 attends over the K survivors.
+reference's own share-of-mass ranking, :func:`.reference.rank_candidate_pages`, then runs
+on the tiny ``[B, Hkv, G, N1]`` result in PyTorch, and step 3 attends over the K survivors.
 With ``keep_tokens`` the same kernel stores the candidates' logits themselves
 (``[B, Hkv, G, N1*S]`` fp32); :func:`.reference.rank_candidate_tokens` runs on them in
 PyTorch (share against the log-sum-exp over all candidate tokens, max over the group,
@@ -70,7 +71,8 @@ from typing import Optional
 
 import torch
 
-from .reference import Selection, score_slack_factor, score_underflow_slack
+from .reference import (Selection, rank_candidate_pages, rank_candidate_tokens, score_slack_factor,
+                        score_underflow_slack)
 from .spec import SelectionSpec
 
 try:  # guarded: the package must import without triton
@@ -581,20 +583,23 @@ def _candidate_page_lse(q, k_cache, cand, vl, vl_stride, mask, mstr, mkind, mper
 
 
 def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: SelectionSpec):
-    """What the attention kernels read, ``(idx, top, logits)``.
+    """What the attention kernels read, ``(idx, ok, logits)``.
 
     * ``(None, None, None)`` when dense from the shapes (``P <= K``);
-    * pages: ``idx`` ``[B, Hkv, K]`` int64 page indices (unsorted), ``top`` their fp32 scores
-      (``-inf``: contributes nothing), ``logits`` None;
+    * pages: ``idx`` ``[B, Hkv, K]`` int64 page indices (unsorted), ``ok`` bool, False where a page scored
+      ``-inf`` (it contributes nothing), ``logits`` None;
     * tokens (two-stage with ``keep_tokens``): ``idx`` ``[B, Hkv, n]`` int64 token positions (unsorted, -1 for
-      an empty slot), ``top`` their fp32 ranking scores, ``logits`` ``[B, Hkv, G, n]`` fp32 their masked
+      an empty slot), ``ok`` bool, False for an empty slot, ``logits`` ``[B, Hkv, G, n]`` fp32 their masked
       logits from the candidate stage (-inf for an empty slot).
+
+    The page-score kernel applies the forced pages (:func:`.reference.forced_pages`); the two-stage ranking is
+    the reference's own (:func:`.reference.rank_candidate_pages`, :func:`.reference.rank_candidate_tokens`).
     """
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     P = kmax.shape[2]
-    S, sink_pages, keep_tokens = spec.page_size, spec.sink_pages, spec.keep_tokens
+    S, sink_pages = spec.page_size, spec.sink_pages
     K = spec.n_pages
     if P <= K:  # every page fits whatever valid_len is: dense
         return None, None, None
@@ -604,36 +609,23 @@ def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: Sel
     n1 = spec.n_candidates
     if n1 <= K:  # one stage
         top, idx = scores.topk(K, dim=-1, sorted=False)
-        return idx, top, None
+        return idx, top > float("-inf"), None
     # ---- two-stage: top-N1 candidates by bound (all valid pages when N1 covers them; the rest score -inf)
-    ctop, cand = scores.topk(min(n1, P), dim=-1, sorted=False)  # [B,Hkv,Kc]
-    cand_ok = ctop > float("-inf")
-    vlb = vl.expand(B).reshape(B, 1, 1).clamp(max=L)  # valid_len past the cache counts as L
-    newest = torch.where(vlb > 0, (vlb - 1) // S, -1)
-    if not keep_tokens:
-        # ---- K of the candidate pages by share of exact softmax mass (reference.rank_candidates)
-        lse = _candidate_page_lse(q, k_cache, cand, vl, vls, mask, mstr, mkind, mper, scale, S)  # [B,Hkv,G,Kc]
-        share = (lse - lse.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,Kc]
-        forced = (cand == newest) | (cand < sink_pages)
-        share = share.masked_fill(forced & cand_ok, float("inf")).masked_fill(~cand_ok, float("-inf"))
-        top, slot = share.topk(min(K, cand.shape[-1]), dim=-1, sorted=False)
-        return cand.gather(-1, slot), top, None
-    # ---- K*S of the candidate tokens by share of exact softmax mass (reference.rank_candidate_tokens)
-    logits = _candidate_page_lse(q, k_cache, cand, vl, vls, mask, mstr, mkind, mper, scale, S,
+    ctop, cidx = scores.topk(min(n1, P), dim=-1, sorted=False)  # [B,Hkv,Kc]
+    cand = Selection(cidx, ctop > float("-inf"))
+    vlb = vl.expand(B).clamp(max=L)  # [B]: valid_len past the cache counts as L
+    if not spec.keep_tokens:
+        # ---- K of the candidate pages by share of exact softmax mass
+        lse = _candidate_page_lse(q, k_cache, cidx, vl, vls, mask, mstr, mkind, mper, scale, S)  # [B,Hkv,G,Kc]
+        sel, _ = rank_candidate_pages(lse, cand, vlb, S, K, sink_pages)  # [B,Hkv,K]
+        return sel.idx, sel.ok, None
+    # ---- K*S of the candidate tokens by share of exact softmax mass, with their logits
+    logits = _candidate_page_lse(q, k_cache, cidx, vl, vls, mask, mstr, mkind, mper, scale, S,
                                  store_logits=True)  # [B,Hkv,G,Kc*S]
-    T = logits.shape[-1]
-    tok = (cand[..., None] * S + torch.arange(S, device=q.device)).reshape(B, Hkv, T)  # [B,Hkv,T]
-    tok_ok = cand_ok.repeat_interleave(S, dim=-1) & (tok < vlb)
-    share = (logits - logits.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,T]
-    forced = (cand == newest) | (cand < sink_pages)
-    forced = forced.repeat_interleave(S, dim=-1)
-    share = share.masked_fill(forced & tok_ok, float("inf")).masked_fill(~tok_ok, float("-inf"))
-    top, slot = share.topk(min(K * S, T), dim=-1, sorted=False)  # [B,Hkv,n]
-    kept = top > float("-inf")
-    idx = tok.gather(-1, slot).masked_fill(~kept, -1)
+    sel, slot = rank_candidate_tokens(logits, cand, vlb, S, K * S, sink_pages)  # [B,Hkv,n]
     kept_logits = logits.gather(3, slot[:, :, None, :].expand(B, Hkv, G, slot.shape[-1]))  # [B,Hkv,G,n]
-    kept_logits = kept_logits.masked_fill(~kept[:, :, None, :], float("-inf"))
-    return idx, top, kept_logits
+    kept_logits = kept_logits.masked_fill(~sel.ok[:, :, None, :], float("-inf"))
+    return sel.idx.masked_fill(~sel.ok, -1), sel.ok, kept_logits
 
 
 def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale,
@@ -654,12 +646,10 @@ def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scal
         ``idx`` ``[B, Hkv, n]`` token positions, ascending (pages of one token, as the reference's
         ``choose`` returns with ``unit = 1``). None when ``P <= K`` (dense from the shapes alone).
     """
-    idx, top, logits = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
+    idx, ok, _ = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
     if idx is None:
         return None
-    ok = top > float("-inf")
-    idx = idx.clamp(min=0)
-    idx, order = idx.sort(-1)
+    idx, order = idx.clamp(min=0).sort(-1)
     return Selection(idx, ok.gather(-1, order))
 
 

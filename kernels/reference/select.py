@@ -184,18 +184,57 @@ def select_pages(
     B, H, P = scores.shape
     K = token_budget // page_size if n_select is None else n_select
     vl = _as_valid_len(valid_len, B, scores.device)
-    n_valid = (vl + page_size - 1) // page_size  # [B]
-    if int(n_valid.max()) <= K:
+    if int(((vl + page_size - 1) // page_size).max()) <= K:
         return None
-    page = torch.arange(P, device=scores.device)
-    valid = page[None, :] < n_valid[:, None]  # [B,P]
-    forced = (page[None, :] == (vl[:, None] - 1) // page_size) | (page[None, :] < sink_pages)
-    s = scores.masked_fill(forced[:, None, :], float("inf"))
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    top, idx = s.topk(min(K, P), dim=-1, sorted=False)
+    return top_pages(scores, vl, page_size, K, sink_pages)
+
+
+def forced_pages(page: torch.Tensor, valid_len: torch.Tensor, page_size: int, sink_pages: int) -> torch.Tensor:
+    """Which pages every selection keeps: the page holding each row's newest token and the first ``sink_pages``.
+
+    Parameters
+    ----------
+    page : torch.Tensor
+        int64 page indices ``[B or 1, H or 1, n]``.
+    valid_len : torch.Tensor
+        int64/int32 ``[B]``; a row of length 0 has no newest page.
+    page_size, sink_pages : int
+
+    Returns
+    -------
+    torch.Tensor
+        Bool, ``page`` broadcast against ``[B, 1, 1]``.
+    """
+    newest = ((valid_len - 1) // page_size).reshape(-1, 1, 1)  # -1 for an empty row: no page
+    return (page == newest) | (page < sink_pages)
+
+
+def top_pages(scores: torch.Tensor, valid_len: torch.Tensor, page_size: int, n_select: int,
+              sink_pages: int) -> Selection:
+    """The ``n_select`` pages of highest score per KV head with the forced pages, and no host read.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``[B, Hkv, P]`` fp32, higher is more important.
+    valid_len : torch.Tensor
+        int64/int32 ``[B]``.
+    page_size, n_select, sink_pages : int
+
+    Returns
+    -------
+    Selection
+        ``[B, Hkv, min(n_select, P)]``, ascending. The forced pages (:func:`forced_pages`) score +inf;
+        pages past ``valid_len`` score -inf and their slots are not ok.
+    """
+    B, H, P = scores.shape
+    n_valid = ((valid_len + page_size - 1) // page_size).reshape(B, 1, 1)
+    page = torch.arange(P, device=scores.device).reshape(1, 1, P)
+    s = scores.masked_fill(forced_pages(page, valid_len, page_size, sink_pages), float("inf"))
+    s = s.masked_fill(page >= n_valid, float("-inf"))
+    top, idx = s.topk(min(n_select, P), dim=-1, sorted=False)
     idx, order = idx.sort(-1)
-    ok = top.gather(-1, order) > float("-inf")
-    ok = ok & (idx < n_valid[:, None, None])
+    ok = (top.gather(-1, order) > float("-inf")) & (idx < n_valid)
     return Selection(idx, ok)
 
 
@@ -208,7 +247,7 @@ def _selected_tokens(sel: Selection, page_size: int, length: int, valid_len: tor
     return tok.clamp(max=length - 1), ok
 
 
-def refine_by_page_mass(
+def refine_candidates(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     cand: Selection,
@@ -216,15 +255,16 @@ def refine_by_page_mass(
     attn_mask: Optional[torch.Tensor],
     scale: float,
     page_size: int,
-    n_select: int,
+    n_keep: int,
     sink_pages: int,
+    keep_tokens: bool = False,
 ) -> Selection:
-    """Second stage: keep the ``n_select`` candidate pages of highest true attention mass.
+    """Second stage: keep the ``n_keep`` candidate pages (or, with ``keep_tokens``, single tokens) of highest
+    true attention mass.
 
-    Exact logits are computed over the candidates' keys (no values are read). A
-    page's mass for query head ``h`` is its share of softmax mass among the
-    candidates; the KV-head score is the max over the group. Forced pages
-    (newest, sinks) stay.
+    Exact logits are computed over the candidates' keys (no values are read). A page's (token's) mass for
+    query head ``h`` is its share of softmax mass among the candidates; the KV-head score is the max over
+    the group (:func:`rank_candidates`, :func:`rank_candidate_tokens`). Forced pages (newest, sinks) stay.
 
     Parameters
     ----------
@@ -239,16 +279,21 @@ def refine_by_page_mass(
     attn_mask : torch.Tensor, optional
         As in :func:`sparse_decode_reference`.
     scale : float
-    page_size, n_select, sink_pages : int
+    page_size, n_keep, sink_pages : int
+    keep_tokens : bool
+        Keep single tokens instead of whole pages.
 
     Returns
     -------
     Selection
-        ``[B, Hkv, n_select]``.
+        The kept pages ``[B, Hkv, n_keep]``, or the kept tokens ``[B, Hkv, n']`` as pages of one token.
     """
     vl = _as_valid_len(valid_len, q.shape[0], q.device)
     logits = _candidate_logits(q, k_cache, cand, vl, attn_mask, scale, page_size)  # [B,Hkv,G,Kc*S]
-    return rank_candidates(logits, cand, vl, page_size, n_select, sink_pages)[0]
+    if not keep_tokens:
+        return rank_candidates(logits, cand, vl, page_size, n_keep, sink_pages)[0]
+    # a valid length past the cache means every slot of it: no token beyond L is forced or kept
+    return rank_candidate_tokens(logits, cand, vl.clamp(max=k_cache.shape[2]), page_size, n_keep, sink_pages)[0]
 
 
 def _candidate_logits(q, k_cache, cand: Selection, vl, attn_mask, scale: float, page_size: int) -> torch.Tensor:
@@ -260,29 +305,6 @@ def _candidate_logits(q, k_cache, cand: Selection, vl, attn_mask, scale: float, 
     logits = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ kg.transpose(-1, -2)) * scale  # [B,Hkv,G,Kc*S]
     logits = logits + _gathered_mask(attn_mask, tok, B, Hq, L)
     return logits.masked_fill(~tok_ok[:, :, None, :], float("-inf"))
-
-
-def refine_by_token_mass(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    cand: Selection,
-    valid_len: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
-    scale: float,
-    page_size: int,
-    n_tokens: int,
-    sink_pages: int,
-) -> Selection:
-    """Second stage keeping single tokens: the ``n_tokens`` candidate tokens of highest softmax share.
-
-    As :func:`refine_by_page_mass` (exact logits over the candidates' keys, no values read), ranked by
-    :func:`rank_candidate_tokens`. Returns the kept tokens ``[B, Hkv, n']`` as a :class:`Selection` of
-    pages of one token.
-    """
-    vl = _as_valid_len(valid_len, q.shape[0], q.device)
-    logits = _candidate_logits(q, k_cache, cand, vl, attn_mask, scale, page_size)  # [B,Hkv,G,Kc*S]
-    # a valid length past the cache means every slot of it: no token beyond L is forced or kept
-    return rank_candidate_tokens(logits, cand, vl.clamp(max=k_cache.shape[2]), page_size, n_tokens, sink_pages)[0]
 
 
 def rank_candidates(logits, cand: Selection, valid_len, page_size: int, n_select: int, sink_pages: int):
@@ -300,22 +322,48 @@ def rank_candidates(logits, cand: Selection, valid_len, page_size: int, n_select
     Returns
     -------
     (Selection, torch.Tensor)
-        The chosen pages ``[B, Hkv, n_select]`` (ascending) and their slots in
-        ``cand`` ``[B, Hkv, n_select]`` int64.
+        As :func:`rank_candidate_pages`, which ranks the pages' log-sum-exp.
     """
     B, Hkv, G, _ = logits.shape
-    Kc = cand.idx.shape[-1]
-    page_lse = logits.reshape(B, Hkv, G, Kc, page_size).logsumexp(-1)  # [B,Hkv,G,Kc]
-    total = page_lse.logsumexp(-1, keepdim=True)
-    share = (page_lse - total).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,Kc]
-    forced = (cand.idx == ((valid_len - 1) // page_size).reshape(B, 1, 1)) | (cand.idx < sink_pages)
-    share = share.masked_fill(forced & cand.ok, float("inf")).masked_fill(~cand.ok, float("-inf"))
-    top, pos = share.topk(min(n_select, Kc), dim=-1, sorted=False)
-    pos, order = pos.sort(-1)  # candidate slots ascending = pages ascending
-    top = top.gather(-1, order)
-    idx = cand.idx.gather(-1, pos)
-    ok = cand.ok.gather(-1, pos) & (top > float("-inf"))
-    return Selection(idx, ok), pos
+    page_lse = logits.reshape(B, Hkv, G, cand.idx.shape[-1], page_size).logsumexp(-1)  # [B,Hkv,G,Kc]
+    return rank_candidate_pages(page_lse, cand, valid_len, page_size, n_select, sink_pages)
+
+
+def rank_candidate_pages(page_lse, cand: Selection, valid_len, page_size: int, n_select: int, sink_pages: int):
+    """Pick ``n_select`` of the candidate pages by their share of softmax mass, from each page's log-sum-exp.
+
+    A page's share for query head ``h`` is ``exp(lse_hc - lse_h)`` over every candidate page; the KV-head
+    score is the max over the group. The newest page and the sink pages are forced.
+
+    Parameters
+    ----------
+    page_lse : torch.Tensor
+        ``[B, Hkv, G, Kc]`` fp32 log-sum-exp of each candidate page's masked logits (-inf for no valid token).
+    cand : Selection
+        ``[B, Hkv, Kc]`` candidate pages.
+    valid_len : torch.Tensor
+        int64/int32 ``[B]``.
+
+    Returns
+    -------
+    (Selection, torch.Tensor)
+        The chosen pages ``[B, Hkv, n']`` (in candidate order: ascending when ``cand`` is) and their slots in
+        ``cand`` ``[B, Hkv, n']`` int64, ``n' = min(n_select, Kc)``.
+    """
+    share = (page_lse - page_lse.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,Kc]
+    forced = forced_pages(cand.idx, valid_len, page_size, sink_pages)
+    pos, kept = _top_share(share, forced, cand.ok, n_select)
+    return Selection(cand.idx.gather(-1, pos), cand.ok.gather(-1, pos) & kept), pos
+
+
+def _top_share(share, forced, ok, n_select: int):
+    """The ``n_select`` slots of highest ``share`` ``[B, Hkv, T]`` fp32, ``forced`` slots first and never a slot
+    that is not ``ok`` (both bool ``[B, Hkv, T]``): ``(slots ascending, kept)``, int64 and bool ``[B, Hkv, n']``;
+    ``kept`` is False where a slot's share is -inf."""
+    share = share.masked_fill(forced & ok, float("inf")).masked_fill(~ok, float("-inf"))
+    top, pos = share.topk(min(n_select, share.shape[-1]), dim=-1, sorted=False)
+    pos, order = pos.sort(-1)
+    return pos, top.gather(-1, order) > float("-inf")
 
 
 def _gathered_mask(attn_mask, tok, B, Hq, L):
@@ -373,27 +421,24 @@ def rank_candidate_tokens(logits, cand: Selection, valid_len, page_size: int, n_
     Returns
     -------
     (Selection, torch.Tensor)
-        The kept tokens ``[B, Hkv, n']`` (ascending; a :class:`Selection` with pages of one token) and their
-        slots in the candidates' token list ``[B, Hkv, n']`` int64, ``n' = min(n_select, Kc*S)``.
+        The kept tokens ``[B, Hkv, n']`` (in candidate order: ascending when ``cand`` is; a :class:`Selection`
+        with pages of one token) and their slots in the candidates' token list ``[B, Hkv, n']`` int64,
+        ``n' = min(n_select, Kc*S)``.
     """
     B, Hkv, G, T = logits.shape
     S = page_size
     tok = (cand.idx[..., None] * S + torch.arange(S, device=cand.idx.device)).reshape(B, Hkv, T)
     ok = cand.ok.repeat_interleave(S, dim=-1) & (tok < valid_len.reshape(B, 1, 1))
     share = (logits - logits.logsumexp(-1, keepdim=True)).nan_to_num(nan=float("-inf")).amax(2)  # [B,Hkv,T]
-    forced = (tok // S == ((valid_len - 1) // S).reshape(B, 1, 1)) | (tok < sink_pages * S)
-    share = share.masked_fill(forced & ok, float("inf")).masked_fill(~ok, float("-inf"))
-    top, pos = share.topk(min(n_select, T), dim=-1, sorted=False)
-    pos, order = pos.sort(-1)  # slots ascending = tokens ascending (candidate pages are ascending)
-    top = top.gather(-1, order)
-    return Selection(tok.gather(-1, pos), ok.gather(-1, pos) & (top > float("-inf"))), pos
+    pos, kept = _top_share(share, forced_pages(tok // S, valid_len, S, sink_pages), ok, n_select)
+    return Selection(tok.gather(-1, pos), ok.gather(-1, pos) & kept), pos
 
 
 def choose_with(score_fn, q, k_cache, valid_len, attn_mask, scale, spec: SelectionSpec):
     """Page selection around any page scorer: dense when every valid page fits in the budget (the scorer is
     then not called), else the top pages by ``score_fn()`` (fp32 ``[B, Hkv, P]``), refined in a second stage
-    when ``spec.n_candidates`` exceeds ``K``: whole pages (:func:`refine_by_page_mass`) or, with
-    ``spec.keep_tokens``, single tokens (:func:`refine_by_token_mass`).
+    when ``spec.n_candidates`` exceeds ``K`` (:func:`refine_candidates`): whole pages or, with
+    ``spec.keep_tokens``, single tokens.
 
     Returns ``(selection, unit)``: ``selection`` is None when attention is dense, else the kept pages
     (``unit = page_size``) or the kept tokens (``unit = 1``). Shapes as in :func:`.attend.sparse_decode_reference`;
@@ -414,9 +459,9 @@ def choose_with(score_fn, q, k_cache, valid_len, attn_mask, scale, spec: Selecti
         P = scores.shape[-1]
         idx = torch.arange(P, device=q.device).expand(B, scores.shape[1], P)
         cand = Selection(idx.contiguous(), (idx < n_valid.reshape(B, 1, 1)))
-    if not spec.keep_tokens:
-        return refine_by_page_mass(q, k_cache, cand, vl, attn_mask, scale, S, K, spec.sink_pages), S
-    return refine_by_token_mass(q, k_cache, cand, vl, attn_mask, scale, S, K * S, spec.sink_pages), 1
+    keep = spec.keep_tokens
+    sel = refine_candidates(q, k_cache, cand, vl, attn_mask, scale, S, K * S if keep else K, spec.sink_pages, keep)
+    return sel, 1 if keep else S
 
 
 def choose(q, k_cache, bounds, valid_len, attn_mask, scale, spec: SelectionSpec):
