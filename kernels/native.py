@@ -236,6 +236,9 @@ def _load(verbose: bool) -> bool:
     from .sparse_decode import python_kernel
 
     module.register_cpu_kernel(python_kernel)
+    from .paged_sparse_decode import paged_python_kernel
+
+    module.register_paged_cpu_kernel(paged_python_kernel)
     return True
 
 
