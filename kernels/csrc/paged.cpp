@@ -90,10 +90,12 @@ at::Tensor paged_sparse_decode(const at::Tensor& q, const at::Tensor& k_tokens, 
                     q.sizes());
   check_buffer(k_tokens, "k_tokens");
   check_buffer(v_tokens, "v_tokens");
-  const int64_t R = q.size(0), Hq = q.size(1), D = q.size(3), N = k_tokens.size(0), H = k_tokens.size(1);
-  TORCH_CHECK_VALUE(v_tokens.sizes() == k_tokens.sizes() && k_tokens.size(2) == D && H > 0 && Hq % H == 0,
-                    "tinyserve.paged_sparse_decode (native): argument 'k_tokens'/'v_tokens' must be [N, Hkv, D=", D,
-                    "] of one shape with Hkv dividing Hq=", Hq, ", got ", k_tokens.sizes(), " and ", v_tokens.sizes());
+  // the key and value views of an engine's cache may hold different numbers of rows: a row must be in both
+  const int64_t R = q.size(0), Hq = q.size(1), D = q.size(3), H = k_tokens.size(1);
+  const int64_t N = std::min(k_tokens.size(0), v_tokens.size(0));
+  TORCH_CHECK_VALUE(v_tokens.size(1) == H && v_tokens.size(2) == D && k_tokens.size(2) == D && H > 0 && Hq % H == 0,
+                    "tinyserve.paged_sparse_decode (native): arguments 'k_tokens'/'v_tokens' must be [N, Hkv, D=", D,
+                    "] with Hkv dividing Hq=", Hq, ", got ", k_tokens.sizes(), " and ", v_tokens.sizes());
   TORCH_CHECK_VALUE(k_tokens.scalar_type() == q.scalar_type() && v_tokens.scalar_type() == q.scalar_type(),
                     "tinyserve.paged_sparse_decode (native): arguments 'k_tokens'/'v_tokens' must have q's dtype ",
                     q.scalar_type());

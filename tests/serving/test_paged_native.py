@@ -233,3 +233,20 @@ def test_dispatcher_reaches_the_native_kernel():
         assert calls == [1]
     finally:
         psd._paged_sparse_decode_torch = real
+
+
+def test_native_key_and_value_views_of_different_lengths():
+    """An engine's key and value views of one cache tensor may hold different numbers of rows (CB's do): every row
+    a table names is in both, and the result is the reference's."""
+    lens, S = [33, 12], 4
+    buf, gen = _buffer(lens, S, 1, 2, 8, torch.int8, seed=4, shuffle=False)
+    rows, ids = buf.table([0, 1], lens)
+    used = int((rows + S).max())
+    v_short = buf.v[:used]  # fewer rows than the keys
+    assert v_short.shape[0] < buf.k.shape[0]
+    q = torch.randn(2, 4, 1, 8, generator=gen)
+    spec = SelectionSpec(S, 2 * S, 1, 1, S, True, torch.int8)
+    sl = torch.tensor(lens)
+    got = paged_sparse_decode(q, buf.k, v_short, rows, ids, sl, buf.bounds, 0.3, spec, kernel="native")
+    want = paged_sparse_decode_reference(q, buf.k, v_short, rows, ids, sl, buf.bounds, 0.3, spec)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
