@@ -17,7 +17,6 @@ run. Outputs: a table on stdout, ``<out>/paged_op.{json,csv,png}``. Timings on a
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -164,31 +163,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         base = by["write-native" if r["provider"].startswith("write") else "native"]["ms"]
         print(f"| {r['provider']} | {r['ms']:.3f} | {r['ms'] / base:.2f} | {r['bytes'] / 1e6:.2f} | {r['gbps']:.1f} |")
     print(f"\nread bandwidth measured in this run: {stream:.1f} GB/s")
-    os.makedirs(a.out, exist_ok=True)
-    meta = dict(rows=R, length=L, heads=[Hq, Hkv], head_dim=D, dtype=a.dtype, spec=spec.to_list(),
+    from bench.output import bar_png, write_rows
+
+    meta = dict(rows=R, length=L, heads=f"{Hq}/{Hkv}", head_dim=D, dtype=a.dtype, spec=str(spec.to_list()),
                 threads=torch.get_num_threads(), repeats=a.repeats, stream_gbps=stream, max_abs_diff=err,
                 torch=torch.__version__)
-    path = os.path.join(a.out, "paged_op.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(path[:-5] + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    ax.bar([r["provider"] for r in rows], [r["ms"] for r in rows])
-    ax.set_ylabel("ms per call (median)")
-    ax.set_title(f"paged op, {R} x {L} tokens")
-    fig.tight_layout()
-    fig.savefig(path[:-5] + ".png", dpi=110)
-    plt.close(fig)
-    for p in (path, path[:-5] + ".csv", path[:-5] + ".png"):
-        print(f"wrote {p}", file=sys.stderr)
+    write_rows([{**r, **meta} for r in rows], os.path.join(a.out, "paged_op.json"))
+    bar_png([r["provider"] for r in rows], [r["ms"] for r in rows], "ms per call (median)",
+            f"paged op, {R} x {L} tokens", os.path.join(a.out, "paged_op.png"))
     return 0
 
 

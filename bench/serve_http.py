@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import csv
 import json
 import os
 import socket
@@ -148,7 +147,7 @@ def run_in_process(model, tok, texts: List[str], a) -> dict:
 
     reqs = [Request(i, 0.0, tok(t).input_ids) for i, t in enumerate(texts)]
     args = SimpleNamespace(new_tokens=a.new_tokens, max_batch_tokens=a.max_batch_tokens, users=a.users, q_pad=64,
-                           kv_pad=4096, options=a.options, timeout=a.timeout)
+                           kv_pad=4096, options=a.options, timeout=a.timeout, warmup=1)
     row = run_provider(model, "tinyserve", reqs, args)
     return dict(path="in-process", requests=row["requests"], wall_s=row["wall_s"], tokens_per_s=row["tokens_per_s"],
                 requests_per_s=row["requests_per_s"], latency_p50_s=float("nan"), latency_p99_s=float("nan"),
@@ -194,28 +193,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for r in rows:
         print(f"| {r['path']} | {r['tokens_per_s']:.2f} | {r['tokens_per_s'] / base:.2f} | {r['requests_per_s']:.3f} "
               f"| {r['wall_s']:.1f} | {r['latency_p50_s']:.1f} | {r['latency_p99_s']:.1f} | {r['prompt_tokens']} |")
-    clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    path = os.path.join(a.out, "serve_http.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta=vars(a), rows=clean), f, indent=1)
-    keys = sorted({k for r in clean for k in r})
-    with open(path[:-5] + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(clean)
-    import matplotlib
+    from bench.output import bar_png, write_rows
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar([r["path"] for r in rows], [r["tokens_per_s"] for r in rows])
-    ax.set_ylabel("generated tokens/s")
-    fig.tight_layout()
-    fig.savefig(path[:-5] + ".png", dpi=110)
-    plt.close(fig)
-    for p in (path, path[:-5] + ".csv", path[:-5] + ".png"):
-        print(f"wrote {p}", file=sys.stderr)
+    write_rows([{**r, **{f"arg_{k}": v for k, v in vars(a).items()}} for r in rows],
+               os.path.join(a.out, "serve_http.json"))
+    bar_png([r["path"] for r in rows], [r["tokens_per_s"] for r in rows], "generated tokens/s",
+            "CB in-process and through the server", os.path.join(a.out, "serve_http.png"))
     return 0
 
 
