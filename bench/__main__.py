@@ -21,6 +21,8 @@ COMMANDS = {
     "coverage": ("coverage", "every decoder-only HF architecture through the backend"),
     "clients": ("clients", "third-party decode loops (torchtune, litgpt, gpt-fast, ...) with backend=\"tinyserve\""),
     "serve": ("serve", "multi-user load: continuous batching, stock and with tinyserve"),
+    "serve-http": ("serve_http", "what the HTTP server's threads cost: one CB workload in-process and via the server"),
+    "paged-op": ("paged_op", "the paged op alone (native, PyTorch path, stock CB's gather + SDPA), one layer"),
     "report": ("report", "markdown tables and PNG plots from the accuracy and study results"),
 }
 

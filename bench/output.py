@@ -19,3 +19,20 @@ def write_rows(rows: List[dict], path: str) -> None:
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {path} (+ .csv)", file=sys.stderr)
+
+
+def bar_png(labels: List[str], values: List[float], ylabel: str, title: str, path: str) -> None:
+    """One bar chart (``values`` per ``label``) saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(labels)), 3.2))
+    ax.bar(labels, values)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)

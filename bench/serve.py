@@ -39,8 +39,10 @@ Outputs: a table on stdout, ``<out>/serve.json`` and ``.csv``, ``<out>/serve.png
 Usage::
 
     python -m bench serve --quick                        # tiny random model, a few requests, a minute or two
-    python -m bench serve --prompt-lens 8192 --users 8 --requests 32 --new-tokens 64
-    python -m bench serve --prompt-lens 2048 --users 8 --requests 32 --new-tokens 64
+    python -m bench serve --providers stock-eager,stock-compiled,tinyserve --prompt-lens 2048 --users 8 \
+        --requests 8 --new-tokens 32                   # about 10 minutes on 2 cores (docs/serving.md)
+    python -m bench serve --providers stock-eager,stock-compiled,tinyserve --prompt-lens 8000 --users 8 \
+        --requests 8 --new-tokens 16 --warmup 1        # about 25-30 minutes on 2 cores
 """
 from __future__ import annotations
 
@@ -150,11 +152,12 @@ def run_provider(model, provider: str, requests: List[Request], args, progress=N
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
     try:
-        # ---- warm-up: two requests of every prompt length (compiles the shapes the run meets)
+        # ---- warm-up: `--warmup` requests of every prompt length (compiles the shapes the run meets)
         t0 = time.perf_counter()
         lens = sorted({len(r.prompt) for r in requests})
         warm = [manager.add_request(r.prompt, request_id=f"warm{i}", max_new_tokens=4)
-                for i, r in enumerate(next(r for r in requests if len(r.prompt) == n) for n in lens for _ in (0, 1))]
+                for i, r in enumerate(next(r for r in requests if len(r.prompt) == n) for n in lens
+                                      for _ in range(args.warmup))]
         _drain(manager, set(warm), time.perf_counter() + args.timeout)
         warmup_s = time.perf_counter() - t0
         tc.reset()
@@ -290,6 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--kv-pad", type=int, default=4096, help="compiled providers: KV padding interval")
     ap.add_argument("--options", default="{}", help="tinyserve options as JSON (token_budget, page_size, ...)")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per provider before giving up")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up requests per prompt length, per provider")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="results/serve")
     ap.add_argument("--quick", action="store_true", help="tiny model, 6 short requests: checks the pipeline")
@@ -332,7 +336,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"# {name}, {a.requests} requests, {a.users} users, Poisson interval {a.interval} s, prompts "
           f"{prompt_lens}, {a.new_tokens} new tokens, options {a.options}")
     print(table(rows, stream))
-    meta = dict(model=name, requests=a.requests, users=a.users, interval=a.interval, prompt_lens=prompt_lens,
+    from tinyserve_compile.kernels.native import load_native
+
+    meta = dict(model=name, native_paged_kernel=load_native(), warmup=a.warmup, requests=a.requests, users=a.users,
+                interval=a.interval, prompt_lens=prompt_lens,
                 new_tokens=a.new_tokens, options=json.loads(a.options), max_batch_tokens=a.max_batch_tokens,
                 torch=torch.__version__, threads=torch.get_num_threads())
     for p in write_outputs(rows, meta, a.out):

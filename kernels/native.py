@@ -4,10 +4,11 @@ The C++ sources are compiled with :func:`torch.utils.cpp_extension.load` into a 
 folder keyed by a hash of every file of ``csrc/``, the torch version, the compiler flags and the
 CPU's vector features (``-march=native`` makes the binary specific to the host), so a
 second process loads it in milliseconds. The result is a Python extension module with the
-functions ``sparse_decode``, ``kept_pages``, ``cache_write`` and ``rebuild_bounds``
-(:func:`native_module`); it registers no op of its own: :mod:`.sparse_decode` and
-:mod:`.bounds` make them the CPU kernels of ``tinyserve::sparse_decode`` and
-``tinyserve::cache_write``.
+functions ``sparse_decode``, ``kept_pages``, ``cache_write``, ``rebuild_bounds`` and, for
+continuous batching's paged buffer, ``paged_sparse_decode``, ``paged_write`` and
+``paged_bounds_rebuild`` (:func:`native_module`); it registers no op of its own: :mod:`.sparse_decode`,
+:mod:`.paged_sparse_decode` and :mod:`.bounds` make them the CPU kernels of ``tinyserve::sparse_decode``,
+``tinyserve::paged_sparse_decode`` and ``tinyserve::cache_write``.
 
 If anything fails (no compiler, no ninja, a build error), :func:`load_native` returns
 False and :func:`native_unavailable_reason` says why; callers then use the PyTorch path.
@@ -238,6 +239,9 @@ def _load(verbose: bool) -> bool:
     from .sparse_decode import python_kernel
 
     module.register_cpu_kernel(python_kernel, python_cache_write_kernel)
+    from .paged_sparse_decode import paged_python_kernel
+
+    module.register_paged_cpu_kernel(paged_python_kernel)
     return True
 
 

@@ -25,26 +25,16 @@ page's first slot discards whatever a previous owner of the page left there.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from .spec import SelectionSpec
-from .reference import (
-    PageBounds,
-    Selection,
-    _selected_tokens,
-    page_scores,
-    rank_candidate_tokens,
-    rank_candidates,
-    select_pages,
-    softmax_attend,
-    sparse_decode_reference,
-    store_bounds,
-)
+from .reference import PageBounds, sparse_decode_reference, store_bounds
 
 __all__ = [
     "gather_pages",
+    "rebuild_pages_",
     "paged_page_bounds",
     "paged_write_",
     "paged_sparse_decode_reference",
@@ -114,7 +104,7 @@ def paged_page_bounds(tokens: torch.Tensor, page_rows: torch.Tensor, n_slots: to
 
 def paged_write_(k_tokens: torch.Tensor, v_tokens: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  write_rows: torch.Tensor, bounds: PageBounds, fresh: torch.Tensor, page_size: int,
-                 rows_per_block: int, pages_per_block: int) -> torch.Tensor:
+                 rows_per_block: int, pages_per_block: int, kernel: str = "auto") -> torch.Tensor:
     """Write new keys and values into the paged buffer and rebuild the bounds of every page they touch.
 
     A page's bound is rebuilt over its slots ``0..s`` with ``s`` the highest slot written in it by this call
@@ -139,12 +129,20 @@ def paged_write_(k_tokens: torch.Tensor, v_tokens: torch.Tensor, key: torch.Tens
         The buffer is a sequence of blocks of ``rows_per_block`` rows whose first ``pages_per_block * S`` rows
         are this layer's pages: the page of row ``w`` is ``(w // rows_per_block) * pages_per_block
         + (w % rows_per_block) // S`` and its first row is ``w - (w % rows_per_block) % S``.
+    kernel : {"auto", "native", "torch"}
+        ``auto``: the native CPU kernel when it is loaded and the bounds are contiguous CPU tensors, else the
+        PyTorch path (same result).
 
     Returns
     -------
     torch.Tensor
         int64 ``[n]`` the physical ids of the pages rebuilt.
     """
+    if _native_ok(kernel, k_tokens, bounds, fresh):
+        from .native import native_module
+
+        return native_module().paged_write(k_tokens, v_tokens, key, value, write_rows, *bounds, fresh, page_size,
+                                           rows_per_block, pages_per_block)
     # ---- stage 1: the write itself
     k_tokens.index_copy_(0, write_rows, key)
     v_tokens.index_copy_(0, write_rows, value)
@@ -221,6 +219,114 @@ def paged_sparse_decode_reference(
     return torch.cat(out, 0)
 
 
+def _native_ok(kernel: str, tokens: torch.Tensor, bounds: PageBounds, fresh: Optional[torch.Tensor] = None) -> bool:
+    """Whether the native CPU kernel runs (``kernel`` ``auto`` or ``native``): CPU tensors, contiguous bounds
+    (and ``fresh``), a loaded native module. ``native`` raises naming ``kernel`` when it cannot run."""
+    if kernel not in _KERNELS:
+        raise ValueError(f"paged: argument 'kernel' must be one of {_KERNELS}, got {kernel!r}")
+    if kernel == "torch":
+        return False
+    from .native import load_native, native_unavailable_reason
+
+    layout_ok = (tokens.device.type == "cpu" and all(t.is_contiguous() for t in bounds)
+                 and (fresh is None or fresh.is_contiguous()))
+    if layout_ok and load_native():
+        return True
+    if kernel == "native":
+        why = ("it needs CPU tensors and contiguous bounds" if not layout_ok else
+               f"the native kernel is unavailable: {native_unavailable_reason()}")
+        raise ValueError(f"paged: argument 'kernel'='native' cannot run: {why}")
+    return False
+
+
+_KERNELS = ("auto", "native", "torch")
+
+
+def rebuild_pages_(k_tokens: torch.Tensor, bounds: PageBounds, fresh: torch.Tensor, page_rows: torch.Tensor,
+                   n_slots: torch.Tensor, page_ids: torch.Tensor, page_size: int, kernel: str = "auto") -> None:
+    """Rebuild the bounds of listed pages from their first ``n_slots`` slots and mark them fresh (stale pages).
+
+    Parameters
+    ----------
+    k_tokens : torch.Tensor
+        ``[N, Hkv, D]`` keys of one layer.
+    bounds : PageBounds
+        ``[NP, Hkv, D]`` / ``[NP, Hkv]`` by physical page id (updated in place).
+    fresh : torch.Tensor
+        bool ``[NP]`` (set for the listed pages).
+    page_rows, n_slots, page_ids : torch.Tensor
+        int64 ``[n]``: first buffer row, valid slots (``1..page_size``) and physical id of each page.
+    page_size : int
+    kernel : {"auto", "native", "torch"}
+    """
+    if _native_ok(kernel, k_tokens, bounds, fresh):
+        from .native import native_module
+
+        native_module().paged_bounds_rebuild(k_tokens, *bounds, page_rows, n_slots, page_ids, page_size)
+    else:
+        new = paged_page_bounds(k_tokens, page_rows, n_slots, page_size, bounds.kmax.dtype)
+        bounds.kmax[page_ids], bounds.kmin[page_ids], bounds.kabs[page_ids] = new.kmax, new.kmin, new.kabs
+    fresh[page_ids] = True
+
+
+def _paged_sparse_decode_torch(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds: PageBounds, scale: float,
+                               spec: SelectionSpec) -> torch.Tensor:
+    """The PyTorch path: each row's pages copied into a padded contiguous cache ``[R, Hkv, P*S, D]`` (entries past
+    a row's pages read page 0), then the static op's PyTorch path with ``valid_len = seq_lens``: one selection flow
+    for both layouts."""
+    S = spec.page_size
+    P = page_rows.shape[1]
+    used = torch.arange(P, device=q.device)[None, :] * S < seq_lens[:, None]  # [R,P]
+    rows = torch.where(used, page_rows, 0)
+    ids = torch.where(used, page_ids, 0)
+    k = gather_pages(k_tokens, rows, S)  # [R,Hkv,P*S,D]
+    v = gather_pages(v_tokens, rows, S)
+    b = _row_bounds(bounds, ids)  # [R,Hkv,P,D]
+    from .sparse_decode import _sparse_decode_torch
+
+    return _sparse_decode_torch(q, k, v, b.kmax, b.kmin, b.kabs, seq_lens.to(torch.int64), None, scale, spec)
+
+
+def paged_python_kernel(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, scale, spec, kernel):
+    """The op's kernel in Python: the native kernel for ``auto``/``native`` on CPU when it is loaded (until the
+    native module registers its own CPU kernel with the dispatcher), else the PyTorch path."""
+    spec = SelectionSpec.from_list(list(spec))
+    bounds = PageBounds(kmax, kmin, kabs)
+    if _native_ok(kernel, k_tokens, bounds):
+        from .native import native_module
+
+        return native_module().paged_sparse_decode(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin,
+                                                   kabs, float(scale), spec.page_size, spec.token_budget,
+                                                   spec.sink_pages, spec.candidate_factor, spec.candidate_extra,
+                                                   spec.keep_tokens)
+    return _paged_sparse_decode_torch(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, spec)
+
+
+@torch.library.custom_op("tinyserve::paged_sparse_decode", mutates_args=())
+def _paged_sparse_decode_op(
+    q: torch.Tensor,
+    k_tokens: torch.Tensor,
+    v_tokens: torch.Tensor,
+    page_rows: torch.Tensor,
+    page_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kmax: torch.Tensor,
+    kmin: torch.Tensor,
+    kabs: torch.Tensor,
+    scale: float,
+    spec: List[int],
+    kernel: str,
+) -> torch.Tensor:
+    # every device, and CPU until the native module registers its kernel
+    return paged_python_kernel(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, scale, spec,
+                               kernel)
+
+
+@_paged_sparse_decode_op.register_fake
+def _(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, scale, spec, kernel):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def paged_sparse_decode(
     q: torch.Tensor,
     k_tokens: torch.Tensor,
@@ -231,66 +337,20 @@ def paged_sparse_decode(
     bounds: PageBounds,
     scale: Optional[float] = None,
     spec: Optional[SelectionSpec] = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Paged sparse decode for a batch of rows of different lengths, reading the buffer through the page table.
 
-    Same arguments, result and selection as :func:`paged_sparse_decode_reference`. Reads the bounds of each row's
-    pages, then only the keys of the candidate pages and the values of the kept tokens (every key and value of a
-    row whose pages all fit in the budget).
+    Same arguments, result and selection as :func:`paged_sparse_decode_reference`, plus ``kernel``
+    (``auto``, ``native``, ``torch``). One op, ``tinyserve::paged_sparse_decode``: on CPU the native kernel
+    (``kernels/csrc/paged.cpp``, the static op's C++ pipeline through the page table, reading only the bounds of
+    each row's pages and the keys and values it selects); elsewhere, or with ``kernel="torch"``, the PyTorch path
+    (each row's pages copied out, then the static op's PyTorch path).
     """
     _check_table(page_rows, page_ids, seq_lens, q)
+    if kernel not in _KERNELS:
+        raise ValueError(f"paged_sparse_decode: argument 'kernel' must be one of {_KERNELS}, got {kernel!r}")
     spec = SelectionSpec.default(bounds_dtype=bounds.kmax.dtype) if spec is None else spec
-    R, Hq, _, D = q.shape
-    Hkv = k_tokens.shape[1]
-    G, S = Hq // Hkv, spec.page_size
-    token_budget, sink_pages, keep_tokens = spec.token_budget, spec.sink_pages, spec.keep_tokens
-    P = page_rows.shape[1]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    vl = seq_lens.to(torch.int64)
-    K = token_budget // S
-    n_valid = (vl + S - 1) // S  # [R]
-    heads = torch.arange(Hkv, device=q.device)[None, :, None]  # [1,Hkv,1]
-
-    def rows_of(tok):  # logical token positions [R,Hkv,T] -> buffer rows [R,Hkv,T]
-        page = tok // S
-        return page_rows.gather(1, page.reshape(R, -1)).reshape(page.shape) + tok % S
-
-    def logits_of(tok, ok):  # exact masked logits [R,Hkv,G,T] of the listed tokens
-        kg = k_tokens[rows_of(tok), heads].float()  # [R,Hkv,T,D]
-        lg = (q.float().reshape(R, Hkv, G, D) @ kg.transpose(-1, -2)) * scale
-        return lg.masked_fill(~ok[:, :, None, :], float("-inf"))
-
-    # ---- stage 1: which tokens are read: all of them when every row fits, else the bound picks pages
-    if int(n_valid.max()) <= K:
-        sel = Selection(torch.arange(P, device=q.device).expand(R, Hkv, P), torch.ones(R, Hkv, P, dtype=torch.bool,
-                                                                                       device=q.device))
-        tok, ok = _selected_tokens(sel, S, P * S, vl)  # [R,Hkv,P*S]
-        logits = logits_of(tok, ok)
-    else:
-        scores = page_scores(q, _row_bounds(bounds, page_ids), scale)  # [R,Hkv,P]
-        n1 = spec.n_candidates
-        if n1 <= K:
-            sel = select_pages(scores, vl, S, token_budget, sink_pages)
-            tok, ok = _selected_tokens(sel, S, P * S, vl)
-            logits = logits_of(tok, ok)
-        else:
-            # ---- stage 2: candidates by the bound, ranked by their exact logits (no values read)
-            cand = select_pages(scores, vl, S, token_budget, sink_pages, n_select=n1)
-            if cand is None:  # the candidates cover every valid page
-                idx = torch.arange(P, device=q.device).expand(R, Hkv, P).contiguous()
-                cand = Selection(idx, idx < n_valid.reshape(R, 1, 1))
-            ctok, cok = _selected_tokens(cand, S, P * S, vl)  # [R,Hkv,Kc*S]
-            clogits = logits_of(ctok, cok)  # [R,Hkv,G,Kc*S]
-            if keep_tokens:
-                kept, pos = rank_candidate_tokens(clogits, cand, vl, S, K * S, sink_pages)  # pos: token slots
-                tok, ok = kept.idx, kept.ok
-            else:
-                kept, pslot = rank_candidates(clogits, cand, vl, S, K, sink_pages)  # pslot: page slots
-                pos = (pslot[..., None] * S + torch.arange(S, device=q.device)).reshape(R, Hkv, -1)
-                tok, ok = _selected_tokens(kept, S, P * S, vl)
-            logits = clogits.gather(3, pos[:, :, None, :].expand(R, Hkv, G, pos.shape[-1]))
-            logits = logits.masked_fill(~ok[:, :, None, :], float("-inf"))
-    # ---- stage 3: exact attention over the kept tokens
-    v = v_tokens[rows_of(tok), heads].float()  # [R,Hkv,T,D]
-    out = softmax_attend(logits, v)  # [R,Hkv,G,D]
-    return out.reshape(R, Hq, 1, D).to(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.tinyserve.paged_sparse_decode(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, *bounds,
+                                                   float(scale), spec.to_list(), kernel)

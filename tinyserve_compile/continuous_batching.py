@@ -31,8 +31,9 @@ with the last ``disable_continuous_batching``; models that are not enabled run s
 Installed transformers versions other than :data:`SUPPORTED_TRANSFORMERS` are refused with a clear error.
 
 What CB + tinyserve does not cover (each raises a clear error at :func:`enable_continuous_batching`): sliding-
-window layers, policies other than ``query_aware``, the CUDA block-table decode path. Selection uses the PyTorch
-path of the paged op (no native CPU kernel yet). Counters (``tinyserve_compile.counters``): ``cb_sparse_rows``,
+window layers, policies other than ``query_aware``, the CUDA block-table decode path. On CPU the paged op, the
+write's bounds and the stale-page rebuild run the native kernel (``kernels/csrc/paged.cpp``) when it builds, else
+their PyTorch paths (option ``kernel="torch"`` forces those). Counters (``tinyserve_compile.counters``): ``cb_sparse_rows``,
 ``cb_dense_rows`` with ``cb_dense:<reason>``, ``cb_prefill_rows``, ``cb_mixed_steps``, ``cb_stale``, ``cb_rebuilt_pages``,
 ``cb_kv_bytes`` (key, value and bound bytes the attention reads), ``cb_dense_kv_bytes`` (what a dense read of the
 same rows reads: stock CB's gather), ``cb_steps`` (forward steps).
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 
 from .config import TinyServeConfig
 from .explain import counters
-from .kernels.paged_sparse_decode import paged_page_bounds, paged_sparse_decode, paged_write_
+from .kernels.paged_sparse_decode import paged_sparse_decode, paged_write_, rebuild_pages_
 from .kernels.reference import PageBounds, bounds_itemsize, store_bounds
 from .kernels.spec import SelectionSpec
 
@@ -119,7 +120,8 @@ def enable_continuous_batching(model, options=None) -> TinyServeConfig:
     options : dict or TinyServeConfig, optional
         As ``torch.compile(..., options=...)`` (``page_size``, ``token_budget``, ``dense_layers``, ``sink_pages``,
         ``candidate_factor``, ``candidate_extra``, ``keep_tokens``, ``bounds_dtype``). ``policy`` must be
-        ``query_aware``; ``lower``/``kernel`` do not apply (the paged op runs its PyTorch path).
+        ``query_aware``; ``lower`` does not apply; ``kernel="torch"`` runs the paged op's PyTorch path, any other
+        choice the native CPU kernel where it builds.
 
     Returns
     -------
@@ -306,7 +308,7 @@ def _update(self, key_states, value_states, layer_idx, kwargs):
     else:
         bounds, fresh = state.layer(layer_idx, k_view)
         paged_write_(k_view, v_view, k_new, v_new, write_index, bounds, fresh, state.page_size,
-                     state.rows_per_block, state.pages_per_block)
+                     state.rows_per_block, state.pages_per_block, _paged_kernel(st.config))
     state.version = allocator.cache_tensor._version
     kwargs["tinyserve_paged"] = _LayerCall(state, layer_idx, k_view, v_view, kwargs["read_index"][allocator.index])
     return key_states, value_states
@@ -323,6 +325,11 @@ def _dense_row(q, k, v, scale):
     allowed = torch.arange(Lk, device=q.device)[None, :] <= (Lk - Tq) + torch.arange(Tq, device=q.device)[:, None]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return o[0].transpose(0, 1)
+
+
+def _paged_kernel(cfg: TinyServeConfig) -> str:
+    """The paged ops' ``kernel``: ``torch`` when the options ask for it, else ``auto`` (native on CPU)."""
+    return "torch" if cfg.kernel == "torch" else "auto"
 
 
 def _kv_bytes_sparse(lens: torch.Tensor, cfg: TinyServeConfig, Hkv: int, D: int, itemsize: int) -> int:
@@ -434,14 +441,12 @@ def _paged_attention(query, key, value, scaling, cu_q, cu_k, call: _LayerCall):
     if bool(stale.any()):
         slots = (lens[:, None] - offs[None, :]).clamp(max=S)[stale]
         ids = page_ids[stale]
-        new = paged_page_bounds(call.k_view, page_rows[stale], slots, S, bounds.kmax.dtype)
-        bounds.kmax[ids], bounds.kmin[ids], bounds.kabs[ids] = new.kmax, new.kmin, new.kabs
-        fresh[ids] = True
+        rebuild_pages_(call.k_view, bounds, fresh, page_rows[stale], slots, ids, S, _paged_kernel(cfg))
         counters["cb_rebuilt_pages"] += int(ids.numel())
     pos = torch.tensor([cq[i] for i in decode], dtype=torch.int64, device=dev)
     q = query[0][:, pos].transpose(0, 1).unsqueeze(2)  # [Hq,R,D] -> [R,Hq,1,D]
     o = paged_sparse_decode(q, call.k_view, call.v_view, page_rows, page_ids, lens, bounds, scale,
-                            SelectionSpec.from_config(cfg))  # [R,Hq,1,D]
+                            SelectionSpec.from_config(cfg), _paged_kernel(cfg))  # [R,Hq,1,D]
     out[0, pos] = o[:, :, 0]
     counters["cb_sparse_rows"] += len(decode)
     counters["cb_kv_bytes"] += _kv_bytes_sparse(lens, cfg, Hkv, D, itemsize)

@@ -217,4 +217,32 @@ void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Te
   bounds_for_pages(k_cache, kmax, kmin, kabs, page_size, &pages);
 }
 
+void paged_bounds(const at::Tensor& k_tokens, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                  const int64_t* first_rows, const int64_t* n_slots, const int64_t* ids, int64_t n, int64_t S) {
+  const int64_t H = k_tokens.size(1), D = k_tokens.size(2);
+  if (n == 0 || H == 0) return;
+  dispatch_kv(k_tokens.scalar_type(), "tinyserve.paged_bounds (native)", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_bt(kmax.scalar_type(), "tinyserve.paged_bounds (native)", [&](auto btag) {
+      using BT = decltype(btag);
+      const T* kd = k_tokens.data_ptr<T>();
+      BT* Mp = kmax.data_ptr<BT>();
+      BT* mp = kmin.data_ptr<BT>();
+      float* ka = kabs.data_ptr<float>();
+      const int64_t sr = k_tokens.stride(0), sh = k_tokens.stride(1);
+      // one (page, KV head): the page read as page 0 of a cache of n_slots tokens starting at its first row
+      auto one = [&](int64_t i) {
+        const int64_t j = i / H, h = i % H, row = ids[j] * H + h;
+        bound_pages<T, BT>(kd + first_rows[j] * sr + h * sh, sr, n_slots[j], D, S, 0, 1, Mp + row * D, mp + row * D,
+                           ka + row);
+      };
+      if (n * H * S * D < (1 << 16)) {
+        for (int64_t i = 0; i < n * H; ++i) one(i);  // a decode step: too little work to fork
+      } else {
+        run_items(n * H, one);
+      }
+    });
+  });
+}
+
 }  // namespace tinyserve_native

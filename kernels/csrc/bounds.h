@@ -14,4 +14,10 @@ void rebuild_bounds(const at::Tensor& k_cache, const at::Tensor& kmax, const at:
 void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                  const at::Tensor& ctrl, const at::Tensor& positions, const at::Tensor& src, int64_t page_size);
 
+// bounds of n pages of a paged buffer k_tokens [N, Hkv, D]: page j holds rows first_rows[j] .. + n_slots[j] - 1
+// (1 <= n_slots[j] <= S) and its bounds go to row ids[j] of kmax/kmin [NP, Hkv, D] and kabs [NP, Hkv] (contiguous);
+// the caller checks the rows and ids
+void paged_bounds(const at::Tensor& k_tokens, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                  const int64_t* first_rows, const int64_t* n_slots, const int64_t* ids, int64_t n, int64_t S);
+
 }  // namespace tinyserve_native

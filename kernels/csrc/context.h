@@ -103,6 +103,18 @@ struct Ctx {
   const float* qn;    // [B*Hkv, G, Dp] min(q, 0)
   const float* qabs;  // [B*Hkv, G] |q|_1
   std::vector<Row> rows;
+  // page table of a paged buffer [N, Hkv, D] (paged_sparse_decode), else null: page p of batch row b starts at
+  // buffer row prow[b * pstride + p] and its bounds are those of physical page pid[b * pstride + p]
+  const int64_t* prow = nullptr;
+  const int64_t* pid = nullptr;
+  int64_t pstride = 0;
+
+  // cache row (paged: buffer row) of the first token of page p of batch row b
+  inline int64_t page_row(int64_t b, int64_t p) const { return prow ? prow[b * pstride + p] : p * S; }
+  // row of the bounds of page p of (batch, KV head) bh: [B * Hkv, P] layout, or [NP, Hkv] by physical page id
+  inline int64_t bound_row(int64_t bh, int64_t p) const {
+    return pid ? pid[(bh / Hkv) * pstride + p] * Hkv + bh % Hkv : bh * P + p;
+  }
 
   // first row of (batch, KV head) bh; token t is at + t * ksl (resp. vsl)
   inline const T* kbase(int64_t bh) const { return k + (bh / Hkv) * ksb + (bh % Hkv) * ksh; }

@@ -3,6 +3,7 @@
 
 #include "bounds.h"
 #include "dispatch.h"
+#include "paged.h"
 #include "pipeline.h"
 #include "pool.h"
 
@@ -17,4 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "route tinyserve::cache_write on CPU to its native kernel (True) or to its Python kernel (False)");
   m.def("scheduling", &tinyserve_native::scheduling_name,
         "which threads run the kernels' items: omp, pool, or auto and its current choice");
+  m.def("paged_sparse_decode", &tinyserve_native::paged_sparse_decode, "sparse decode through page tables");
+  m.def("paged_write", &tinyserve_native::paged_write, "paged key/value write plus the bounds of the touched pages");
+  m.def("paged_bounds_rebuild", &tinyserve_native::paged_bounds_rebuild, "bounds of listed pages of a paged buffer");
+  m.def("register_paged_cpu_kernel", &tinyserve_native::register_paged_cpu_kernel,
+        "make the native kernel the CPU kernel of tinyserve::paged_sparse_decode");
 }

@@ -20,4 +20,20 @@ at::Tensor kept_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       int64_t candidate_factor, const c10::optional<at::Tensor>& ctrl, int64_t candidate_extra,
                       bool keep_tokens);
 
+// a page table over a paged buffer [N, Hkv, D]: page p of batch row b starts at buffer row rows[b * stride + p]
+// and has the bounds of physical page ids[b * stride + p] (bounds [NP, Hkv, D]); `pages` pages per row
+struct PageTable {
+  const int64_t* rows = nullptr;
+  const int64_t* ids = nullptr;
+  int64_t stride = 0, pages = 0;
+};
+
+// sparse_decode through a page table: q [B, Hq, 1, D], k_tokens/v_tokens [N, Hkv, D], kmax/kmin [NP, Hkv, D]
+// (contiguous), kabs [NP, Hkv], seq_lens int64 [B]; the arguments are checked by the caller (paged.cpp)
+at::Tensor sparse_decode_table(const at::Tensor& q, const at::Tensor& k_tokens, const at::Tensor& v_tokens,
+                               const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                               const at::Tensor& seq_lens, const PageTable& pt, double scale, int64_t page_size,
+                               int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
+                               int64_t candidate_extra, bool keep_tokens);
+
 }  // namespace tinyserve_native

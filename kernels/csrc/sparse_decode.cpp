@@ -44,9 +44,23 @@ namespace {
 template <typename T, typename BT>
 void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, int64_t p1, float* out) {
   const int64_t b = bh / c.Hkv, h = bh % c.Hkv, D = c.D, Dp = c.Dp, G = c.G, S = c.S;
-  const BT* M = c.kmax + bh * c.P * D;
+  const BT* M = c.kmax + bh * c.P * D;  // page p's bounds at M + p * D
   const BT* m = c.kmin + bh * c.P * D;
   const float* kab = c.kabs + bh * c.P;
+  if (c.pid) {
+    // ---- a page table: the bounds of pages [p0, p1) gathered by physical page id to rows p0..p1 of a scratch
+    BT* gM = reinterpret_cast<BT*>(scratch_f<20>((2 * p1 * D * sizeof(BT) + sizeof(float) - 1) / sizeof(float)));
+    float* gk = scratch_f<21>(p1);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t row = c.bound_row(bh, p);
+      std::memcpy(gM + p * D, c.kmax + row * D, D * sizeof(BT));
+      std::memcpy(gM + (p1 + p) * D, c.kmin + row * D, D * sizeof(BT));
+      gk[p] = c.kabs[row];
+    }
+    M = gM;
+    m = gM + p1 * D;
+    kab = gk;
+  }
   const float* qp = c.qp + bh * G * Dp;
   const float* qn = c.qn + bh * G * Dp;
   const float* qa = c.qabs + bh * G;
@@ -218,12 +232,13 @@ template <typename T, typename BT>
 void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
                const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
                const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget, int64_t sinks,
-               int64_t cf, int64_t extra, bool keep_tokens, bool force_dense, std::vector<float>& qbuf) {
+               int64_t cf, int64_t extra, bool keep_tokens, bool force_dense, std::vector<float>& qbuf,
+               const PageTable* pt = nullptr) {
   c.B = q.size(0);
   c.Hq = q.size(1);
   c.D = q.size(3);
   c.Hkv = k.size(1);
-  c.L = k.size(2);
+  c.L = pt ? pt->pages * S : k.size(2);  // a page table: pt->pages pages per row of a paged buffer [N, Hkv, D]
   c.G = c.Hq / c.Hkv;
   c.S = S;
   c.P = (c.L + S - 1) / S;
@@ -246,6 +261,14 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
   c.vsb = v.stride(0);
   c.vsh = v.stride(1);
   c.vsl = v.stride(2);
+  if (pt) {  // rows of the paged buffer: no batch offset, buffer row r of KV head h at r * stride(0) + h * stride(1)
+    c.ksb = c.vsb = 0;
+    c.ksl = k.stride(0);
+    c.vsl = v.stride(0);
+    c.prow = pt->rows;
+    c.pid = pt->ids;
+    c.pstride = pt->stride;
+  }
   c.kmax = kmax.data_ptr<BT>();
   c.kmin = kmin.data_ptr<BT>();
   c.kabs = kabs.data_ptr<float>();
@@ -552,9 +575,9 @@ struct Pipeline {
     // token of every slot of the chunk (-1 past the valid tokens)
     int64_t* tok = reinterpret_cast<int64_t*>(scratch_f<4>(2 * ns + 2));
     for (int64_t j = j0; j < j1; ++j) {
-      const int64_t t0 = static_cast<int64_t>(cd[j]) * S;
+      const int64_t t0 = static_cast<int64_t>(cd[j]) * S, r0 = c.page_row(b, cd[j]);  // r0 == t0 without a page table
       int64_t* tj = tok + (j - j0) * S;
-      for (int64_t u = 0; u < S; ++u) tj[u] = t0 + u < r.ntok ? t0 + u : -1;
+      for (int64_t u = 0; u < S; ++u) tj[u] = t0 + u < r.ntok ? r0 + u : -1;
     }
     // logits straight into the slots, VS slots at a time (a slot past the valid tokens reads a zero row)
     float* xb = lgc + bh * G * ld_lgc + s0;
@@ -712,7 +735,7 @@ struct Pipeline {
       const int32_t* cd = pl.sel.data() + bh * N1;
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t sl = ks[j];
-        tok[nt] = static_cast<int64_t>(cd[sl / S]) * S + sl % S;
+        tok[nt] = c.page_row(bh / c.Hkv, cd[sl / S]) + sl % S;
         for (int64_t g = 0; g < G; ++g) lg[g * ldl + nt] = lgc[(bh * G + g) * ld_lgc + sl];
         ++nt;
       }
@@ -728,6 +751,7 @@ struct Pipeline {
       else
         page = pl.kept[bh * KT + j];
       const int64_t t0 = page * S, t1 = std::min(t0 + S, r.ntok);
+      const int64_t shift = c.page_row(bh / c.Hkv, page) - t0;  // cache row - token: 0 without a page table
       if (is_two) {  // reuse the candidates' logits
         const int64_t sl = pl.kept[bh * KT + j];
         for (int64_t g = 0; g < G; ++g) {
@@ -735,7 +759,7 @@ struct Pipeline {
           std::memcpy(lg + g * ldl + nt, src, std::max<int64_t>(0, t1 - t0) * sizeof(float));
         }
       }
-      for (int64_t t = t0; t < t1; ++t) tok[nt++] = t;
+      for (int64_t t = t0; t < t1; ++t) tok[nt++] = t + shift;
     }
     attend_tokens(c, kern, bh, tok, nt, is_two, lg, ldl, part);
   }
@@ -776,12 +800,13 @@ template <typename T, typename BT>
 at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
                                const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
                                const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
-                               int64_t sinks, int64_t cf, int64_t extra, bool keep_tokens, bool force_dense) {
+                               int64_t sinks, int64_t cf, int64_t extra, bool keep_tokens, bool force_dense,
+                               const PageTable* pt = nullptr) {
   TS_START();
   Ctx<T, BT> c;
   Plan& pl = thread_plan();
   build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, extra, keep_tokens,
-            force_dense, pl.qbuf);
+            force_dense, pl.qbuf, pt);
   at::Tensor out = at::empty({c.B, c.Hq, 1, c.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   Pipeline<T, BT> pipe(c, pl);
   pipe.out = out.data_ptr<T>();
@@ -905,6 +930,24 @@ at::Tensor kept_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::
       using BT = decltype(btag);
       out = kept_pages_typed<T, BT>(q, k_cache, M, m, a, valid_len, attn_mask, scale, page_size, token_budget,
                                     sink_pages, candidate_factor, candidate_extra, keep_tokens, dense);
+    });
+  });
+  return out;
+}
+
+at::Tensor sparse_decode_table(const at::Tensor& q, const at::Tensor& k_tokens, const at::Tensor& v_tokens,
+                               const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
+                               const at::Tensor& seq_lens, const PageTable& pt, double scale, int64_t page_size,
+                               int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
+                               int64_t candidate_extra, bool keep_tokens) {
+  at::Tensor out;
+  dispatch_kv(q.scalar_type(), "tinyserve.paged_sparse_decode (native)", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_bt(kmax.scalar_type(), "tinyserve.paged_sparse_decode (native)", [&](auto btag) {
+      using BT = decltype(btag);
+      out = sparse_decode_typed<T, BT>(q, k_tokens, v_tokens, kmax, kmin, kabs, seq_lens, c10::nullopt, scale,
+                                       page_size, token_budget, sink_pages, candidate_factor, candidate_extra,
+                                       keep_tokens, false, &pt);
     });
   });
   return out;

@@ -35,7 +35,7 @@ def checked_bounds(monkeypatch):
 
     real, checked = cbm.paged_sparse_decode, [0]
 
-    def check(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, spec):
+    def check(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, spec, kernel="auto"):
         S = spec.page_size
         for r, L in enumerate(seq_lens.tolist()):
             P = math.ceil(L / S)
@@ -45,7 +45,7 @@ def checked_bounds(monkeypatch):
             assert torch.equal(bounds.kmax[ids], want.kmax) and torch.equal(bounds.kmin[ids], want.kmin)
             assert torch.equal(bounds.kabs[ids], want.kabs)
             checked[0] += P
-        return real(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, spec)
+        return real(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, spec, kernel)
 
     monkeypatch.setattr(cbm, "paged_sparse_decode", check)
     return checked

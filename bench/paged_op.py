@@ -1,0 +1,178 @@
+"""The paged sparse decode op alone, one layer of a continuous-batching decode step, side by side in one process.
+
+``python -m bench paged-op`` runs :func:`main`: R requests of L tokens each in one paged buffer laid out like
+transformers' CB cache (blocks of ``--cb-page`` rows, physical blocks in shuffled order), SmolLM2's attention shape
+(9 query heads, 3 KV heads, D = 64) by default, and per provider the median time of ``--repeats`` calls:
+
+* ``native``: ``tinyserve::paged_sparse_decode`` with ``kernel="native"`` (kernels/csrc/paged.cpp);
+* ``torch``: the same op's PyTorch path (``kernel="torch"``);
+* ``stock-gather``: what stock CB's CPU varlen path does per layer: ``index_select`` of every request's whole
+  history, then one packed SDPA with a block-diagonal mask (dense);
+* ``write-native`` / ``write-torch``: the paged write of one new token per request with the bounds of the touched
+  pages (``paged_write_``).
+
+Bytes: K, V and bound bytes each provider reads by construction, against the read bandwidth measured in the same
+run. Outputs: a table on stdout, ``<out>/paged_op.{json,csv,png}``. Timings on a shared machine are indicative only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from typing import List, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build(R: int, L: int, Hq: int, Hkv: int, D: int, cb_page: int, spec, dtype, seed: int = 0):
+    """A paged buffer ``[N, Hkv, D]`` holding R requests of L tokens in shuffled blocks, its bounds, page tables."""
+    from tinyserve_compile.kernels import reference as ref
+    from tinyserve_compile.kernels.paged_sparse_decode import paged_write_
+
+    S = spec.page_size
+    g = torch.Generator().manual_seed(seed)
+    per_req = -(-(L + 1) // cb_page)
+    n_blocks = R * per_req + 1
+    k = torch.randn(n_blocks * cb_page, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(n_blocks * cb_page, Hkv, D, generator=g).to(dtype)
+    m = cb_page // S
+    NP = n_blocks * m
+    z = ref.store_bounds(torch.zeros(NP, Hkv, D), torch.zeros(NP, Hkv, D), spec.bounds_dtype)
+    bounds = ref.PageBounds(z.kmax.clone(), z.kmin.clone(), z.kabs.clone())
+    fresh = torch.zeros(NP, dtype=torch.bool)
+    order = list(range(n_blocks))
+    random.Random(seed).shuffle(order)
+    blocks = [order[r * per_req:(r + 1) * per_req] for r in range(R)]
+    P = -(-L // S)
+    page_rows = torch.tensor([[blocks[r][p // m] * cb_page + (p % m) * S for p in range(P)] for r in range(R)])
+    page_ids = torch.tensor([[blocks[r][p // m] * m + p % m for p in range(P)] for r in range(R)])
+    # every request's history, written through the paged write (bounds included)
+    tok = torch.arange(L)
+    rows = (page_rows[:, tok // S] + tok % S).reshape(-1)
+    paged_write_(k, v, k[rows].clone(), v[rows].clone(), rows, bounds, fresh, S, cb_page, m)
+    q = torch.randn(R, Hq, 1, D, generator=g).to(dtype)
+    nxt = torch.tensor([blocks[r][L // cb_page] * cb_page + L % cb_page for r in range(R)])  # the next token's row
+    return dict(q=q, k=k, v=v, bounds=bounds, fresh=fresh, page_rows=page_rows, page_ids=page_ids,
+                seq_lens=torch.full((R,), L, dtype=torch.int64), next_rows=nxt, m=m, read_rows=rows)
+
+
+def stock_gather(q, k, v, read_rows, R, L, scale):
+    """Stock CB per layer on CPU: gather every history, then packed SDPA with a block-diagonal mask."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    kg = k.index_select(0, read_rows).transpose(0, 1)[None]  # [1,Hkv,R*L,D]
+    vg = v.index_select(0, read_rows).transpose(0, 1)[None]
+    mask = torch.zeros(R, R * L, dtype=torch.bool)
+    for r in range(R):
+        mask[r, r * L:(r + 1) * L] = True
+    qq = q[:, :, 0].transpose(0, 1)[None]  # [1,Hq,R,D]
+    return torch.nn.functional.scaled_dot_product_attention(qq, kg, vg, attn_mask=mask[None, None], scale=scale,
+                                                            enable_gqa=Hq != Hkv)
+
+
+def timed(fn, repeats: int, warm: int = 3) -> float:
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench paged-op", description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=8, help="decode rows (requests) R")
+    ap.add_argument("--length", type=int, default=8000, help="tokens per request")
+    ap.add_argument("--heads", default="9,3", help="query heads, KV heads")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--cb-page", type=int, default=64, help="CB page size (rows per block)")
+    ap.add_argument("--options", default="{}", help="tinyserve options as JSON (token_budget, page_size, ...)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--out", default="results/paged_op")
+    ap.add_argument("--quick", action="store_true", help="small shapes, few repeats: checks the pipeline")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.rows, a.length, a.repeats = 3, 600, 3
+        if a.options == "{}":
+            a.options = json.dumps({"token_budget": 128, "candidate_extra": 64})
+    from tinyserve_compile.config import TinyServeConfig
+    from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
+    from tinyserve_compile.kernels.paged_sparse_decode import paged_sparse_decode, paged_write_
+    from tinyserve_compile.kernels.reference import bounds_itemsize
+    from tinyserve_compile.kernels.spec import SelectionSpec
+    from bench.bench_op import read_bandwidth_gbs
+
+    torch.set_grad_enabled(False)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not load_native():
+        raise SystemExit(f"python -m bench paged-op: the native kernel is unavailable: {native_unavailable_reason()}")
+    cfg = TinyServeConfig.from_options(json.loads(a.options))
+    spec = SelectionSpec.from_config(cfg)
+    Hq, Hkv = (int(x) for x in a.heads.split(","))
+    D, R, L = a.head_dim, a.rows, a.length
+    dtype = getattr(torch, a.dtype)
+    d = build(R, L, Hq, Hkv, D, a.cb_page, spec, dtype)
+    scale = 1.0 / math.sqrt(D)
+    args = (d["q"], d["k"], d["v"], d["page_rows"], d["page_ids"], d["seq_lens"], d["bounds"], scale, spec)
+    # ---- the two paths agree before anything is timed
+    got = paged_sparse_decode(*args, kernel="native")
+    want = paged_sparse_decode(*args, kernel="torch")
+    err = float((got.float() - want.float()).abs().max())
+    stream = read_bandwidth_gbs()
+    item = d["k"].element_size()
+    S, K = spec.page_size, spec.n_pages
+    P = -(-L // S)
+    if P <= K:
+        sparse_bytes = 2 * L * Hkv * D * item
+    else:
+        n1 = max(K, spec.n_candidates)
+        sparse_bytes = P * Hkv * (2 * D * bounds_itemsize(spec.bounds_dtype) + 4) + (min(n1 * S, L) + K * S) * Hkv * D * item
+    sparse_bytes *= R
+    dense_bytes = 2 * R * L * Hkv * D * item
+    one_k = torch.randn(R, Hkv, D, dtype=dtype)
+    rows = []
+
+    def add(name, ms, nbytes):
+        rows.append(dict(provider=name, ms=ms, bytes=nbytes, gbps=nbytes / (ms * 1e-3) / 1e9 if ms > 0 else 0.0))
+
+    add("native", timed(lambda: paged_sparse_decode(*args, kernel="native"), a.repeats), sparse_bytes)
+    add("torch", timed(lambda: paged_sparse_decode(*args, kernel="torch"), a.repeats), sparse_bytes)
+    add("stock-gather", timed(lambda: stock_gather(d["q"], d["k"], d["v"], d["read_rows"], R, L, scale), a.repeats),
+        dense_bytes)
+    wargs = (d["k"], d["v"], one_k, one_k, d["next_rows"], d["bounds"], d["fresh"], S, a.cb_page, d["m"])
+    wbytes = R * S * Hkv * D * item
+    add("write-native", timed(lambda: paged_write_(*wargs, kernel="native"), a.repeats), wbytes)
+    add("write-torch", timed(lambda: paged_write_(*wargs, kernel="torch"), a.repeats), wbytes)
+    by = {r["provider"]: r for r in rows}
+    print(f"# paged op, {R} rows x {L} tokens, heads {Hq}/{Hkv}, D={D}, {a.dtype}, spec {spec}, threads "
+          f"{torch.get_num_threads()}, {a.repeats} repeats (median); native vs torch max |diff| {err:.2e}")
+    print("| provider | ms | x native | MB read | GB/s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        base = by["write-native" if r["provider"].startswith("write") else "native"]["ms"]
+        print(f"| {r['provider']} | {r['ms']:.3f} | {r['ms'] / base:.2f} | {r['bytes'] / 1e6:.2f} | {r['gbps']:.1f} |")
+    print(f"\nread bandwidth measured in this run: {stream:.1f} GB/s")
+    from bench.output import bar_png, write_rows
+
+    meta = dict(rows=R, length=L, heads=f"{Hq}/{Hkv}", head_dim=D, dtype=a.dtype, spec=str(spec.to_list()),
+                threads=torch.get_num_threads(), repeats=a.repeats, stream_gbps=stream, max_abs_diff=err,
+                torch=torch.__version__)
+    write_rows([{**r, **meta} for r in rows], os.path.join(a.out, "paged_op.json"))
+    bar_png([r["provider"] for r in rows], [r["ms"] for r in rows], "ms per call (median)",
+            f"paged op, {R} x {L} tokens", os.path.join(a.out, "paged_op.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
