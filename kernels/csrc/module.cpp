@@ -3,6 +3,7 @@
 
 #include "bounds.h"
 #include "dispatch.h"
+#include "gemv.h"
 #include "pipeline.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -12,4 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rebuild_bounds", &tinyserve_native::rebuild_bounds, "every page's bounds");
   m.def("register_cpu_kernel", &tinyserve_native::register_cpu_kernel,
         "make the native kernel the CPU kernel of tinyserve::sparse_decode");
+  m.def("linear_rows", &tinyserve_native::linear_rows, "x @ W^T (+ b) as a GEMV for at most 8 rows, else at::linear");
+  m.def("register_linear_kernel", &tinyserve_native::register_linear_kernel,
+        "make linear_rows the CPU kernel of tinyserve::linear");
 }
