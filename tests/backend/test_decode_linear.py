@@ -1,0 +1,93 @@
+"""The decode_linear pass: decode-shaped linears of a compiled decode step become tinyserve::linear (the native
+GEMV), counted and reported; prefill-sized rows and the option turned off stay ATen's; tokens and logits match
+eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tinyserve_compile as tc
+from helpers import hf_decode, prompt, worst
+from models import hf_model
+from tinyserve_compile.kernels.linear import load_native_linear, native_linear_reason
+
+pytestmark = pytest.mark.skipif(not load_native_linear(), reason=f"native GEMV unavailable: {native_linear_reason()}")
+
+#: linears of the tiny models' decode graph: 4 layers x (q, k, v, o, gate, up, down) + lm_head
+LINEARS = 4 * 7 + 1
+PROMPT = 40
+#: a decode batch above the GEMV's 8 rows
+GEMV_ROWS_OVER = 9
+
+
+def _gemv_nodes(gm):
+    return sum(1 for n in gm.graph.nodes if n.target is torch.ops.tinyserve.linear.default)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with bias
+def test_decode_step_rewritten_and_exact(family):
+    model = hf_model(family)
+    ids = prompt(PROMPT)
+    ref_toks, ref_logits, _ = hf_decode(model, model, ids, 4)
+    opts = {"token_budget": 256, "lower": "eager"}
+    toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 4)
+    assert torch.equal(toks, ref_toks), worst(logits, ref_logits)
+    assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4), worst(logits, ref_logits)
+    c = tc.counters
+    assert c["linear_rewritten"] == LINEARS, dict(c)
+    assert not any(k.startswith("linear_kept") for k in c), dict(c)
+    assert f"{LINEARS} to the native GEMV" in str(tc.explain())
+
+
+def test_big_batch_stays_aten():
+    model = hf_model("llama")
+    ids = prompt(PROMPT, batch=GEMV_ROWS_OVER)
+    opts = {"token_budget": 256, "lower": "eager"}
+    ref_toks, ref_logits, _ = hf_decode(model, model, ids, 2)
+    toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 2)
+    assert torch.equal(toks, ref_toks)
+    c = tc.counters
+    assert c["linear_rewritten"] == 0 and c["linear_kept:rows > 8"] == LINEARS, dict(c)
+    assert f"kept in ATen (rows > 8: {LINEARS})" in str(tc.explain())
+
+
+def test_option_off_keeps_aten():
+    model = hf_model("llama")
+    ids = prompt(PROMPT)
+    opts = {"token_budget": 256, "lower": "eager", "decode_linear": False}
+    hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 1)
+    assert tc.counters["linear_rewritten"] == 0
+    assert "decode_linear=False" in str(tc.explain())
+    with pytest.raises(ValueError, match="decode_linear"):
+        tc.TinyServeConfig(decode_linear=1)
+
+
+def test_pass_counts_nodes_of_the_graph():
+    from tinyserve_compile.backend import _copy
+    from tinyserve_compile.config import TinyServeConfig
+    from tinyserve_compile.passes import run_passes
+
+    model = hf_model("llama")
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    hf_decode(model, torch.compile(model, backend=grab), prompt(PROMPT), 1)
+    gm = graphs[-1]
+    on = run_passes(_copy(gm), TinyServeConfig(token_budget=256))
+    off = run_passes(_copy(gm), TinyServeConfig(token_budget=256, decode_linear=False))
+    assert _gemv_nodes(on) == LINEARS and on.meta["tinyserve_linears"]["rewritten"] == LINEARS
+    assert _gemv_nodes(off) == 0
+
+
+def test_reaches_inductor():
+    model = hf_model("llama")
+    ids = prompt(PROMPT)
+    ref_toks, ref_logits, _ = hf_decode(model, model, ids, 2)
+    opts = {"token_budget": 256, "lower": "inductor"}
+    toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 2)
+    assert torch.equal(toks, ref_toks)
+    assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4), worst(logits, ref_logits)
+    assert tc.counters["linear_rewritten"] == LINEARS
