@@ -23,14 +23,23 @@ _lock = threading.Lock()
 _state: dict = {"loaded": None, "reason": None}
 
 
-@torch.library.custom_op("tinyserve::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+# A plain schema, not torch.library.custom_op: custom_op adds a Python autograd kernel to every call (~10-20 us,
+# a few ms per decode step over 200 linears); this op is for inference graphs (passes/decode_linear.py rewrites
+# only linears whose result needs no grad), so the dispatcher goes straight to the CPU kernel.
+_lib = torch.library.Library("tinyserve", "FRAGMENT")
+_lib.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+
+
+def _linear_fallback(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     # every device, and CPU until the native GEMV registers itself as the CPU kernel
     return F.linear(x, weight, bias)
 
 
-@_linear_op.register_fake
-def _(x, weight, bias):
+_lib.impl("linear", _linear_fallback, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinyserve::linear", lib=_lib)
+def _(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -3,8 +3,9 @@
 A linear qualifies when its activation ``x`` ``[..., K]`` has at most
 :data:`~tinyserve_compile.kernels.linear.GEMV_MAX_ROWS` rows (the product of its leading dimensions, static),
 lives on the CPU, and its weight ``[N, K]`` (fp32 or bf16, of ``x``'s dtype) is held by the graph: a
-parameter or constant, as a placeholder or ``get_attr``. Every other linear (prefill rows, symbolic rows,
-activations as weights, other devices or dtypes) stays ATen's. The counts go to ``counters``
+parameter or constant, as a placeholder or ``get_attr``, and its result needs no grad (the op has no
+backward). Every other linear (prefill rows, symbolic rows, activations as weights, graphs that record grad,
+other devices or dtypes) stays ATen's. The counts go to ``counters``
 (``linear_rewritten``, ``linear_kept:<reason>``) and to ``gm.meta["tinyserve_linears"]`` for
 :func:`~tinyserve_compile.explain`.
 """
@@ -35,6 +36,9 @@ def _why_not(node: fx.Node):
     fx_, fw = fake(x), fake(w)
     if fx_ is None or fw is None:
         return "no example value"
+    out = fake(node)
+    if out is None or out.requires_grad:
+        return "needs grad"  # the op has no backward: training graphs keep ATen's linear
     if fx_.device.type != "cpu" or fw.device.type != "cpu":
         return "not on the CPU"
     if fw.dtype not in GEMV_DTYPES or fx_.dtype != fw.dtype:

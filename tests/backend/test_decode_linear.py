@@ -91,3 +91,18 @@ def test_reaches_inductor():
     assert torch.equal(toks, ref_toks)
     assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4), worst(logits, ref_logits)
     assert tc.counters["linear_rewritten"] == LINEARS
+
+
+def test_grad_graph_stays_aten():
+    # outside no_grad the linears' results need grad: the op has no backward, so they stay ATen's
+    lin = torch.nn.Linear(16, 8)
+    f = torch.compile(lin, backend="tinyserve", options={"lower": "eager"})
+    x = torch.randn(1, 16)
+    out = f(x)
+    out.sum().backward()
+    assert lin.weight.grad is not None
+    assert tc.counters["linear_rewritten"] == 0 and tc.counters["linear_kept:needs grad"] == 1, dict(tc.counters)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        assert torch.allclose(f(x), lin(x), atol=1e-6)
+    assert tc.counters["linear_rewritten"] == 1, dict(tc.counters)
