@@ -14,6 +14,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -25,8 +26,9 @@ namespace {
 
 using FVec = at::vec::Vectorized<float>;
 constexpr int64_t FVS = FVec::size();
-// output rows per task of parallel_for: a 576-wide fp32 weight row is 2.3 KB, so 16 rows are ~37 KB
-constexpr int64_t ROW_GRAIN = 16;
+// the least weight bytes per task of parallel_for: a smaller weight runs on the calling thread alone (a parallel
+// region costs microseconds, and on a busy machine a descheduled worker stalls the call for a time slice)
+constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
 
 template <typename W>
 inline FVec load_w(const W* p) {
@@ -75,7 +77,9 @@ template <typename W, int M>
 void gemv_m(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N) {
   // more weight rows per group when few activation rows leave registers free (more independent FMA chains)
   constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
-  at::parallel_for(0, N, ROW_GRAIN, [&](int64_t n0, int64_t n1) { gemv_rows<W, M, R>(x, w, bias, y, K, N, n0, n1); });
+  // one contiguous range of weight rows per thread, each at least MIN_TASK_BYTES of weights
+  const int64_t grain = std::max<int64_t>(R, MIN_TASK_BYTES / std::max<int64_t>(1, K * int64_t(sizeof(W))));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_rows<W, M, R>(x, w, bias, y, K, N, n0, n1); });
 }
 
 template <typename W>
