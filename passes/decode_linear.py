@@ -29,6 +29,14 @@ LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _is_subclass(t: torch.Tensor) -> bool:
+    """True for a tensor subclass (a quantized weight, DTensor), seen through dynamo's FakeTensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t) or type(t) not in (torch.Tensor, FakeTensor, torch.nn.Parameter)
+
+
 def _why_not(node: fx.Node):
     """None when ``node`` (a linear) can become ``tinyserve::linear``, else the reason it stays ATen's."""
     args = list(node.args) + [None] * (3 - len(node.args))
@@ -45,6 +53,8 @@ def _why_not(node: fx.Node):
         return "dtype"
     if not isinstance(w, fx.Node) or w.op not in ("placeholder", "get_attr") or fw.dim() != 2:
         return "weight is computed in the graph"
+    if _is_subclass(fw) or _is_subclass(fx_):
+        return "tensor subclass"  # quantized weights (torchao), DTensor: their own linear
     if b is not None:
         fb = fake(b)
         if fb is None or fb.dtype != fw.dtype or fb.dim() != 1:

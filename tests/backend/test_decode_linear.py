@@ -106,3 +106,19 @@ def test_grad_graph_stays_aten():
         torch._dynamo.reset()
         assert torch.allclose(f(x), lin(x), atol=1e-6)
     assert tc.counters["linear_rewritten"] == 1, dict(tc.counters)
+
+
+def test_quantized_weights_stay_aten():
+    # torchao's int8 weight subclass runs its own linear: the pass leaves it alone
+    pytest.importorskip("torchao")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.weights import prepare_weights
+
+    model = prepare_weights(hf_model("llama").to(torch.bfloat16), "int8")
+    hf_decode(model, torch.compile(model, backend="tinyserve", options={"token_budget": 256, "lower": "eager"}),
+              prompt(PROMPT), 1)
+    c = tc.counters
+    assert c["linear_rewritten"] == 0 and c["linear_kept:tensor subclass"] == LINEARS, dict(c)
