@@ -1,4 +1,4 @@
-"""``tinyserve::linear``: a linear layer for decode shapes (at most 8 activation rows), a GEMV on CPU.
+"""``tinyserve::linear``: a linear layer for decode shapes (at most 8 activation rows, 4 with bf16 weights), a GEMV on CPU.
 
 ``linear(x, weight, bias)`` is ``F.linear``: ``x`` ``[..., K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or
 None, result ``[..., N]``. Its CPU kernel is the native GEMV of ``csrc/gemv.cpp`` once
@@ -14,10 +14,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "load_native_linear", "native_linear_reason", "GEMV_MAX_ROWS"]
+__all__ = ["linear", "load_native_linear", "native_linear_reason", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_BF16"]
 
 #: the most activation rows (product of ``x``'s leading dimensions) the GEMV takes (``GEMV_MAX_ROWS`` of gemv.h)
 GEMV_MAX_ROWS = 8
+#: the most rows for bf16 weights (``GEMV_MAX_ROWS_BF16`` of gemv.h): at more rows the widening GEMV is bound by
+#: FMAs, and ATen's linear (oneDNN, AVX512-BF16 dot products) does half the instructions
+GEMV_MAX_ROWS_BF16 = 4
 
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "reason": None}
@@ -67,7 +70,7 @@ def _self_check(lib) -> Optional[str]:
     """The GEMV against ``F.linear`` on small cases (fp32 and bf16, 1..8 rows, bias or not, K with a tail)."""
     gen = torch.Generator().manual_seed(4321)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        for rows, K, N, with_bias in ((1, 64, 37, False), (3, 100, 20, True), (8, 35, 9, True)):
+        for rows, K, N, with_bias in ((1, 64, 37, False), (3, 100, 20, True), (4, 35, 9, True), (8, 35, 9, True)):
             x = torch.randn(rows, K, generator=gen).to(dtype)
             w = torch.randn(N, K, generator=gen).to(dtype)
             b = torch.randn(N, generator=gen).to(dtype) if with_bias else None

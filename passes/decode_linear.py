@@ -1,7 +1,8 @@
 """Pass: rewrite decode-shaped linears into ``tinyserve::linear``, the native CPU GEMV.
 
 A linear qualifies when its activation ``x`` ``[..., K]`` has at most
-:data:`~tinyserve_compile.kernels.linear.GEMV_MAX_ROWS` rows (the product of its leading dimensions, static),
+:data:`~tinyserve_compile.kernels.linear.GEMV_MAX_ROWS` rows (``GEMV_MAX_ROWS_BF16`` with bf16 weights; the
+product of its leading dimensions, static),
 lives on the CPU, and its weight ``[N, K]`` (fp32 or bf16, of ``x``'s dtype) is held by the graph: a
 parameter or constant, as a placeholder or ``get_attr``, and its result needs no grad (the op has no
 backward). Every other linear (prefill rows, symbolic rows, activations as weights, graphs that record grad,
@@ -18,7 +19,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from tinyserve_compile.explain import counters
-from tinyserve_compile.kernels.linear import GEMV_MAX_ROWS, load_native_linear, native_linear_reason
+from tinyserve_compile.kernels.linear import GEMV_MAX_ROWS, GEMV_MAX_ROWS_BF16, load_native_linear, native_linear_reason
 
 from ._graph import fake
 
@@ -66,6 +67,8 @@ def _why_not(node: fx.Node):
         rows *= s
     if rows > GEMV_MAX_ROWS or rows == 0:
         return f"rows > {GEMV_MAX_ROWS}"
+    if fw.dtype == torch.bfloat16 and rows > GEMV_MAX_ROWS_BF16:
+        return f"bf16 rows > {GEMV_MAX_ROWS_BF16}"
     return None
 
 

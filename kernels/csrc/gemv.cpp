@@ -111,7 +111,7 @@ bool gemv_applies(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const int64_t K = weight.size(1), N = weight.size(0);
   if (K == 0 || N == 0 || x.size(-1) != K || !weight.is_contiguous()) return false;
   const int64_t M = x.numel() / K;
-  if (M < 1 || M > GEMV_MAX_ROWS) return false;
+  if (M < 1 || M > (wt == at::kBFloat16 ? GEMV_MAX_ROWS_BF16 : GEMV_MAX_ROWS)) return false;
   if (bias.has_value() && bias->defined()) {
     const auto& b = *bias;
     if (!b.device().is_cpu() || b.dim() != 1 || b.size(0) != N || b.scalar_type() != wt) return false;

@@ -9,6 +9,10 @@ namespace tinyserve_native {
 
 // the most activation rows (product of x's leading dimensions) the GEMV takes; more go to ATen's linear
 constexpr int64_t GEMV_MAX_ROWS = 8;
+// the most rows for bf16 weights: each bf16 vector is widened to fp32 and meets every row with one FMA, so at
+// more rows the loop is bound by FMAs per weight byte (twice fp32's), where oneDNN's AVX512-BF16 dot products
+// (ATen's linear) do half the instructions
+constexpr int64_t GEMV_MAX_ROWS_BF16 = 4;
 
 // whether linear_rows runs the GEMV for these arguments (else it calls at::linear)
 bool gemv_applies(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);

@@ -1,6 +1,7 @@
 """The decode_linear pass: decode-shaped linears of a compiled decode step become tinyserve::linear (the native
-GEMV), counted and reported; prefill-sized rows and the option turned off stay ATen's; tokens and logits match
-eager."""
+GEMV), counted and reported; prefill-sized rows, bf16 weights above 4 rows, grad graphs, quantized weights and
+the option turned off stay ATen's; tokens and logits match eager. Also: the caller's guard filter passes beside
+the options."""
 from __future__ import annotations
 
 import pytest
@@ -49,6 +50,15 @@ def test_big_batch_stays_aten():
     c = tc.counters
     assert c["linear_rewritten"] == 0 and c["linear_kept:rows > 8"] == LINEARS, dict(c)
     assert f"kept in ATen (rows > 8: {LINEARS})" in str(tc.explain())
+
+
+def test_bf16_above_four_rows_stays_aten():
+    model = hf_model("llama").to(torch.bfloat16)
+    ids = prompt(PROMPT, batch=5)
+    hf_decode(model, torch.compile(model, backend="tinyserve", options={"token_budget": 256, "lower": "eager"}),
+              ids, 1)
+    c = tc.counters
+    assert c["linear_rewritten"] == 0 and c["linear_kept:bf16 rows > 4"] == LINEARS, dict(c)
 
 
 def test_option_off_keeps_aten():
@@ -122,3 +132,15 @@ def test_quantized_weights_stay_aten():
               prompt(PROMPT), 1)
     c = tc.counters
     assert c["linear_rewritten"] == 0 and c["linear_kept:tensor subclass"] == LINEARS, dict(c)
+
+
+def test_guard_filter_fn_passes_beside_the_options():
+    # torch.compile takes guard_filter_fn out of options before the backend parses them (README: guards)
+    model = hf_model("llama")
+    ids = prompt(PROMPT)
+    ref_toks, _, _ = hf_decode(model, model, ids, 2)
+    opts = {"token_budget": 256, "lower": "eager",
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    toks, _, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 2)
+    assert torch.equal(toks, ref_toks)
+    assert tc.counters["linear_rewritten"] == LINEARS and tc.counters["rewritten"] == 4

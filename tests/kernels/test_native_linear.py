@@ -58,6 +58,11 @@ def test_more_rows_run_aten_linear():
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
 
 
+def test_bf16_above_four_rows_runs_aten_linear():
+    x, w, b = _args((5,), 40, 24, torch.bfloat16, True, 6)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+
+
 def test_non_contiguous_weight_runs_aten_linear():
     x, w, _ = _args((2,), 40, 24, torch.float32, False, 4)
     wt = w.t().contiguous().t()  # [24, 40] with column-major strides
