@@ -13,6 +13,7 @@ import sys
 #: command -> (module of bench/, what it measures)
 COMMANDS = {
     "op": ("bench_op", "the sparse decode op alone against SDPA on this CPU (table, JSON/CSV/PNG)"),
+    "linear": ("bench_linear", "decode-shaped linears in GB/s of weight read: ATen, packed, the native GEMV"),
     "decode": ("bench_decode", "decode ms/token: eager, inductor and tinyserve side by side"),
     "onnx": ("bench_onnx", "decode ms/token in ONNX Runtime (dense and tinyserve exports) next to PyTorch"),
     "gpu": ("bench_kernel_gpu", "the Triton kernels on a CUDA GPU: correctness, then timings against SDPA"),

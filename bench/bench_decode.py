@@ -91,6 +91,8 @@ PAPER = {"page_size": 16, "candidate_factor": 1, "candidate_extra": 0, "keep_tok
          "bounds_dtype": "float32"}
 #: the earlier defaults ("tinyserve-previous", with --previous): bf16 bounds, c=2, whole pages
 PREVIOUS = {"candidate_factor": 2, "candidate_extra": 0, "keep_tokens": False, "bounds_dtype": "bfloat16"}
+#: tinyserve with ATen's linears (the decode_linear rewrite to the native GEMV turned off)
+ATEN_LINEAR = {"decode_linear": False}
 STOCK = ("eager", "inductor")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: SmolLM2-135M's shape (its config.json), used for the random-init model beyond 8K
@@ -236,12 +238,15 @@ def provider_options(name: str, options: dict, budget: Optional[int]) -> Optiona
         opts.update(PAPER)
     if name.startswith("tinyserve-previous"):
         opts.update(PREVIOUS)
+    if name.startswith("tinyserve-aten-linear"):
+        opts.update(ATEN_LINEAR)
     if budget is not None:
         opts["token_budget"] = budget
     return opts
 
 
-def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequence[int]], previous: bool = False):
+def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequence[int]], previous: bool = False,
+                   aten_linear: bool = False):
     """``[(name, budget)]``: the stock providers, then tinyserve (and tinyserve-paper) per budget."""
     bad = set(providers) - {"eager", "inductor", "tinyserve"}
     if bad:
@@ -255,6 +260,8 @@ def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequ
                 out.append(("tinyserve-paper" + suffix, b))
             if previous:
                 out.append(("tinyserve-previous" + suffix, b))
+            if aten_linear:
+                out.append(("tinyserve-aten-linear" + suffix, b))
     return out
 
 
@@ -428,7 +435,8 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         paper: bool = False, budgets: Optional[Sequence[int]] = None, steps: int = 16, rounds: int = 3,
         warmup: int = 3, model: str = "auto", fill: str = "auto", dtype: str = "fp32", device: str = "cpu",
         cold: bool = True, snap_dir: Optional[str] = None, max_batch_tokens: int = 65536, log=print,
-        previous: bool = False, weights: Optional[str] = None, extra: Sequence = ()) -> List[dict]:
+        previous: bool = False, weights: Optional[str] = None, extra: Sequence = (),
+        aten_linear: bool = False) -> List[dict]:
     """Every (context, batch) point with ``batch * context <= max_batch_tokens``; returns the records."""
     from bench.accuracy import PREFILL_CACHE
 
@@ -437,7 +445,7 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         raise ValueError("device: cuda requested but torch.cuda.is_available() is False")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} not in {sorted(DTYPES)}")
-    names = provider_names(providers, paper, budgets, previous)
+    names = provider_names(providers, paper, budgets, previous, aten_linear)
     if dev.type == "cpu" and "tinyserve" in providers:
         log(f"# native CPU kernel: {_native_status()}")
     bw = read_bandwidth_gbs(dev)
@@ -561,6 +569,8 @@ def main(argv=None):
     ap.add_argument("--options", default="{}", help="tinyserve options as JSON, e.g. '{\"token_budget\": 1024}'")
     ap.add_argument("--previous", action="store_true",
                     help="also time tinyserve with the earlier defaults (tinyserve-previous)")
+    ap.add_argument("--aten-linear", action="store_true",
+                    help="also time tinyserve with ATen's linears instead of the native GEMV (tinyserve-aten-linear)")
     ap.add_argument("--paper", action="store_true",
                     help="also time tinyserve with the paper's selection (pages of 16, the bound alone, no sink)")
     ap.add_argument("--budgets", type=int, nargs="+", default=None,
@@ -605,7 +615,7 @@ def main(argv=None):
     extra = llamacpp.providers_from_args(a, lambda n: _prompt_ids("smollm2", n)[0].tolist(), torch.get_num_threads())
     rows = run(a.contexts, a.batches, tuple(a.providers.split(",")), options, a.paper, a.budgets, a.steps, a.rounds,
                a.warmup, a.model, a.fill, a.dtype, a.device, not a.warm_compile, a.prefill_cache, a.max_batch_tokens,
-               previous=a.previous, weights=a.weights, extra=extra)
+               previous=a.previous, weights=a.weights, extra=extra, aten_linear=a.aten_linear)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"{platform.machine()} CPU"
     print(f"# {time.strftime('%Y-%m-%d %H:%M %Z')} {dev}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, commit {_commit()}, {a.steps} steps x {a.rounds} rounds per point, "

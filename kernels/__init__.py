@@ -17,6 +17,7 @@ if __name__ == "tinyserve_compile.kernels":
     from .reference import PageBounds, Selection, page_bounds, page_scores, sparse_decode_reference
     from .bounds import allocate_bounds, rebuild_bounds_, update_bounds_
     from .sparse_decode import sparse_decode
+    from .linear import linear
 
     __all__ = [
         "SelectionSpec",
@@ -29,6 +30,7 @@ if __name__ == "tinyserve_compile.kernels":
         "rebuild_bounds_",
         "update_bounds_",
         "sparse_decode",
+        "linear",
     ]
 else:
     __all__ = []

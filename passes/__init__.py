@@ -2,6 +2,7 @@
 
 Each pass is ``(gm, config) -> gm``; they share findings through ``gm.meta``.
 """
+from .decode_linear import decode_linear
 from .find_decode_attention import AttentionSite, find_decode_attention
 from .keep_bounds_on_cache_writes import BOUNDS_PREFIX, keep_bounds_on_cache_writes
 from .sparse_decode_attention import sparse_decode_attention
@@ -10,6 +11,7 @@ PASSES = [
     find_decode_attention,
     keep_bounds_on_cache_writes,
     sparse_decode_attention,
+    decode_linear,
 ]
 
 

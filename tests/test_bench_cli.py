@@ -17,13 +17,13 @@ from bench import __main__ as cli  # noqa: E402
 from tinyserve_compile.config import TinyServeConfig  # noqa: E402
 
 #: the fields of TinyServeConfig that are not part of the selection rule
-NOT_SELECTION = {"dense_layers", "policy", "lower", "kernel", "strict"}
+NOT_SELECTION = {"dense_layers", "policy", "lower", "kernel", "strict", "decode_linear"}
 SELECTION = [f.name for f in dataclasses.fields(TinyServeConfig) if f.name not in NOT_SELECTION]
 PRESENT = [c for c, (module, _) in cli.COMMANDS.items() if (ROOT / "bench" / f"{module}.py").exists()]
 
 
 def test_commands_are_the_documented_ones():
-    assert list(cli.COMMANDS) == ["op", "decode", "onnx", "gpu", "accuracy", "study", "coverage", "clients",
+    assert list(cli.COMMANDS) == ["op", "linear", "decode", "onnx", "gpu", "accuracy", "study", "coverage", "clients",
                                   "serve", "report"]
     res = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_LOWER",
     "DEFAULT_KERNEL",
     "DEFAULT_BOUNDS_DTYPE",
+    "DEFAULT_DECODE_LINEAR",
     "BOUNDS_DTYPES",
     "LOWERINGS",
     "KERNEL_CHOICES",
@@ -49,6 +50,9 @@ DEFAULT_KERNEL = "auto"
 #: storage of the page bounds: int8 codes on a per-page grid, rounded outward, a quarter of fp32's bytes; every
 #: score stays an upper bound (property-tested); held-out quality within 0.1% of bf16 bounds
 DEFAULT_BOUNDS_DTYPE = "int8"
+#: rewrite decode-shaped linears (at most 8 activation rows, fp32/bf16 weights) into ``tinyserve::linear``, the
+#: native CPU GEMV that streams each weight once (ATen's mm runs these shapes well below the read bandwidth)
+DEFAULT_DECODE_LINEAR = True
 
 LOWERINGS = ("inductor", "eager", "tensorrt")
 KERNEL_CHOICES = ("auto", "native", "torch", "triton")
@@ -90,6 +94,9 @@ class TinyServeConfig:
         per-page grid of ``kabs / 126``, rounded outward, at a quarter of the bytes.
     strict : bool
         Raise instead of leaving a decode attention site dense.
+    decode_linear : bool
+        Rewrite each CPU linear with at most 8 activation rows and fp32/bf16 weights held by the graph
+        (parameters, constants) into ``tinyserve::linear``, the native GEMV (when the native module builds).
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -104,6 +111,7 @@ class TinyServeConfig:
     kernel: str = DEFAULT_KERNEL
     bounds_dtype: str = DEFAULT_BOUNDS_DTYPE
     strict: bool = False
+    decode_linear: bool = DEFAULT_DECODE_LINEAR
 
     def __post_init__(self):
         def bad(name, msg):
@@ -137,6 +145,8 @@ class TinyServeConfig:
             bad("bounds_dtype", f"must be one of {BOUNDS_DTYPES}, got {self.bounds_dtype!r}")
         if not isinstance(self.strict, bool):
             bad("strict", f"must be a bool, got {self.strict!r}")
+        if not isinstance(self.decode_linear, bool):
+            bad("decode_linear", f"must be a bool, got {self.decode_linear!r}")
         from .policies import POLICIES
 
         if self.policy not in POLICIES:

@@ -41,6 +41,9 @@ def record_graph(gm, config) -> None:
             counters["dense"] += 1
             counters[f"dense:{_reason_key(s.reason)}"] += 1
     counters["cache_writes_rewritten"] += len(slots)
+    lin = gm.meta.get("tinyserve_linears")
+    if lin is not None:  # passes/decode_linear.py: linears now the native GEMV, the rest with why
+        info["linears"] = {"rewritten": lin["rewritten"], "kept": dict(lin["kept"]), "reason": lin["reason"]}
     _GRAPHS.append(info)
 
 
@@ -67,6 +70,12 @@ class ExplainReport:
             for s in g["sites"]:
                 why = f"  ({s['reason']})" if s["reason"] else ""
                 lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{why}")
+            lin = g.get("linears")
+            if lin and (lin["rewritten"] or lin["kept"] or lin["reason"]):
+                kept = ", ".join(f"{k}: {v}" for k, v in sorted(lin["kept"].items()))
+                lines.append(f"  graph {g['graph']} linears: {lin['rewritten']} to the native GEMV"
+                             + (f", kept in ATen ({kept})" if kept else "")
+                             + (f"; {lin['reason']}" if lin["reason"] else ""))
         cb = {k: v for k, v in c.items() if k.startswith("cb_")}
         if cb:  # continuous batching (tinyserve_compile.continuous_batching): rows per kind, dense reasons
             lines.append("  continuous batching: " + ", ".join(f"{k[3:]}={v}" for k, v in sorted(cb.items())))

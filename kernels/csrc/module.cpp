@@ -4,6 +4,7 @@
 #include "bounds.h"
 #include "dispatch.h"
 #include "paged.h"
+#include "gemv.h"
 #include "pipeline.h"
 #include "pool.h"
 
@@ -23,4 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_bounds_rebuild", &tinyserve_native::paged_bounds_rebuild, "bounds of listed pages of a paged buffer");
   m.def("register_paged_cpu_kernel", &tinyserve_native::register_paged_cpu_kernel,
         "make the native kernel the CPU kernel of tinyserve::paged_sparse_decode");
+  m.def("linear_rows", &tinyserve_native::linear_rows, "x @ W^T (+ b) as a GEMV for at most 8 rows, else at::linear");
+  m.def("register_linear_kernel", &tinyserve_native::register_linear_kernel,
+        "make linear_rows the CPU kernel of tinyserve::linear");
 }

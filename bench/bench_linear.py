@@ -1,0 +1,171 @@
+"""Decode-shaped linears (a few activation rows against one weight) in GB/s of weight read, per method.
+
+Each method runs over a stack of distinct weights larger than the last-level cache, so every call streams its
+weight from memory; GB/s is weight bytes over time, next to the read bandwidth measured in the same run
+(``bench_op.read_bandwidth_gbs``). Methods:
+
+``aten``      ``F.linear`` (what inductor emits for a decode linear: ``extern_kernels.mm``/``addmm``)
+``mv``        ``torch.mv`` (one row only)
+``mkl_packed`` MKL's packed-weight linear (inductor's ``freezing`` with ``cpp.weight_prepack``, fp32)
+``onednn_packed`` oneDNN's prepacked linear (inductor's weight prepack for bf16)
+``native``    ``tinyserve::linear``, the GEMV of ``kernels/csrc/gemv.cpp``
+``inductor_autotune`` optional (``--autotune``): ``torch.compile(mode="max-autotune")`` with freezing, CPP GEMM
+              templates
+
+Usage: ``python -m bench linear [--rows 1 8] [--threads 1 2] [--dtypes float32 bfloat16] [--json PATH]``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+#: (N, K) of SmolLM2-135M's linears: q/o, k/v, gate/up (down is K=1536), lm_head
+SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))
+#: bytes of weight per method call stack (above the last-level cache of the 2-core VM)
+STACK_BYTES = 192 * 2**20
+
+
+def _time(fn, ws, x, reps):
+    fn(ws[0], x)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for w in ws:
+            fn(w, x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _methods(dtype, rows, autotune):
+    out = {"aten": (lambda w, x: F.linear(x, w), None)}
+    if rows == 1:
+        out["mv"] = (lambda w, x: torch.mv(w, x[0]), None)
+    if dtype == torch.float32:
+        try:
+            torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(4, 4), 1)
+            out["mkl_packed"] = (lambda w, x: torch.ops.mkl._mkl_linear(x, w[0], w[1], None, rows),
+                                 lambda w: (torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w))
+        except (RuntimeError, AttributeError):
+            pass
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(4, 4, dtype=dtype), rows)
+        out["onednn_packed"] = (
+            lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w[0], None, "none", [], ""),
+            lambda w: (torch.ops.mkldnn._reorder_linear_weight(w, rows), w))
+    except (RuntimeError, AttributeError):
+        pass
+    from tinyserve_compile.kernels.linear import load_native_linear
+
+    if load_native_linear():
+        out["native"] = (lambda w, x: torch.ops.tinyserve.linear(x, w, None), None)
+    if autotune:
+        import torch._inductor.config as icfg
+
+        def prep(w):
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+            lin.weight.data = w
+            lin.eval().requires_grad_(False)
+            with icfg.patch(freezing=True):
+                return torch.compile(lin, mode="max-autotune-no-cudagraphs", fullgraph=True)
+
+        out["inductor_autotune"] = (lambda m, x: m(x), prep)
+    return out
+
+
+def run(rows_list, threads_list, dtypes, reps, autotune, shapes=SHAPES, stack_bytes=STACK_BYTES):
+    from bench.bench_op import read_bandwidth_gbs
+
+    records = []
+    default_threads = torch.get_num_threads()
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        for dtype in dtypes:
+            for rows in rows_list:
+                for N, K in shapes:
+                    nbytes1 = N * K * dtype.itemsize
+                    n = max(1, stack_bytes // nbytes1)
+                    gen = torch.Generator().manual_seed(0)
+                    ws = [torch.randn(N, K, generator=gen).to(dtype) for _ in range(n)]
+                    x = torch.randn(rows, K, generator=gen).to(dtype)
+                    with torch.no_grad():
+                        for name, (fn, prep) in _methods(dtype, rows, autotune).items():
+                            try:
+                                args = [prep(w) for w in ws] if prep else ws
+                                t = _time(fn, args, x, reps)
+                            except Exception as e:  # a method this build lacks: recorded, not fatal
+                                records.append(dict(threads=threads, dtype=str(dtype)[6:], rows=rows, N=N, K=K,
+                                                    method=name, error=f"{type(e).__name__}: {str(e)[:80]}"))
+                                continue
+                            bw = read_bandwidth_gbs(mb=128, reps=3)
+                            gbs = n * nbytes1 / t / 1e9
+                            records.append(dict(threads=threads, dtype=str(dtype)[6:], rows=rows, N=N, K=K,
+                                                method=name, us_per_call=t / n * 1e6, gbs=gbs, read_bw_gbs=bw,
+                                                share=gbs / bw))
+    torch.set_num_threads(default_threads)
+    return records
+
+
+def table(records) -> str:
+    lines = ["| threads | dtype | rows | N x K | method | us/call | GB/s | read GB/s | share |", "|---" * 9 + "|"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['threads']} | {r['dtype']} | {r['rows']} | {r['N']}x{r['K']} | {r['method']} | "
+                         f"{r['error']} | | | |")
+            continue
+        lines.append(f"| {r['threads']} | {r['dtype']} | {r['rows']} | {r['N']}x{r['K']} | {r['method']} | "
+                     f"{r['us_per_call']:.1f} | {r['gbs']:.1f} | {r['read_bw_gbs']:.1f} | {r['share']:.0%} |")
+    return "\n".join(lines)
+
+
+def plot(records, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = [r for r in records if "error" not in r]
+    keys = sorted({(r["threads"], r["dtype"], r["rows"], r["N"], r["K"]) for r in ok})
+    methods = sorted({r["method"] for r in ok})
+    fig, ax = plt.subplots(figsize=(max(6, len(keys) * 0.6), 4))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        ys = [next((r["share"] for r in ok if (r["threads"], r["dtype"], r["rows"], r["N"], r["K"]) == k
+                    and r["method"] == m), 0) for k in keys]
+        ax.bar([j + i * width for j in range(len(keys))], ys, width, label=m)
+    ax.set_xticks([j + 0.4 for j in range(len(keys))])
+    ax.set_xticklabels([f"t{k[0]} {k[1][:4]} m{k[2]}\n{k[3]}x{k[4]}" for k in keys], fontsize=6, rotation=90)
+    ax.set_ylabel("share of read bandwidth")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench linear", description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--autotune", action="store_true", help="also inductor max-autotune with freezing (slow)")
+    ap.add_argument("--quick", action="store_true", help="one shape, small stacks (a dry run)")
+    ap.add_argument("--json", default=None, help="write the records here (a .csv and .png go next to it)")
+    a = ap.parse_args(argv)
+    kw = dict(shapes=SHAPES[:1], stack_bytes=8 * 2**20) if a.quick else {}
+    records = run(a.rows, a.threads, [getattr(torch, d) for d in a.dtypes], 1 if a.quick else a.reps, a.autotune,
+                  **kw)
+    print(table(records))
+    if a.json:
+        from bench.output import write_rows
+
+        write_rows(records, a.json)
+        plot(records, a.json.rsplit(".", 1)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()

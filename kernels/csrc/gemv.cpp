@@ -1,0 +1,148 @@
+// A GEMV for decode-shaped linears: y[M, N] = x[M, K] @ W[N, K]^T (+ b) for M <= 8 rows, fp32 or bf16 weights,
+// fp32 accumulation. It is the CPU kernel of tinyserve::linear once registered (register_linear_kernel).
+// Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
+//
+// Why: at one or a few activation rows a linear is a stream over its weight, and the time is bytes over
+// bandwidth. The nn.Linear weight is [N, K] row-major, so each output element is a dot product over one
+// contiguous weight row. The N rows are split into one contiguous range per thread, so each thread streams its
+// share of the weight once, front to back, with all M activation rows applied to each loaded vector of weights.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <type_traits>
+
+#include "gemv.h"
+
+namespace tinyserve_native {
+namespace {
+
+using FVec = at::vec::Vectorized<float>;
+constexpr int64_t FVS = FVec::size();
+// the least weight bytes per task of parallel_for: a smaller weight runs on the calling thread alone (a parallel
+// region costs microseconds, and on a busy machine a descheduled worker stalls the call for a time slice)
+constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
+
+template <typename W>
+inline FVec load_w(const W* p) {
+  if constexpr (std::is_same_v<W, float>) {
+    return FVec::loadu(p);
+  } else {
+    FVec out;
+    at::vec::load_to_float<W>(p, out);
+    return out;
+  }
+}
+
+// Output rows [n0, n1) of y (fp32, [M, N]) in groups of R weight rows: each weight vector is loaded once and
+// meets all M activation rows (M * R accumulators live in registers).
+template <typename W, int M, int R>
+void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n0,
+               int64_t n1) {
+  const int64_t kv = K - K % FVS;  // vectorised part of K; the rest is a scalar tail
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    // ---- stage 1: fp32 partial sums, one vector per (weight row, activation row)
+    FVec acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = FVec(0.f);
+    for (int64_t k = 0; k < kv; k += FVS) {
+      FVec xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = FVec::loadu(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const FVec wv = load_w(w + (n + r) * K + k);
+        for (int m = 0; m < M; ++m) acc[r][m] = at::vec::fmadd(wv, xv[m], acc[r][m]);
+      }
+    }
+    // ---- stage 2: lane sums, the scalar tail of K, the bias
+    for (int r = 0; r < R; ++r) {
+      for (int m = 0; m < M; ++m) {
+        float s = at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return a + b; }, acc[r][m]);
+        for (int64_t k = kv; k < K; ++k) s += static_cast<float>(w[(n + r) * K + k]) * x[m * K + k];
+        y[m * N + n + r] = s + (bias ? bias[n + r] : 0.f);
+      }
+    }
+  }
+  if (n < n1) gemv_rows<W, M, 1>(x, w, bias, y, K, N, n, n1);  // leftover rows, one at a time
+}
+
+template <typename W, int M>
+void gemv_m(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N) {
+  // more weight rows per group when few activation rows leave registers free (more independent FMA chains)
+  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  // one contiguous range of weight rows per thread, each at least MIN_TASK_BYTES of weights
+  const int64_t grain = std::max<int64_t>(R, MIN_TASK_BYTES / std::max<int64_t>(1, K * int64_t(sizeof(W))));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_rows<W, M, R>(x, w, bias, y, K, N, n0, n1); });
+}
+
+template <typename W>
+void gemv(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
+  switch (M) {
+    case 1: return gemv_m<W, 1>(x, w, bias, y, K, N);
+    case 2: return gemv_m<W, 2>(x, w, bias, y, K, N);
+    case 3: return gemv_m<W, 3>(x, w, bias, y, K, N);
+    case 4: return gemv_m<W, 4>(x, w, bias, y, K, N);
+    case 5: return gemv_m<W, 5>(x, w, bias, y, K, N);
+    case 6: return gemv_m<W, 6>(x, w, bias, y, K, N);
+    case 7: return gemv_m<W, 7>(x, w, bias, y, K, N);
+    default: return gemv_m<W, 8>(x, w, bias, y, K, N);
+  }
+}
+
+std::unique_ptr<torch::Library> linear_library;
+
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return linear_rows(x, weight, bias);
+}
+
+}  // namespace
+
+bool gemv_applies(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if (!x.device().is_cpu() || !weight.device().is_cpu() || weight.dim() != 2 || x.dim() < 1) return false;
+  const auto wt = weight.scalar_type();
+  if (!(wt == at::kFloat || wt == at::kBFloat16) || x.scalar_type() != wt) return false;
+  const int64_t K = weight.size(1), N = weight.size(0);
+  if (K == 0 || N == 0 || x.size(-1) != K || !weight.is_contiguous()) return false;
+  const int64_t M = x.numel() / K;
+  if (M < 1 || M > (wt == at::kBFloat16 ? GEMV_MAX_ROWS_BF16 : GEMV_MAX_ROWS)) return false;
+  if (bias.has_value() && bias->defined()) {
+    const auto& b = *bias;
+    if (!b.device().is_cpu() || b.dim() != 1 || b.size(0) != N || b.scalar_type() != wt) return false;
+  }
+  return true;
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if (!gemv_applies(x, weight, bias)) return at::linear(x, weight, bias);  // any other shape: ATen's linear
+  const int64_t K = weight.size(1), N = weight.size(0), M = x.numel() / K;
+  // x: [M, K] fp32 (bf16 activations are widened once; they are a few KB)
+  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  std::optional<at::Tensor> bf;
+  if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
+  const float* bp = bf ? bf->data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));  // [M, N] fp32
+  if (weight.scalar_type() == at::kFloat) {
+    gemv<float>(xf.data_ptr<float>(), weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N);
+  } else {
+    gemv<c10::BFloat16>(xf.data_ptr<float>(), weight.data_ptr<c10::BFloat16>(), bp, y.data_ptr<float>(), M, K, N);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return y.to(x.scalar_type()).view(shape);  // [..., N] in x's dtype
+}
+
+void register_linear_kernel() {
+  if (linear_library) return;  // once per process
+  linear_library = std::make_unique<torch::Library>(torch::Library::IMPL, "tinyserve", c10::DispatchKey::CPU,
+                                                    __FILE__, __LINE__);
+  linear_library->impl("linear", TORCH_FN(linear_cpu));
+}
+
+}  // namespace tinyserve_native

@@ -1,0 +1,24 @@
+// The decode GEMV (gemv.cpp): y = x @ W^T (+ b) for at most GEMV_MAX_ROWS activation rows.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace tinyserve_native {
+
+// the most activation rows (product of x's leading dimensions) the GEMV takes; more go to ATen's linear
+constexpr int64_t GEMV_MAX_ROWS = 8;
+// the most rows for bf16 weights: each bf16 vector is widened to fp32 and meets every row with one FMA, so at
+// more rows the loop is bound by FMAs per weight byte (twice fp32's), where oneDNN's AVX512-BF16 dot products
+// (ATen's linear) do half the instructions
+constexpr int64_t GEMV_MAX_ROWS_BF16 = 4;
+
+// whether linear_rows runs the GEMV for these arguments (else it calls at::linear)
+bool gemv_applies(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// x [..., K] fp32 or bf16, weight [N, K] of x's dtype, bias [N] or none -> [..., N] in x's dtype
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// make linear_rows the CPU kernel of tinyserve::linear (once per process)
+void register_linear_kernel();
+
+}  // namespace tinyserve_native

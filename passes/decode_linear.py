@@ -1,0 +1,114 @@
+"""Pass: rewrite decode-shaped linears into ``tinyserve::linear``, the native CPU GEMV.
+
+A linear qualifies when its activation ``x`` ``[..., K]`` has at most
+:data:`~tinyserve_compile.kernels.linear.GEMV_MAX_ROWS` rows (``GEMV_MAX_ROWS_BF16`` with bf16 weights; the
+product of its leading dimensions, static),
+lives on the CPU, and its weight ``[N, K]`` (fp32 or bf16, of ``x``'s dtype) is held by the graph: a
+parameter or constant, as a placeholder or ``get_attr``, and its result needs no grad (the op has no
+backward). Every other linear (prefill rows, symbolic rows, activations as weights, graphs that record grad,
+other devices or dtypes) stays ATen's. The counts go to ``counters``
+(``linear_rewritten``, ``linear_kept:<reason>``) and to ``gm.meta["tinyserve_linears"]`` for
+:func:`~tinyserve_compile.explain`.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from tinyserve_compile.explain import counters
+from tinyserve_compile.kernels.linear import GEMV_MAX_ROWS, GEMV_MAX_ROWS_BF16, load_native_linear, native_linear_reason
+
+from ._graph import fake
+
+__all__ = ["decode_linear"]
+
+#: call targets of a linear in a dynamo graph
+LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
+GEMV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _is_subclass(t: torch.Tensor) -> bool:
+    """True for a tensor subclass (a quantized weight, DTensor), seen through dynamo's FakeTensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t) or type(t) not in (torch.Tensor, FakeTensor, torch.nn.Parameter)
+
+
+def _why_not(node: fx.Node):
+    """None when ``node`` (a linear) can become ``tinyserve::linear``, else the reason it stays ATen's."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    x, w, b = args[0], args[1], node.kwargs.get("bias", args[2])
+    fx_, fw = fake(x), fake(w)
+    if fx_ is None or fw is None:
+        return "no example value"
+    out = fake(node)
+    if out is None or out.requires_grad:
+        return "needs grad"  # the op has no backward: training graphs keep ATen's linear
+    if fx_.device.type != "cpu" or fw.device.type != "cpu":
+        return "not on the CPU"
+    if fw.dtype not in GEMV_DTYPES or fx_.dtype != fw.dtype:
+        return "dtype"
+    if not isinstance(w, fx.Node) or w.op not in ("placeholder", "get_attr") or fw.dim() != 2:
+        return "weight is computed in the graph"
+    if _is_subclass(fw) or _is_subclass(fx_):
+        return "tensor subclass"  # quantized weights (torchao), DTensor: their own linear
+    if b is not None:
+        fb = fake(b)
+        if fb is None or fb.dtype != fw.dtype or fb.dim() != 1:
+            return "bias"
+    if any(not isinstance(s, int) for s in fx_.shape):
+        return "symbolic rows"
+    rows = 1
+    for s in fx_.shape[:-1]:
+        rows *= s
+    if rows > GEMV_MAX_ROWS or rows == 0:
+        return f"rows > {GEMV_MAX_ROWS}"
+    if fw.dtype == torch.bfloat16 and rows > GEMV_MAX_ROWS_BF16:
+        return f"bf16 rows > {GEMV_MAX_ROWS_BF16}"
+    return None
+
+
+def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
+    graph = gm.graph
+    linears = [n for n in graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS]
+    report = {"rewritten": 0, "kept": Counter(), "reason": None}
+    gm.meta["tinyserve_linears"] = report
+    if not linears:
+        return gm
+    if not config.decode_linear:
+        report["reason"] = "decode_linear=False"
+        return gm
+    if config.lower == "tensorrt":
+        report["reason"] = "lower='tensorrt' compiles the linears itself"
+        return gm
+    candidates = []
+    for n in linears:
+        why = _why_not(n)
+        if why is None:
+            candidates.append(n)
+        else:
+            report["kept"][why] += 1
+    if candidates and not load_native_linear():
+        report["reason"] = f"native GEMV unavailable: {native_linear_reason()}"
+        report["kept"]["native GEMV unavailable"] += len(candidates)
+        candidates = []
+    for n in candidates:
+        args = list(n.args) + [None] * (3 - len(n.args))
+        x, w, b = args[0], args[1], n.kwargs.get("bias", args[2])
+        with graph.inserting_before(n):
+            new = graph.call_function(torch.ops.tinyserve.linear.default, (x, w, b))  # [..., N]
+        new.meta.update(n.meta)
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
+        report["rewritten"] += 1
+    counters["linear_rewritten"] += report["rewritten"]
+    for why, k in report["kept"].items():
+        counters[f"linear_kept:{why}"] += k
+    if candidates:
+        graph.lint()
+        gm.recompile()
+    return gm
