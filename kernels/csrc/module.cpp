@@ -3,8 +3,8 @@
 
 #include "bounds.h"
 #include "dispatch.h"
-#include "paged.h"
 #include "gemv.h"
+#include "paged.h"
 #include "pipeline.h"
 #include "pool.h"
 
