@@ -73,6 +73,93 @@ Vec bound_block(const float* M, const float* m, const float* qp, const float* qn
   return reduce_rows(acc);
 }
 
+// Micro-kernels on VS rows addressed one pointer each (rows[j] for j < VS, every pointer readable), read in
+// place: the gathered token rows of the cache need no copy. The arithmetic (FMA order, reduction) is that of the
+// contiguous versions above, so the results are bit-identical.
+
+// out[g * ld + j] = q_g . rows[j] for j < n
+template <int NV>
+void dot_rows(const float* const* rows, int n, const float* q, int64_t G, int64_t nv_rt, float* out, int64_t ld) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec acc[VS];
+    for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+    const float* qg = q + g * st;
+    for (int64_t i = 0; i < nv; ++i) {
+      const Vec qv = Vec::loadu(qg + i * VS);
+      for (int j = 0; j < VS; ++j) acc[j] = at::vec::fmadd(qv, Vec::loadu(rows[j] + i * VS), acc[j]);
+    }
+    reduce_rows(acc).store(out + g * ld, n);
+  }
+}
+
+// acc[g, :] += sum_{j < n} p[g * ldp + j] * rows[j]
+template <int NV>
+void v_accum_rows(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv_rt, const float* const* rows, int n) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  if constexpr (NV > 0 && NV <= 8) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      Vec a[NV];
+      for (int i = 0; i < NV; ++i) a[i] = Vec::loadu(ag + i * VS);
+      for (int j = 0; j < n; ++j) {
+        const Vec pj(pg[j]);
+        const float* rj = rows[j];
+        for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(pj, Vec::loadu(rj + i * VS), a[i]);
+      }
+      for (int i = 0; i < NV; ++i) a[i].store(ag + i * VS);
+    }
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      for (int64_t i = 0; i < nv; ++i) {
+        Vec a = Vec::loadu(ag + i * VS);
+        for (int j = 0; j < n; ++j) a = at::vec::fmadd(Vec(pg[j]), Vec::loadu(rows[j] + i * VS), a);
+        a.store(ag + i * VS);
+      }
+    }
+  }
+}
+
+// Bound scores of a block of VS pages from int8 bound codes read in place (rows of D = NV * VS codes, page j's
+// at M + j * D and m + j * D), decoded in registers as code * step(kab[j]), for G query heads at once:
+// r[g * VS + j] = relu(qp_g).M_j + min(q_g, 0).m_j for j < n (lanes past n are 0). Each row is decoded once for
+// all heads; the FMA order is bound_block's on the decoded rows (bit-identical). tmp: G * VS * VS floats.
+template <int NV>
+void bound_block_i8(const int8_t* M, const int8_t* m, const float* kab, int n, const float* qp, const float* qn,
+                    int64_t G, float* tmp, float* r) {
+  constexpr int64_t D = NV * VS;
+  for (int j = 0; j < VS; ++j) {
+    if (j >= n) {
+      for (int64_t g = 0; g < G; ++g) Vec(0.f).store(tmp + (g * VS + j) * VS);
+      continue;
+    }
+    const Vec step(int8_step(kab[j]));
+    Vec hi[NV], lo[NV];
+    for (int i = 0; i < NV; ++i) {
+      hi[i] = load_i8(M + j * D + i * VS) * step;
+      lo[i] = load_i8(m + j * D + i * VS) * step;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* a = qp + g * D;
+      const float* z = qn + g * D;
+      Vec acc(0.f);
+      for (int i = 0; i < NV; ++i) {
+        acc = at::vec::fmadd(Vec::loadu(a + i * VS), hi[i], acc);
+        acc = at::vec::fmadd(Vec::loadu(z + i * VS), lo[i], acc);
+      }
+      acc.store(tmp + (g * VS + j) * VS);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    Vec rows[VS];
+    for (int j = 0; j < VS; ++j) rows[j] = Vec::loadu(tmp + (g * VS + j) * VS);
+    reduce_rows(rows).store(r + g * VS);
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define TS_BF16_PAIRS 1
 // bfloat16 pairs: one 32-bit lane holds channels 2i (low half) and 2i+1 (high half), so a shift and a mask give
@@ -220,6 +307,10 @@ struct Kern {
   decltype(&dot_block<0>) dot;
   decltype(&bound_block<0>) bound;
   decltype(&v_accum<0>) vacc;
+  // row-pointer kernels (fp32 rows of D == nv * VS) and the int8 bound kernel (nullptr where nv has none)
+  decltype(&dot_rows<0>) dotp = nullptr;
+  decltype(&v_accum_rows<0>) vaccp = nullptr;
+  decltype(&bound_block_i8<1>) bound8 = nullptr;
 #if TS_BF16_PAIRS
   // bfloat16 pair kernels, set when D is a multiple of 2 * VS
   decltype(&bound_block_bf16<0>) bound16 = nullptr;
@@ -235,6 +326,13 @@ struct Kern {
       case 8: k = {&dot_block<8>, &bound_block<8>, &v_accum<8>}; break;
       case 16: k = {&dot_block<16>, &bound_block<16>, &v_accum<16>}; break;
       default: k = {&dot_block<0>, &bound_block<0>, &v_accum<0>}; break;
+    }
+    switch (nv) {
+      case 1: k.dotp = &dot_rows<1>; k.vaccp = &v_accum_rows<1>; k.bound8 = &bound_block_i8<1>; break;
+      case 2: k.dotp = &dot_rows<2>; k.vaccp = &v_accum_rows<2>; k.bound8 = &bound_block_i8<2>; break;
+      case 4: k.dotp = &dot_rows<4>; k.vaccp = &v_accum_rows<4>; k.bound8 = &bound_block_i8<4>; break;
+      case 8: k.dotp = &dot_rows<8>; k.vaccp = &v_accum_rows<8>; k.bound8 = &bound_block_i8<8>; break;
+      default: k.dotp = &dot_rows<0>; k.vaccp = &v_accum_rows<0>; break;
     }
 #if TS_BF16_PAIRS
     switch (nv) {
@@ -317,6 +415,16 @@ inline void key_dots(const Kern& kern, const T* base, int64_t stride, const int6
     }
   }
 #endif
+  if constexpr (std::is_same_v<T, float>) {
+    if (Dp == D) {  // rows read in place (a lane past n reads row 0 again; it is not stored)
+      if (n <= 0) return;
+      const float* src[VS];
+      for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
+      for (int j = n; j < VS; ++j) src[j] = src[0];
+      kern.dotp(src, n, q, G, Dp / VS, out, ld);
+      return;
+    }
+  }
   const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, true);
   kern.dot(rows, n, q, G, Dp / VS, out, ld);
 }
@@ -334,6 +442,14 @@ inline void value_accum(const Kern& kern, const T* base, int64_t stride, const i
     }
   }
 #endif
+  if constexpr (std::is_same_v<T, float>) {
+    if (Dp == D) {  // rows read in place
+      const float* src[VS];
+      for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
+      kern.vaccp(acc, p, ldp, G, Dp / VS, src, n);
+      return;
+    }
+  }
   const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, false);
   kern.vacc(acc, p, ldp, G, Dp / VS, rows, n);
 }

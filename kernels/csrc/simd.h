@@ -102,6 +102,19 @@ inline Vec reduce_rows(const Vec* a) {
 #endif
 }
 
+// VS int8 codes at p as fp32 lanes (exact)
+inline Vec load_i8(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  alignas(64) float t[VS];
+  for (int i = 0; i < VS; ++i) t[i] = static_cast<float>(p[i]);
+  return Vec::loadu(t);
+#endif
+}
+
 inline float hmax(const float* x, int64_t n) {
   int64_t i = 0;
   float m = NEG_INF;

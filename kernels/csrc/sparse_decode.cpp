@@ -96,6 +96,15 @@ void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, 
 #endif
       continue;
     }
+    if constexpr (std::is_same_v<BT, int8_t>) {
+      if (kern.bound8 != nullptr && Dp == D) {
+        // ---- int8 codes read in place and decoded in registers, every head of the group at once
+        float* rb = scratch_f<9>(G * VS * (VS + 1));
+        kern.bound8(M + p * D, m + p * D, kab + p, n, qp, qn, G, rb + G * VS, rb);
+        store_block(p, n, [&](int64_t g) { return Vec::loadu(rb + g * VS); });
+        continue;
+      }
+    }
     // ---- the block's bounds as contiguous fp32 rows (in place for fp32 bounds and full blocks)
     const float* Mb;
     const float* mb;
