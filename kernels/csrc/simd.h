@@ -38,8 +38,15 @@ using Vec = Vectorized<float>;
 constexpr int VS = Vec::size();
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float POS_INF = std::numeric_limits<float>::infinity();
-// prefetch distance, in blocks of VS tokens
-constexpr int PF_BLOCKS = 6;
+// prefetch distance, in blocks of VS tokens, and the cache level prefetched rows go to (3: L1, 2: L2)
+#ifndef TS_PF_BLOCKS
+#define TS_PF_BLOCKS 3
+#endif
+#ifndef TS_PF_LOCALITY
+#define TS_PF_LOCALITY 2
+#endif
+constexpr int PF_BLOCKS = TS_PF_BLOCKS;
+constexpr int PF_LOCALITY = TS_PF_LOCALITY;
 
 // ------------------------------------------------------------------------------------------------------------
 // small vector helpers
@@ -201,6 +208,8 @@ inline void prefetch_row(const void* p, int64_t bytes, int locality) {
   for (int64_t off = 0; off < bytes; off += 64) {
     if (locality >= 3)
       __builtin_prefetch(c + off, 0, 3);
+    else if (locality == 2)
+      __builtin_prefetch(c + off, 0, 2);
     else
       __builtin_prefetch(c + off, 0, 1);
   }
