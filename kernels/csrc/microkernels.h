@@ -73,6 +73,93 @@ Vec bound_block(const float* M, const float* m, const float* qp, const float* qn
   return reduce_rows(acc);
 }
 
+// Micro-kernels on VS rows addressed one pointer each (rows[j] for j < VS, every pointer readable), read in
+// place: the gathered token rows of the cache need no copy. The arithmetic (FMA order, reduction) is that of the
+// contiguous versions above, so the results are bit-identical.
+
+// out[g * ld + j] = q_g . rows[j] for j < n
+template <int NV>
+void dot_rows(const float* const* rows, int n, const float* q, int64_t G, int64_t nv_rt, float* out, int64_t ld) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec acc[VS];
+    for (int j = 0; j < VS; ++j) acc[j] = Vec(0.f);
+    const float* qg = q + g * st;
+    for (int64_t i = 0; i < nv; ++i) {
+      const Vec qv = Vec::loadu(qg + i * VS);
+      for (int j = 0; j < VS; ++j) acc[j] = at::vec::fmadd(qv, Vec::loadu(rows[j] + i * VS), acc[j]);
+    }
+    reduce_rows(acc).store(out + g * ld, n);
+  }
+}
+
+// acc[g, :] += sum_{j < n} p[g * ldp + j] * rows[j]
+template <int NV>
+void v_accum_rows(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv_rt, const float* const* rows, int n) {
+  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+  if constexpr (NV > 0 && NV <= 8) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      Vec a[NV];
+      for (int i = 0; i < NV; ++i) a[i] = Vec::loadu(ag + i * VS);
+      for (int j = 0; j < n; ++j) {
+        const Vec pj(pg[j]);
+        const float* rj = rows[j];
+        for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(pj, Vec::loadu(rj + i * VS), a[i]);
+      }
+      for (int i = 0; i < NV; ++i) a[i].store(ag + i * VS);
+    }
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * ldp;
+      float* ag = acc + g * st;
+      for (int64_t i = 0; i < nv; ++i) {
+        Vec a = Vec::loadu(ag + i * VS);
+        for (int j = 0; j < n; ++j) a = at::vec::fmadd(Vec(pg[j]), Vec::loadu(rows[j] + i * VS), a);
+        a.store(ag + i * VS);
+      }
+    }
+  }
+}
+
+// Bound scores of a block of VS pages from int8 bound codes read in place (rows of D = NV * VS codes, page j's
+// at M + j * D and m + j * D), decoded in registers as code * step(kab[j]), for G query heads at once:
+// r[g * VS + j] = relu(qp_g).M_j + min(q_g, 0).m_j for j < n (lanes past n are 0). Each row is decoded once for
+// all heads; the FMA order is bound_block's on the decoded rows (bit-identical). tmp: G * VS * VS floats.
+template <int NV>
+void bound_block_i8(const int8_t* M, const int8_t* m, const float* kab, int n, const float* qp, const float* qn,
+                    int64_t G, float* tmp, float* r) {
+  constexpr int64_t D = NV * VS;
+  for (int j = 0; j < VS; ++j) {
+    if (j >= n) {
+      for (int64_t g = 0; g < G; ++g) Vec(0.f).store(tmp + (g * VS + j) * VS);
+      continue;
+    }
+    const Vec step(int8_step(kab[j]));
+    Vec hi[NV], lo[NV];
+    for (int i = 0; i < NV; ++i) {
+      hi[i] = load_i8(M + j * D + i * VS) * step;
+      lo[i] = load_i8(m + j * D + i * VS) * step;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* a = qp + g * D;
+      const float* z = qn + g * D;
+      Vec acc(0.f);
+      for (int i = 0; i < NV; ++i) {
+        acc = at::vec::fmadd(Vec::loadu(a + i * VS), hi[i], acc);
+        acc = at::vec::fmadd(Vec::loadu(z + i * VS), lo[i], acc);
+      }
+      acc.store(tmp + (g * VS + j) * VS);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    Vec rows[VS];
+    for (int j = 0; j < VS; ++j) rows[j] = Vec::loadu(tmp + (g * VS + j) * VS);
+    reduce_rows(rows).store(r + g * VS);
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define TS_BF16_PAIRS 1
 // bfloat16 pairs: one 32-bit lane holds channels 2i (low half) and 2i+1 (high half), so a shift and a mask give
@@ -113,10 +200,11 @@ Vec bound_block_bf16(const c10::BFloat16* M, const c10::BFloat16* m, const float
   }
   return reduce_rows(acc);
 }
-// dot_block for bfloat16 rows read in place (VS rows of D = NC * 2 * VS channels, contiguous), q in pair order
+// dot and value accumulation on VS bfloat16 rows of D = NC * 2 * VS channels addressed one pointer each (read in
+// place, q and the accumulators in even/odd order)
 template <int NC>
-void dot_block_bf16(const c10::BFloat16* rows, int n, const float* q, int64_t G, int64_t nc_rt, float* out,
-                    int64_t ld) {
+void dot_rows_bf16(const c10::BFloat16* const* rows, int n, const float* q, int64_t G, int64_t nc_rt, float* out,
+                   int64_t ld) {
   const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
   for (int64_t g = 0; g < G; ++g) {
     Vec acc[VS];
@@ -126,7 +214,7 @@ void dot_block_bf16(const c10::BFloat16* rows, int n, const float* q, int64_t G,
       const Vec qe = Vec::loadu(qg + 2 * c * VS), qo = Vec::loadu(qg + (2 * c + 1) * VS);
       for (int j = 0; j < VS; ++j) {
         Vec e, o;
-        bf16_pairs(rows + j * D + c * 2 * VS, e, o);
+        bf16_pairs(rows[j] + c * 2 * VS, e, o);
         acc[j] = at::vec::fmadd(qe, e, acc[j]);
         acc[j] = at::vec::fmadd(qo, o, acc[j]);
       }
@@ -135,10 +223,10 @@ void dot_block_bf16(const c10::BFloat16* rows, int n, const float* q, int64_t G,
   }
 }
 
-// v_accum for n bfloat16 rows read in place; acc[g] in pair order
+// acc[g] += sum_{j < n} p[g * ldp + j] * rows[j]
 template <int NC>
-void v_accum_bf16(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nc_rt, const c10::BFloat16* rows,
-                  int n) {
+void v_accum_rows_bf16(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nc_rt,
+                       const c10::BFloat16* const* rows, int n) {
   const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
   for (int64_t g = 0; g < G; ++g) {
     const float* pg = p + g * ldp;
@@ -150,7 +238,7 @@ void v_accum_bf16(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nc
         const Vec pj(pg[j]);
         for (int cc = 0; cc < NC; ++cc) {
           Vec e, o;
-          bf16_pairs(rows + j * D + cc * 2 * VS, e, o);
+          bf16_pairs(rows[j] + cc * 2 * VS, e, o);
           a[2 * cc] = at::vec::fmadd(pj, e, a[2 * cc]);
           a[2 * cc + 1] = at::vec::fmadd(pj, o, a[2 * cc + 1]);
         }
@@ -161,7 +249,7 @@ void v_accum_bf16(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nc
         Vec ae = Vec::loadu(ag + 2 * cc * VS), ao = Vec::loadu(ag + (2 * cc + 1) * VS);
         for (int j = 0; j < n; ++j) {
           Vec e, o;
-          bf16_pairs(rows + j * D + cc * 2 * VS, e, o);
+          bf16_pairs(rows[j] + cc * 2 * VS, e, o);
           ae = at::vec::fmadd(Vec(pg[j]), e, ae);
           ao = at::vec::fmadd(Vec(pg[j]), o, ao);
         }
@@ -220,11 +308,15 @@ struct Kern {
   decltype(&dot_block<0>) dot;
   decltype(&bound_block<0>) bound;
   decltype(&v_accum<0>) vacc;
+  // row-pointer kernels (fp32 rows of D == nv * VS) and the int8 bound kernel (nullptr where nv has none)
+  decltype(&dot_rows<0>) dotp = nullptr;
+  decltype(&v_accum_rows<0>) vaccp = nullptr;
+  decltype(&bound_block_i8<1>) bound8 = nullptr;
 #if TS_BF16_PAIRS
   // bfloat16 pair kernels, set when D is a multiple of 2 * VS
   decltype(&bound_block_bf16<0>) bound16 = nullptr;
-  decltype(&dot_block_bf16<0>) dot16 = nullptr;
-  decltype(&v_accum_bf16<0>) vacc16 = nullptr;
+  decltype(&dot_rows_bf16<0>) dot16p = nullptr;
+  decltype(&v_accum_rows_bf16<0>) vacc16p = nullptr;
 #endif
   static Kern pick(int64_t nv) {
     Kern k;
@@ -236,17 +328,36 @@ struct Kern {
       case 16: k = {&dot_block<16>, &bound_block<16>, &v_accum<16>}; break;
       default: k = {&dot_block<0>, &bound_block<0>, &v_accum<0>}; break;
     }
+    switch (nv) {
+      case 1: k.dotp = &dot_rows<1>; k.vaccp = &v_accum_rows<1>; k.bound8 = &bound_block_i8<1>; break;
+      case 2: k.dotp = &dot_rows<2>; k.vaccp = &v_accum_rows<2>; k.bound8 = &bound_block_i8<2>; break;
+      case 4: k.dotp = &dot_rows<4>; k.vaccp = &v_accum_rows<4>; k.bound8 = &bound_block_i8<4>; break;
+      case 8: k.dotp = &dot_rows<8>; k.vaccp = &v_accum_rows<8>; k.bound8 = &bound_block_i8<8>; break;
+      default: k.dotp = &dot_rows<0>; k.vaccp = &v_accum_rows<0>; break;
+    }
 #if TS_BF16_PAIRS
     switch (nv) {
-      case 2: k.bound16 = &bound_block_bf16<1>; k.dot16 = &dot_block_bf16<1>; k.vacc16 = &v_accum_bf16<1>; break;
-      case 4: k.bound16 = &bound_block_bf16<2>; k.dot16 = &dot_block_bf16<2>; k.vacc16 = &v_accum_bf16<2>; break;
-      case 8: k.bound16 = &bound_block_bf16<4>; k.dot16 = &dot_block_bf16<4>; k.vacc16 = &v_accum_bf16<4>; break;
-      case 16: k.bound16 = &bound_block_bf16<8>; k.dot16 = &dot_block_bf16<8>; k.vacc16 = &v_accum_bf16<8>; break;
+      case 2:
+        k.bound16 = &bound_block_bf16<1>;
+        k.dot16p = &dot_rows_bf16<1>; k.vacc16p = &v_accum_rows_bf16<1>;
+        break;
+      case 4:
+        k.bound16 = &bound_block_bf16<2>;
+        k.dot16p = &dot_rows_bf16<2>; k.vacc16p = &v_accum_rows_bf16<2>;
+        break;
+      case 8:
+        k.bound16 = &bound_block_bf16<4>;
+        k.dot16p = &dot_rows_bf16<4>; k.vacc16p = &v_accum_rows_bf16<4>;
+        break;
+      case 16:
+        k.bound16 = &bound_block_bf16<8>;
+        k.dot16p = &dot_rows_bf16<8>; k.vacc16p = &v_accum_rows_bf16<8>;
+        break;
       default:
         if (nv % 2 == 0) {
           k.bound16 = &bound_block_bf16<0>;
-          k.dot16 = &dot_block_bf16<0>;
-          k.vacc16 = &v_accum_bf16<0>;
+          k.dot16p = &dot_rows_bf16<0>;
+          k.vacc16p = &v_accum_rows_bf16<0>;
         }
         break;
     }
@@ -269,33 +380,11 @@ inline bool bf16_pairs_used(int64_t D) {
   return TS_BF16_PAIRS && std::is_same_v<BT, c10::BFloat16> && D % (2 * VS) == 0;
 }
 
-// A block of n <= VS bfloat16 token rows as VS contiguous rows of D: in place when the tokens are consecutive and
-// the rows contiguous, else copied raw into scr (zero rows after n when pad)
-inline const c10::BFloat16* token_block_raw(const c10::BFloat16* base, int64_t stride, const int64_t* tok, int n,
-                                            int64_t D, c10::BFloat16* scr, bool pad) {
-  if (n == VS && stride == D && tok[VS - 1] == tok[0] + VS - 1) {
-    bool run = true;
-    for (int j = 1; j < VS - 1; ++j) run &= tok[j] == tok[0] + j;
-    if (run) return base + tok[0] * stride;
-  }
-  for (int j = 0; j < n; ++j) std::memcpy(scr + j * D, base + tok[j] * stride, D * sizeof(c10::BFloat16));
-  if (pad) std::memset(static_cast<void*>(scr + n * D), 0, (VS - n) * D * sizeof(c10::BFloat16));
-  return scr;
-}
-
-// A block of n <= VS token rows (tokens tok[0..n), row t at base + t * stride) as VS contiguous fp32 rows of Dp:
-// the cache itself when that is already the layout (fp32, Dp == D == stride, consecutive tokens, full block),
-// else a copy in scr (zero rows after n when pad).
+// A block of n <= VS token rows (tokens tok[0..n), row t at base + t * stride) as VS contiguous fp32 rows of Dp,
+// copied into scr (zero rows after n when pad); for rows that are not read in place (fp32 with Dp != D, fp16)
 template <typename T>
 inline const float* token_block(const T* base, int64_t stride, const int64_t* tok, int n, int64_t D, int64_t Dp,
                                 float* scr, bool pad) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (n == VS && Dp == D && stride == D && tok[VS - 1] == tok[0] + VS - 1) {
-      bool run = true;
-      for (int j = 1; j < VS - 1; ++j) run &= tok[j] == tok[0] + j;
-      if (run) return base + tok[0] * stride;
-    }
-  }
   const T* src[VS];
   for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
   rows_to_f32<T>(src, n, D, Dp, scr);
@@ -310,13 +399,26 @@ inline void key_dots(const Kern& kern, const T* base, int64_t stride, const int6
                      int64_t Dp, float* scr, const float* q, int64_t G, float* out, int64_t ld, bool pairs) {
 #if TS_BF16_PAIRS
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (pairs) {
-      const c10::BFloat16* rows = token_block_raw(base, stride, tok, n, D, reinterpret_cast<c10::BFloat16*>(scr), true);
-      kern.dot16(rows, n, q, G, Dp / (2 * VS), out, ld);
+    if (pairs) {  // rows read in place (a lane past n reads row 0 again; it is not stored)
+      if (n <= 0) return;
+      const c10::BFloat16* src[VS];
+      for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
+      for (int j = n; j < VS; ++j) src[j] = src[0];
+      kern.dot16p(src, n, q, G, Dp / (2 * VS), out, ld);
       return;
     }
   }
 #endif
+  if constexpr (std::is_same_v<T, float>) {
+    if (Dp == D) {  // rows read in place (a lane past n reads row 0 again; it is not stored)
+      if (n <= 0) return;
+      const float* src[VS];
+      for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
+      for (int j = n; j < VS; ++j) src[j] = src[0];
+      kern.dotp(src, n, q, G, Dp / VS, out, ld);
+      return;
+    }
+  }
   const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, true);
   kern.dot(rows, n, q, G, Dp / VS, out, ld);
 }
@@ -327,13 +429,22 @@ inline void value_accum(const Kern& kern, const T* base, int64_t stride, const i
                         int64_t Dp, float* scr, float* acc, const float* p, int64_t ldp, int64_t G, bool pairs) {
 #if TS_BF16_PAIRS
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (pairs) {
-      const c10::BFloat16* rows = token_block_raw(base, stride, tok, n, D, reinterpret_cast<c10::BFloat16*>(scr), false);
-      kern.vacc16(acc, p, ldp, G, Dp / (2 * VS), rows, n);
+    if (pairs) {  // rows read in place
+      const c10::BFloat16* src[VS];
+      for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
+      kern.vacc16p(acc, p, ldp, G, Dp / (2 * VS), src, n);
       return;
     }
   }
 #endif
+  if constexpr (std::is_same_v<T, float>) {
+    if (Dp == D) {  // rows read in place
+      const float* src[VS];
+      for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
+      kern.vaccp(acc, p, ldp, G, Dp / VS, src, n);
+      return;
+    }
+  }
   const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, false);
   kern.vacc(acc, p, ldp, G, Dp / VS, rows, n);
 }

@@ -38,8 +38,15 @@ using Vec = Vectorized<float>;
 constexpr int VS = Vec::size();
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float POS_INF = std::numeric_limits<float>::infinity();
-// prefetch distance, in blocks of VS tokens
-constexpr int PF_BLOCKS = 6;
+// prefetch distance, in blocks of VS tokens, and the cache level prefetched rows go to (3: L1, 2: L2)
+#ifndef TS_PF_BLOCKS
+#define TS_PF_BLOCKS 3
+#endif
+#ifndef TS_PF_LOCALITY
+#define TS_PF_LOCALITY 2
+#endif
+constexpr int PF_BLOCKS = TS_PF_BLOCKS;
+constexpr int PF_LOCALITY = TS_PF_LOCALITY;
 
 // ------------------------------------------------------------------------------------------------------------
 // small vector helpers
@@ -99,6 +106,19 @@ inline Vec reduce_rows(const Vec* a) {
     out[i] = s;
   }
   return Vec::loadu(out);
+#endif
+}
+
+// VS int8 codes at p as fp32 lanes (exact)
+inline Vec load_i8(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  alignas(64) float t[VS];
+  for (int i = 0; i < VS; ++i) t[i] = static_cast<float>(p[i]);
+  return Vec::loadu(t);
 #endif
 }
 
@@ -188,6 +208,8 @@ inline void prefetch_row(const void* p, int64_t bytes, int locality) {
   for (int64_t off = 0; off < bytes; off += 64) {
     if (locality >= 3)
       __builtin_prefetch(c + off, 0, 3);
+    else if (locality == 2)
+      __builtin_prefetch(c + off, 0, 2);
     else
       __builtin_prefetch(c + off, 0, 1);
   }

@@ -110,6 +110,15 @@ void score_pages(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, int64_t p0, 
 #endif
       continue;
     }
+    if constexpr (std::is_same_v<BT, int8_t>) {
+      if (kern.bound8 != nullptr && Dp == D) {
+        // ---- int8 codes read in place and decoded in registers, every head of the group at once
+        float* rb = scratch_f<9>(G * VS * (VS + 1));
+        kern.bound8(M + p * D, m + p * D, kab + p, n, qp, qn, G, rb + G * VS, rb);
+        store_block(p, n, [&](int64_t g) { return Vec::loadu(rb + g * VS); });
+        continue;
+      }
+    }
     // ---- the block's bounds as contiguous fp32 rows (in place for fp32 bounds and full blocks)
     const float* Mb;
     const float* mb;
@@ -161,7 +170,7 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
     for (int64_t t0 = 0; t0 < T_; t0 += VS) {
       const int n = static_cast<int>(std::min<int64_t>(VS, T_ - t0));
       const int64_t tp = t0 + PF_BLOCKS * VS;
-      for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(kb + tok[t] * ksl, row_bytes, 3);
+      for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(kb + tok[t] * ksl, row_bytes, PF_LOCALITY);
       for (int j = 0; j < n; ++j) prefetch_row(vb + tok[t0 + j] * vsl, row_bytes, 1);
       key_dots<T>(kern, kb, ksl, tok + t0, n, D, Dp, scr, qs, G, lg + t0, ldl, pairs);
     }
@@ -192,7 +201,7 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
   for (int64_t t0 = 0; t0 < T_; t0 += VS) {
     const int n = static_cast<int>(std::min<int64_t>(VS, T_ - t0));
     const int64_t tp = t0 + PF_BLOCKS * VS;
-    for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(vb + tok[t] * vsl, row_bytes, 3);
+    for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(vb + tok[t] * vsl, row_bytes, PF_LOCALITY);
     value_accum<T>(kern, vb, vsl, tok + t0, n, D, Dp, scr, acc, lg + t0, ldl, G, pairs);
   }
   for (int64_t g = 0; g < G; ++g) std::memcpy(part + g * (Dp + 2) + 2, acc + g * Dp, Dp * sizeof(float));
@@ -586,7 +595,7 @@ struct Pipeline {
       const int n = static_cast<int>(std::min<int64_t>(VS, ns - s1));
       const int64_t sp = s1 + PF_BLOCKS * VS;
       for (int64_t sl = sp; sl < std::min(ns, sp + VS); ++sl)
-        if (tok[sl] >= 0) prefetch_row(kb + tok[sl] * c.ksl, row_bytes, 3);
+        if (tok[sl] >= 0) prefetch_row(kb + tok[sl] * c.ksl, row_bytes, PF_LOCALITY);
       int nvld = 0;
       while (nvld < n && tok[s1 + nvld] >= 0) ++nvld;  // invalid slots only at the end (newest page)
       if (nvld == n) {
