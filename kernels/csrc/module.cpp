@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "make the native kernels the CPU kernels of tinyserve::sparse_decode and tinyserve::cache_write");
   m.def("set_native_cache_write", &tinyserve_native::set_native_cache_write,
         "route tinyserve::cache_write on CPU to its native kernel (True) or to its Python kernel (False)");
+  m.def("register_autograd_passthrough", &tinyserve_native::register_autograd_passthrough,
+        "C++ AutogradCPU kernels for the listed tinyserve ops (replacing custom_op's Python ones on CPU)");
   m.def("scheduling", &tinyserve_native::scheduling_name,
         "which threads run the kernels' items: omp, pool, or auto and its current choice");
   m.def("paged_sparse_decode", &tinyserve_native::paged_sparse_decode, "sparse decode through page tables");
