@@ -3,6 +3,9 @@
 // between.
 // Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
@@ -61,27 +64,38 @@ void cache_write_cpu(const at::Tensor& k_cache, const at::Tensor& kmax, const at
                           std::vector<int64_t>(spec.begin(), spec.end()));
 }
 
-// The AutogradCPU kernel of the ops registered here (boxed, one for all): the ops have no backward, so this
-// refuses inputs that require grad while grad mode is on (an error naming the op instead of a result without a
-// gradient), bumps the version counters of the arguments the schema says it writes (what ADInplaceOrView would
-// do), and hands the call to the keys below ADInplaceOrView: CPU for real tensors, Python for fake ones under
-// torch.compile's tracing. It replaces torch.library.custom_op's Python autograd and ADInplaceOrView kernels on
-// CPU, which cost about 30 us per call.
+// The AutogradCPU kernel of the ops registered here (boxed, one for all). It replaces torch.library.custom_op's
+// Python autograd and ADInplaceOrView kernels on CPU, which cost about 30 us per call, and does what they did:
+// bumps the version counters of the arguments the schema says it writes, hands the call to the keys below
+// ADInplaceOrView (CPU for real tensors, Python for fake ones under torch.compile's tracing), and when an input
+// requires grad under grad mode gives the outputs a grad_fn that raises on backward (the ops have no derivative).
 void autograd_passthrough(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t n = args.size();
   const size_t first = stack->size() - n;
+  const bool grad = at::GradMode::is_enabled();
+  bool needs_history = false;
+  std::vector<at::Tensor> inputs;
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[first + i];
     if (!v.isTensor()) continue;
     const at::Tensor& t = v.toTensor();
     if (!t.defined()) continue;
-    TORCH_CHECK(!(at::GradMode::is_enabled() && t.requires_grad()), op.schema().name(),
-                ": argument '", args[i].name(), "' requires grad, and the op has no backward; call it under "
-                "torch.no_grad() (tinyserve rewrites inference decode only)");
+    if (grad && t.requires_grad()) {
+      needs_history = true;
+      inputs.push_back(t);
+    }
     if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) torch::autograd::impl::bump_version(t);
   }
   op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+  if (!needs_history) return;
+  auto node = c10::make_intrusive<torch::autograd::NotImplemented>(op.schema().name());
+  node->set_next_edges(torch::autograd::collect_next_edges(at::ArrayRef<at::Tensor>(inputs)));
+  const size_t n_out = op.schema().returns().size();
+  for (size_t i = stack->size() - n_out; i < stack->size(); ++i) {
+    if ((*stack)[i].isTensor() && (*stack)[i].toTensor().is_floating_point())
+      torch::autograd::set_history((*stack)[i].toTensor(), node);
+  }
 }
 
 }  // namespace

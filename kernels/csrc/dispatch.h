@@ -16,7 +16,7 @@ namespace tinyserve_native {
 void register_cpu_kernel(pybind11::object sparse_decode_kernel, pybind11::object cache_write_kernel);
 void set_native_cache_write(bool on);
 // give the listed tinyserve ops (names without the namespace) a C++ AutogradCPU kernel that passes the call through
-// (no Python per call; inputs that require grad under grad mode are refused by name)
+// (no Python per call; with inputs that require grad under grad mode the outputs get a grad_fn that raises)
 void register_autograd_passthrough(const std::vector<std::string>& ops);
 
 }  // namespace tinyserve_native
