@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "gemv.h"
+#include "simd.h"
 
 namespace tinyserve_native {
 namespace {
@@ -30,16 +31,6 @@ constexpr int64_t FVS = FVec::size();
 // region costs microseconds, and on a busy machine a descheduled worker stalls the call for a time slice)
 constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
 
-template <typename W>
-inline FVec load_w(const W* p) {
-  if constexpr (std::is_same_v<W, float>) {
-    return FVec::loadu(p);
-  } else {
-    FVec out;
-    at::vec::load_to_float<W>(p, out);
-    return out;
-  }
-}
 
 // Output rows [n0, n1) of y (fp32, [M, N]) in groups of R weight rows: each weight vector is loaded once and
 // meets all M activation rows (M * R accumulators live in registers).
@@ -57,7 +48,7 @@ void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t 
       FVec xv[M];
       for (int m = 0; m < M; ++m) xv[m] = FVec::loadu(x + m * K + k);
       for (int r = 0; r < R; ++r) {
-        const FVec wv = load_w(w + (n + r) * K + k);
+        const FVec wv = loadf(w + (n + r) * K + k);
         for (int m = 0; m < M; ++m) acc[r][m] = at::vec::fmadd(wv, xv[m], acc[r][m]);
       }
     }
