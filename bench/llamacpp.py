@@ -240,13 +240,30 @@ class LlamaCppProvider(_Base):
 
     way = "llama-cpp-python"
 
-    def __init__(self, config: str, gguf_path: str, threads: int, prompt: Callable[[int], List[int]]):
+    def __init__(self, config: str, gguf_path: str, threads: int, prompt: Callable[[int], List[int]],
+                 state_dir: Optional[str] = None):
         super().__init__(config, gguf_path, threads)
         self.prompt = prompt
+        self.state_dir = state_dir
         self.llm = None
+        self.fill_source = "eval"
 
     def fill_desc(self, context: int) -> str:
-        return f"llama.cpp eval of {context} prompt tokens (batches of {N_BATCH})"
+        how = f"llama.cpp eval of {context} prompt tokens (batches of {N_BATCH})"
+        if self.state_dir:
+            how += f", saved to and reloaded from {self.state_dir} (llama_state_save_file)"
+        return how
+
+    def state_path(self, context: int, n_ctx: int, ids: Sequence[int]) -> Optional[str]:
+        """Where the filled state of this GGUF, KV type, slot count and prompt lives (``None``: no state dir)."""
+        if not self.state_dir:
+            return None
+        import hashlib
+
+        digest = hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
+        name = os.path.basename(self.gguf_path).replace(".gguf", "")
+        return os.path.join(self.state_dir,
+                            f"{name}-{self.weights}-{self.kv_type}-c{context}-n{n_ctx}-{digest}.state")
 
     def prepare(self, context: int, n_pos: int, warmup: int) -> None:
         """Load the model with a context of ``context + n_pos`` slots, fill ``context`` tokens, warm up."""
@@ -261,10 +278,47 @@ class LlamaCppProvider(_Base):
         ids = list(self.prompt(context))
         if len(ids) != context:
             raise ValueError(f"prompt: {len(ids)} tokens for a context of {context}")
+        n_ctx = context + n_pos + 1
+        path = self.state_path(context, n_ctx, ids)
         t0 = time.perf_counter()
-        self.llm.eval(ids)
+        if path and os.path.exists(path) and self._load(path, ids):
+            self.fill_source = "saved state"
+        else:
+            self.llm.eval(ids)
+            self.fill_source = "eval"
+            if path:
+                self._save(path, ids)
         self.fill_s = time.perf_counter() - t0
         self._steps(warmup)
+
+    def _save(self, path: str, ids: Sequence[int]) -> None:
+        """Write the filled context (KV cache and token list) to ``path``, atomically."""
+        import llama_cpp
+
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        toks = (llama_cpp.llama_token * len(ids))(*ids)
+        tmp = path + ".tmp"
+        if not llama_cpp.llama_state_save_file(self.llm._ctx.ctx, tmp.encode(), toks, len(ids)):
+            raise RuntimeError(f"llama_state_save_file failed for {tmp}")
+        os.replace(tmp, path)
+
+    def _load(self, path: str, ids: Sequence[int]) -> bool:
+        """Restore a context saved by :meth:`_save`; ``False`` (and the file removed) when it does not hold
+        exactly ``ids``."""
+        import numpy as np
+        import llama_cpp
+
+        cap = len(ids)
+        toks = (llama_cpp.llama_token * cap)()
+        n = ctypes.c_size_t(0)
+        ok = llama_cpp.llama_state_load_file(self.llm._ctx.ctx, path.encode(), toks, cap, ctypes.byref(n))
+        if not ok or n.value != cap or list(toks) != list(ids):
+            os.remove(path)
+            self.llm.reset()
+            return False
+        self.llm.input_ids[:cap] = np.asarray(ids, dtype=self.llm.input_ids.dtype)
+        self.llm.n_tokens = cap
+        return True
 
     def _steps(self, n: int) -> List[float]:
         self.llm.n_tokens = self.context  # roll back: the next eval drops every cached position from here on
@@ -328,6 +382,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--llamacpp-bench", default=None, metavar="PATH",
                    help="use this llama-bench binary (and llama-quantize next to it) instead of llama-cpp-python")
     g.add_argument("--llamacpp-dir", default="results/.gguf", help="where the converted GGUF files go")
+    g.add_argument("--llamacpp-state", default="results/.llamacpp_state", metavar="DIR",
+                   help="where llama-cpp-python's filled contexts are saved and reloaded from (a 32K fill takes "
+                        "minutes on 2 cores); 'none' fills by eval every time")
 
 
 def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
@@ -355,7 +412,9 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
     log(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__}, {threads} threads, flash attention, "
         f"configs {', '.join(configs)}")
     paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], None, threads, log) for c in configs}
-    return [LlamaCppProvider(c, paths[c], threads, prompt) for c in configs]
+    state = getattr(a, "llamacpp_state", None)
+    state_dir = None if state in (None, "", "none") else state
+    return [LlamaCppProvider(c, paths[c], threads, prompt, state_dir) for c in configs]
 
 
 # ------------------------------------------------------------------------------------------------ tables

@@ -159,3 +159,19 @@ def test_markdown_tables_ratios_within_a_run():
     assert "| tinyserve (int4 weights, float32 activations) | llama.cpp F32/F32 | 3.20x | 3.85x |" in lines
     ratio_rows = [x for x in lines if x.startswith("| tinyserve (") and "| llama.cpp" in x]
     assert len(ratio_rows) == 2  # no cross-run pair
+
+
+def test_llamacpp_saved_fill_is_keyed_by_everything_the_cache_holds():
+    # a saved llama.cpp context is reused only for the same GGUF, KV type, context, slot count and prompt
+    from tinyserve_compile.smollm2 import smollm2_gguf_path
+
+    src = str(smollm2_gguf_path())
+    stem = os.path.basename(src).replace(".gguf", "")
+    p = lc.LlamaCppProvider("Q4_1/F16", src, 2, lambda n: list(range(n)), "/s")
+    base = p.state_path(2048, 2066, list(range(2048)))
+    assert base.startswith(f"/s/{stem}-Q4_1-f16-c2048-n2066-")
+    assert p.state_path(2048, 2067, list(range(2048))) != base
+    assert p.state_path(2048, 2066, list(range(1, 2049))) != base
+    assert lc.LlamaCppProvider("F16/F16", src, 2, None, "/s").state_path(2048, 2066, list(range(2048))) != base
+    assert lc.LlamaCppProvider("Q4_1/F16", src, 2, None).state_path(2048, 2066, [1]) is None
+    assert "saved to and reloaded" in p.fill_desc(2048)
