@@ -102,6 +102,91 @@ void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::
   for (int m = 0; m < M; ++m) std::memcpy(y + m * N + n0, acc[m], sizeof(float) * BLOCK_N);
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define TS_INT4_BF16_DOT 1
+// The same block for bf16 activations with AVX512-BF16 dot products: two input columns k, k+1 at once. Each code
+// becomes the bf16 number 128 + q (exponent byte 0x43 over the code: exact), and vdpbf16ps adds
+// x[k] (128 + q[n, k]) + x[k+1] (128 + q[n, k+1]) in fp32 (products of bf16 numbers are exact), so per group
+// sum_k q x = dot - 128 sum_k x, and y[n] += scale * dot + (zero - 136 scale) * sum_k x.
+template <int M>
+void int4_block_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz, float* y,
+                     int64_t K, int64_t N, int64_t gs, int64_t b) {
+  const int64_t G = K / gs, n0 = b * BLOCK_N;
+  const uint8_t* qb = q + b * K * 32;  // [K, 32] bytes of this block
+  // byte permutation: 32-bit lane r of output j takes the code of row 16 j + r (of a nibble half) at column k (byte 4r) and at k + 1
+  // (byte 4r + 2); the odd bytes stay 0x43, the exponent of 128
+  alignas(64) uint8_t idx_bytes[2][64];
+  for (int j = 0; j < 2; ++j)
+    for (int r = 0; r < 16; ++r) {
+      const int row = 16 * j + r;  // rows 0..15 or 16..31 of a nibble half
+      idx_bytes[j][4 * r] = uint8_t(row), idx_bytes[j][4 * r + 1] = 0;
+      idx_bytes[j][4 * r + 2] = uint8_t(32 + row), idx_bytes[j][4 * r + 3] = 0;
+    }
+  __m512i idx[2];
+  for (int j = 0; j < 2; ++j) idx[j] = _mm512_load_si512(idx_bytes[j]);
+  const __mmask64 even = 0x5555555555555555ull;
+  const __m512i exp128 = _mm512_set1_epi16(0x4300);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  float acc[M][BLOCK_N];
+  std::memset(acc, 0, sizeof(acc));
+  for (int64_t g = 0; g < G; ++g) {
+    // ---- stage 1: dot products of 128 + q with x over the group, two columns per step
+    __m512 aq[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+      const __m512i bytes = _mm512_loadu_si512(qb + k * 32);  // columns k (bytes 0..31) and k + 1 (32..63)
+      const __m512i lo = _mm512_and_si512(bytes, low4);                         // rows 0..31
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);  // rows 32..63
+      __m512bh w[4];
+      w[0] = (__m512bh)_mm512_mask_permutexvar_epi8(exp128, even, idx[0], lo);
+      w[1] = (__m512bh)_mm512_mask_permutexvar_epi8(exp128, even, idx[1], lo);
+      w[2] = (__m512bh)_mm512_mask_permutexvar_epi8(exp128, even, idx[0], hi);
+      w[3] = (__m512bh)_mm512_mask_permutexvar_epi8(exp128, even, idx[1], hi);
+      for (int m = 0; m < M; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, x + m * K + k, sizeof(pair));  // x[m, k], x[m, k + 1]
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(pair));
+        for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_dpbf16_ps(aq[m][i], w[i], xb);
+      }
+    }
+    // ---- stage 2: scale and zero of the group's 64 rows (bf16 pairs: scale low half, zero high half)
+    const uint32_t* pz = reinterpret_cast<const uint32_t*>(sz + (g * N + n0) * 2);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(pz + 16 * i);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
+      const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, z);  // zero - 136 scale
+      for (int m = 0; m < M; ++m) {
+        __m512 a = _mm512_loadu_ps(acc[m] + 16 * i);
+        a = _mm512_fmadd_ps(s, aq[m][i], a);
+        a = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * G + g]), a);
+        _mm512_storeu_ps(acc[m] + 16 * i, a);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) std::memcpy(y + m * N + n0, acc[m], sizeof(float) * BLOCK_N);
+}
+
+void int4_blocks_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz, float* y,
+                      int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
+  const int64_t G = K / gs;
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const c10::BFloat16* xm = x + m0 * K;
+      const float* sm = xsum + m0 * G;
+      float* ym = y + m0 * N;
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: int4_block_bf16<1>(xm, sm, q, sz, ym, K, N, gs, b); break;
+        case 2: int4_block_bf16<2>(xm, sm, q, sz, ym, K, N, gs, b); break;
+        case 3: int4_block_bf16<3>(xm, sm, q, sz, ym, K, N, gs, b); break;
+        default: int4_block_bf16<4>(xm, sm, q, sz, ym, K, N, gs, b); break;
+      }
+    }
+  }
+}
+#endif
+
 // activation rows [m0, m0 + Mc) of every block in [b0, b1): at most 4 rows at once keep the sums in registers
 void int4_blocks(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz, float* y, int64_t M,
                  int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
@@ -164,6 +249,14 @@ at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const 
   float* yp = y.data_ptr<float>();
   const int64_t nb = N / BLOCK_N;
   const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
+#if defined(TS_INT4_BF16_DOT)
+  if (x.scalar_type() == at::kBFloat16 && gs % 2 == 0) {  // bf16 activations: AVX512-BF16 dot products
+    const at::Tensor xb = x.reshape({M, K}).contiguous();  // [M, K] bf16
+    const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, nb, grain,
+                     [&](int64_t b0, int64_t b1) { int4_blocks_bf16(xbp, sp, qp, zp, yp, M, K, N, gs, b0, b1); });
+  } else
+#endif
   at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) { int4_blocks(xp, sp, qp, zp, yp, M, K, N, gs, b0, b1); });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
