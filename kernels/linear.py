@@ -97,7 +97,7 @@ def linear_int4(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tens
     Parameters
     ----------
     x : torch.Tensor
-        ``[..., K]`` activations, bf16 or fp32.
+        ``[..., K]`` activations of ``scale_and_zero``'s dtype (bf16 for the GEMV).
     qdata : torch.Tensor
         ``[N, K / 2]`` uint8, the weight as ``aten._convert_weight_to_int4pack_for_cpu`` packs it.
     scale_and_zero : torch.Tensor

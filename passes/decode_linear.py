@@ -11,8 +11,8 @@ other devices or dtypes) stays ATen's.
 A linear whose weight is torchao's ``Int4OpaqueTensor`` (weight-only int4, ``PrototypeInt4WeightOnlyConfig``)
 becomes ``tinyserve::linear_int4``, the native int4 GEMV over the subclass's own packed data (``qdata`` and
 ``scale_and_zero``, read with ``getattr`` in the graph), under the same row, device and grad conditions, when
-ATen packs int4 weights in the layout the GEMV reads, the output features are a multiple of 64 and the
-scales are bf16. The counts go to ``counters``
+ATen packs int4 weights in the layout the GEMV reads, the output features are a multiple of 64, and the
+activations and scales are bf16. The counts go to ``counters``
 (``linear_rewritten``, ``linear_int4_rewritten``, ``linear_kept:<reason>``) and to ``gm.meta["tinyserve_linears"]`` for
 :func:`~tinyserve_compile.explain`.
 """
@@ -70,7 +70,7 @@ def _why_not_int4(x: fx.Node, fx_: torch.Tensor, fw: torch.Tensor, b) -> "str | 
         return "int4 with activation quantization or pre-scale"
     if len(fw.block_size) != 2 or fw.block_size[0] != 1 or fw.block_size[1] % 2:
         return "int4 block size"
-    if fx_.dtype not in GEMV_DTYPES or fw.scale_and_zero.dtype != torch.bfloat16:
+    if fx_.dtype != torch.bfloat16 or fw.scale_and_zero.dtype != torch.bfloat16:
         return "int4 dtype"
     N, K = fw.shape
     if N % INT4_BLOCK_N or tuple(fw.qdata.shape) != (N, K // 2) or fw.qdata.dtype != torch.uint8:

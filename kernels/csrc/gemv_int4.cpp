@@ -36,7 +36,8 @@ constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
 
 inline float bf16_at(const c10::BFloat16* p) { return static_cast<float>(*p); }
 
-// One block of 64 output rows for activation rows [0, M) of x (fp32 [M, K]); xsum [M, G] holds each group's
+// One block of 64 output rows for activation rows [0, M) of x (bf16 widened to fp32 [M, K]), on CPUs without
+// AVX512-BF16 (or VBMI); xsum [M, G] holds each group's
 // sum of x; y (fp32 [M, N]) receives rows b*64 .. b*64+63.
 template <int M>
 void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz, float* y, int64_t K,
@@ -222,7 +223,7 @@ at::Tensor int4_aten(const at::Tensor& x, const at::Tensor& qdata, const at::Ten
 
 bool int4_gemv_applies(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& sz, int64_t gs, int64_t N) {
   if (!x.device().is_cpu() || !qdata.device().is_cpu() || !sz.device().is_cpu() || x.dim() < 1) return false;
-  if (!(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat)) return false;
+  if (x.scalar_type() != at::kBFloat16) return false;  // ATen's kernel takes activations of the scales' dtype
   if (qdata.scalar_type() != at::kByte || qdata.dim() != 2 || !qdata.is_contiguous()) return false;
   if (sz.scalar_type() != at::kBFloat16 || sz.dim() != 3 || sz.size(2) != 2 || !sz.is_contiguous()) return false;
   const int64_t K = x.size(-1);
@@ -250,7 +251,7 @@ at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const 
   const int64_t nb = N / BLOCK_N;
   const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
 #if defined(TS_INT4_BF16_DOT)
-  if (x.scalar_type() == at::kBFloat16 && gs % 2 == 0) {  // bf16 activations: AVX512-BF16 dot products
+  if (gs % 2 == 0) {  // AVX512-BF16 dot products over column pairs
     const at::Tensor xb = x.reshape({M, K}).contiguous();  // [M, K] bf16
     const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
     at::parallel_for(0, nb, grain,
