@@ -1,5 +1,5 @@
 // A GEMV for decode-shaped linears with int4 weights in ATen's CPU int4pack layout (torchao's Int4OpaqueTensor):
-// y[M, N] = x[M, K] @ W[N, K]^T (+ b) for M <= 8 rows, fp32 accumulation. It is the CPU kernel of
+// y[M, N] = x[M, K] @ W[N, K]^T (+ b) for M <= 8 bf16 rows, fp32 accumulation, bf16 output. It is the CPU kernel of
 // tinyserve::linear_int4 once registered (register_linear_kernel in gemv.cpp).
 // Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
 //
@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -36,11 +37,21 @@ constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
 
 inline float bf16_at(const c10::BFloat16* p) { return static_cast<float>(*p); }
 
+// the 64 sums of each activation row plus the bias, rounded once to bf16, into y (bf16 [M, N]) at rows n0..n0+63
+template <int M>
+inline void store_rows(const float (&acc)[M][BLOCK_N], const c10::BFloat16* bias, c10::BFloat16* y, int64_t N,
+                       int64_t n0) {
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < BLOCK_N; ++r)
+      y[m * N + n0 + r] = c10::BFloat16(acc[m][r] + (bias ? static_cast<float>(bias[n0 + r]) : 0.f));
+}
+
 // One block of 64 output rows for activation rows [0, M) of x (bf16 widened to fp32 [M, K]), on CPUs without
 // AVX512-BF16 (or VBMI); xsum [M, G] holds each group's
-// sum of x; y (fp32 [M, N]) receives rows b*64 .. b*64+63.
+// sum of x; y (bf16 [M, N]) receives rows b*64 .. b*64+63 plus the bias (bf16 [N] or null).
 template <int M>
-void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz, float* y, int64_t K,
+void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
+    const c10::BFloat16* bias, c10::BFloat16* y, int64_t K,
                 int64_t N, int64_t gs, int64_t b) {
   const int64_t G = K / gs, n0 = b * BLOCK_N;
   const uint8_t* qb = q + b * K * 32;  // [K, 32] bytes of this block
@@ -100,7 +111,7 @@ void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::
     }
 #endif
   }
-  for (int m = 0; m < M; ++m) std::memcpy(y + m * N + n0, acc[m], sizeof(float) * BLOCK_N);
+  store_rows<M>(acc, bias, y, N, n0);
 }
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -110,8 +121,8 @@ void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::
 // x[k] (128 + q[n, k]) + x[k+1] (128 + q[n, k+1]) in fp32 (products of bf16 numbers are exact), so per group
 // sum_k q x = dot - 128 sum_k x, and y[n] += scale * dot + (zero - 136 scale) * sum_k x.
 template <int M>
-void int4_block_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz, float* y,
-                     int64_t K, int64_t N, int64_t gs, int64_t b) {
+void int4_block_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
+    const c10::BFloat16* bias, c10::BFloat16* y, int64_t K, int64_t N, int64_t gs, int64_t b) {
   const int64_t G = K / gs, n0 = b * BLOCK_N;
   const uint8_t* qb = q + b * K * 32;  // [K, 32] bytes of this block
   // byte permutation: 32-bit lane r of output j takes the code of row 16 j + r (of a nibble half) at column k (byte 4r) and at k + 1
@@ -166,22 +177,22 @@ void int4_block_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q
       }
     }
   }
-  for (int m = 0; m < M; ++m) std::memcpy(y + m * N + n0, acc[m], sizeof(float) * BLOCK_N);
+  store_rows<M>(acc, bias, y, N, n0);
 }
 
-void int4_blocks_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz, float* y,
-                      int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
+void int4_blocks_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
+    const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
   const int64_t G = K / gs;
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const c10::BFloat16* xm = x + m0 * K;
       const float* sm = xsum + m0 * G;
-      float* ym = y + m0 * N;
+      c10::BFloat16* ym = y + m0 * N;
       switch (std::min<int64_t>(4, M - m0)) {
-        case 1: int4_block_bf16<1>(xm, sm, q, sz, ym, K, N, gs, b); break;
-        case 2: int4_block_bf16<2>(xm, sm, q, sz, ym, K, N, gs, b); break;
-        case 3: int4_block_bf16<3>(xm, sm, q, sz, ym, K, N, gs, b); break;
-        default: int4_block_bf16<4>(xm, sm, q, sz, ym, K, N, gs, b); break;
+        case 1: int4_block_bf16<1>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        case 2: int4_block_bf16<2>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        case 3: int4_block_bf16<3>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        default: int4_block_bf16<4>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
       }
     }
   }
@@ -189,19 +200,20 @@ void int4_blocks_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* 
 #endif
 
 // activation rows [m0, m0 + Mc) of every block in [b0, b1): at most 4 rows at once keep the sums in registers
-void int4_blocks(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz, float* y, int64_t M,
+void int4_blocks(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
+    const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
                  int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
   const int64_t G = K / gs;
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const float* xm = x + m0 * K;
       const float* sm = xsum + m0 * G;
-      float* ym = y + m0 * N;
+      c10::BFloat16* ym = y + m0 * N;
       switch (std::min<int64_t>(4, M - m0)) {
-        case 1: int4_block<1>(xm, sm, q, sz, ym, K, N, gs, b); break;
-        case 2: int4_block<2>(xm, sm, q, sz, ym, K, N, gs, b); break;
-        case 3: int4_block<3>(xm, sm, q, sz, ym, K, N, gs, b); break;
-        default: int4_block<4>(xm, sm, q, sz, ym, K, N, gs, b); break;
+        case 1: int4_block<1>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        case 2: int4_block<2>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        case 3: int4_block<3>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        default: int4_block<4>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
       }
     }
   }
@@ -237,32 +249,46 @@ at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const 
                             int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1, "linear_int4: x must have at least one dimension");
   const int64_t N = out_features, gs = group_size;
-  if (!int4_gemv_applies(x, qdata, scale_and_zero, gs, N)) return int4_aten(x, qdata, scale_and_zero, gs, N, bias);
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool bias_ok = !has_bias || (bias->device().is_cpu() && bias->scalar_type() == at::kBFloat16 &&
+                                     bias->dim() == 1 && bias->size(0) == N);
+  if (!bias_ok || !int4_gemv_applies(x, qdata, scale_and_zero, gs, N))
+    return int4_aten(x, qdata, scale_and_zero, gs, N, bias);
   const int64_t K = x.size(-1), M = x.numel() / K, G = K / gs;
-  // x: [M, K] fp32 (bf16 activations are widened once; they are a few KB); xsum: [M, G] per-group sums
-  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  const at::Tensor xsum = xf.view({M, G, gs}).sum(-1).contiguous();
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));  // [M, N] fp32
-  const float* xp = xf.data_ptr<float>();
-  const float* sp = xsum.data_ptr<float>();
+  // ---- stage 1: x [M, K] bf16 and its per-group sums xsum [M, G] fp32 (a few KB, on the calling thread)
+  const at::Tensor xb = x.reshape({M, K}).contiguous();
+  const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
+  std::vector<float> xsum(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) s += static_cast<float>(xbp[m * K + k]);
+      xsum[m * G + g] = s;
+    }
+  at::Tensor bc;
+  if (has_bias) bc = bias->contiguous();
+  const c10::BFloat16* bp = has_bias ? bc.data_ptr<c10::BFloat16>() : nullptr;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());  // [..., N] bf16
+  const float* sp = xsum.data();
   const uint8_t* qp = qdata.data_ptr<uint8_t>();
   const c10::BFloat16* zp = scale_and_zero.data_ptr<c10::BFloat16>();
-  float* yp = y.data_ptr<float>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  // ---- stage 2: blocks of 64 output rows, one contiguous range per thread
   const int64_t nb = N / BLOCK_N;
   const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
 #if defined(TS_INT4_BF16_DOT)
   if (gs % 2 == 0) {  // AVX512-BF16 dot products over column pairs
-    const at::Tensor xb = x.reshape({M, K}).contiguous();  // [M, K] bf16
-    const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
     at::parallel_for(0, nb, grain,
-                     [&](int64_t b0, int64_t b1) { int4_blocks_bf16(xbp, sp, qp, zp, yp, M, K, N, gs, b0, b1); });
-  } else
+                     [&](int64_t b0, int64_t b1) { int4_blocks_bf16(xbp, sp, qp, zp, bp, yp, M, K, N, gs, b0, b1); });
+    return y;
+  }
 #endif
-  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) { int4_blocks(xp, sp, qp, zp, yp, M, K, N, gs, b0, b1); });
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.to(x.scalar_type()).view(shape);  // [..., N] in x's dtype
+  const at::Tensor xf = xb.to(at::kFloat);  // [M, K] fp32 for the widening path
+  const float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) { int4_blocks(xp, sp, qp, zp, bp, yp, M, K, N, gs, b0, b1); });
+  return y;
 }
 
 }  // namespace tinyserve_native
