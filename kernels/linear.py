@@ -5,6 +5,10 @@ None, result ``[..., N]``. Its CPU kernel is the native GEMV of ``csrc/gemv.cpp`
 :func:`load_native_linear` has built, checked and registered it: fp32 or bf16 weights (``x`` of the
 weight's dtype), fp32 accumulation, each weight row streamed once. Every other case (more rows, other dtypes,
 other devices, the native module unavailable) runs ``F.linear``.
+
+``linear_int4(x, qdata, scale_and_zero, group_size, out_features, bias)`` is the linear of torchao's
+``Int4OpaqueTensor`` (``_weight_int4pack_mm_for_cpu``); its CPU kernel is the int4 GEMV of ``csrc/gemv_int4.cpp``
+(bf16 activations, at most 8 rows, output features a multiple of 64), registered with ``tinyserve::linear``'s.
 """
 from __future__ import annotations
 
