@@ -13,11 +13,13 @@ becomes ``tinyserve::linear_int4``, the native int4 GEMV over the subclass's own
 ``scale_and_zero``, read with ``getattr`` in the graph), under the same row, device and grad conditions, when
 ATen packs int4 weights in the layout the GEMV reads, the output features are a multiple of 64, and the
 activations and scales are bf16. The counts go to ``counters``
-(``linear_rewritten``, ``linear_int4_rewritten``, ``linear_kept:<reason>``) and to ``gm.meta["tinyserve_linears"]`` for
+(``linear_rewritten``, ``linear_int4_rewritten``, ``linear_kept:<reason>``) and to
+``gm.meta["tinyserve_linears"]`` for
 :func:`~tinyserve_compile.explain`.
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import torch
@@ -25,8 +27,6 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from tinyserve_compile.explain import counters
-import sys
-
 from tinyserve_compile.kernels.linear import (GEMV_MAX_ROWS, GEMV_MAX_ROWS_BF16, INT4_BLOCK_N, int4_layout_problem,
                                                load_native_linear, native_linear_reason)
 
@@ -64,7 +64,7 @@ def _rows(fx_: torch.Tensor):
     return rows
 
 
-def _why_not_int4(x: fx.Node, fx_: torch.Tensor, fw: torch.Tensor, b) -> "str | None":
+def _why_not_int4(fx_: torch.Tensor, fw: torch.Tensor, b) -> "str | None":
     """None when a linear with an ``Int4OpaqueTensor`` weight can become ``tinyserve::linear_int4``."""
     if fw.act_mapping_type is not None or fw.act_pre_scale is not None:
         return "int4 with activation quantization or pre-scale"
@@ -77,7 +77,7 @@ def _why_not_int4(x: fx.Node, fx_: torch.Tensor, fw: torch.Tensor, b) -> "str | 
         return f"int4 output features not a multiple of {INT4_BLOCK_N}"
     if b is not None:
         fb = fake(b)
-        if fb is None or fb.dim() != 1 or _is_subclass(fb):
+        if fb is None or fb.dim() != 1 or fb.dtype != torch.bfloat16 or _is_subclass(fb):
             return "bias"
     rows = _rows(fx_)
     if rows is None:
@@ -102,12 +102,12 @@ def _why_not(node: fx.Node):
         return "needs grad"  # the op has no backward: training graphs keep ATen's linear
     if fx_.device.type != "cpu" or fw.device.type != "cpu":
         return "not on the CPU"
+    if fw.dtype not in GEMV_DTYPES or fx_.dtype != fw.dtype:
+        return "dtype"
     if not isinstance(w, fx.Node) or w.op not in ("placeholder", "get_attr") or fw.dim() != 2:
         return "weight is computed in the graph"
     if _is_int4_opaque(fw) and not _is_subclass(fx_):
-        return _why_not_int4(x, fx_, fw, b)
-    if fw.dtype not in GEMV_DTYPES or fx_.dtype != fw.dtype:
-        return "dtype"
+        return _why_not_int4(fx_, fw, b)
     if _is_subclass(fw) or _is_subclass(fx_):
         return "tensor subclass"  # quantized weights (torchao), DTensor: their own linear
     if b is not None:
