@@ -12,7 +12,13 @@ weight from memory; GB/s is weight bytes over time, next to the read bandwidth m
 ``inductor_autotune`` optional (``--autotune``): ``torch.compile(mode="max-autotune")`` with freezing, CPP GEMM
               templates
 
-Usage: ``python -m bench linear [--rows 1 8] [--threads 1 2] [--dtypes float32 bfloat16] [--json PATH]``.
+With ``--dtypes int4`` the weight is weight-only int4 as torchao's ``PrototypeInt4WeightOnlyConfig(group_size=32)``
+stores it (ATen's CPU int4pack codes plus a bf16 scale and zero per 32 weights; the bytes counted are both) and the
+activations are bf16. Methods: ``aten`` (``_weight_int4pack_mm_for_cpu``, the kernel torchao calls), ``torchao``
+(``F.linear`` on the ``Int4OpaqueTensor`` weight: the kernel plus torchao's dispatch, what eager and stock
+``torch.compile`` run) and ``native`` (``tinyserve::linear_int4``, ``kernels/csrc/gemv_int4.cpp``).
+
+Usage: ``python -m bench linear [--rows 1 8] [--threads 1 2] [--dtypes float32 bfloat16 int4] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -76,6 +82,35 @@ def _methods(dtype, rows, autotune):
     return out
 
 
+#: input channels per scale/zero pair of the int4 weights
+INT4_GROUP = 32
+
+
+def _int4_weight(N, K, gen):
+    """(qdata [N, K/2] uint8 int4pack, scale_and_zero [K/32, N, 2] bf16) of random codes, scales and zeros."""
+    q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=gen)
+    qdata = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack([torch.rand(K // INT4_GROUP, N, generator=gen) * 0.01,
+                      torch.randn(K // INT4_GROUP, N, generator=gen) * 0.01], -1).to(torch.bfloat16)
+    return qdata, sz
+
+
+def _int4_methods(N, K):
+    out = {"aten": (lambda w, x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], INT4_GROUP, w[1]), None)}
+    try:
+        from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+
+        out["torchao"] = (lambda w, x: F.linear(x, w),
+                          lambda w: Int4OpaqueTensor(w[0], w[1], [1, INT4_GROUP], torch.Size([N, K])))
+    except ImportError:
+        pass
+    from tinyserve_compile.kernels.linear import int4_layout_problem, load_native_linear
+
+    if load_native_linear() and int4_layout_problem() is None:
+        out["native"] = (lambda w, x: torch.ops.tinyserve.linear_int4(x, w[0], w[1], INT4_GROUP, N, None), None)
+    return out
+
+
 def run(rows_list, threads_list, dtypes, reps, autotune, shapes=SHAPES, stack_bytes=STACK_BYTES):
     from bench.bench_op import read_bandwidth_gbs
 
@@ -86,38 +121,55 @@ def run(rows_list, threads_list, dtypes, reps, autotune, shapes=SHAPES, stack_by
         for dtype in dtypes:
             for rows in rows_list:
                 for N, K in shapes:
-                    nbytes1 = N * K * dtype.itemsize
-                    n = max(1, stack_bytes // nbytes1)
                     gen = torch.Generator().manual_seed(0)
-                    ws = [torch.randn(N, K, generator=gen).to(dtype) for _ in range(n)]
-                    x = torch.randn(rows, K, generator=gen).to(dtype)
+                    if dtype == "int4":  # codes plus a bf16 scale and zero per group
+                        nbytes1 = N * K // 2 + N * (K // INT4_GROUP) * 4
+                        n = max(1, stack_bytes // nbytes1)
+                        ws = [_int4_weight(N, K, gen) for _ in range(n)]
+                        x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+                        methods = _int4_methods(N, K)
+                    else:
+                        nbytes1 = N * K * dtype.itemsize
+                        n = max(1, stack_bytes // nbytes1)
+                        ws = [torch.randn(N, K, generator=gen).to(dtype) for _ in range(n)]
+                        x = torch.randn(rows, K, generator=gen).to(dtype)
+                        methods = _methods(dtype, rows, autotune)
+                    dname = dtype if dtype == "int4" else str(dtype)[6:]
                     with torch.no_grad():
-                        for name, (fn, prep) in _methods(dtype, rows, autotune).items():
+                        for name, (fn, prep) in methods.items():
                             try:
                                 args = [prep(w) for w in ws] if prep else ws
                                 t = _time(fn, args, x, reps)
                             except Exception as e:  # a method this build lacks: recorded, not fatal
-                                records.append(dict(threads=threads, dtype=str(dtype)[6:], rows=rows, N=N, K=K,
+                                records.append(dict(threads=threads, dtype=dname, rows=rows, N=N, K=K,
                                                     method=name, error=f"{type(e).__name__}: {str(e)[:80]}"))
                                 continue
                             bw = read_bandwidth_gbs(mb=128, reps=3)
                             gbs = n * nbytes1 / t / 1e9
-                            records.append(dict(threads=threads, dtype=str(dtype)[6:], rows=rows, N=N, K=K,
+                            records.append(dict(threads=threads, dtype=dname, rows=rows, N=N, K=K,
                                                 method=name, us_per_call=t / n * 1e6, gbs=gbs, read_bw_gbs=bw,
                                                 share=gbs / bw))
     torch.set_num_threads(default_threads)
+    # speed against ATen's method of the same case, timed side by side in this run
+    key = lambda r: (r["threads"], r["dtype"], r["rows"], r["N"], r["K"])  # noqa: E731
+    aten = {key(r): r["us_per_call"] for r in records if r["method"] == "aten" and "error" not in r}
+    for r in records:
+        if "error" not in r and key(r) in aten:
+            r["vs_aten"] = aten[key(r)] / r["us_per_call"]
     return records
 
 
 def table(records) -> str:
-    lines = ["| threads | dtype | rows | N x K | method | us/call | GB/s | read GB/s | share |", "|---" * 9 + "|"]
+    lines = ["| threads | dtype | rows | N x K | method | us/call | GB/s | read GB/s | share | x aten |",
+             "|---" * 10 + "|"]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['threads']} | {r['dtype']} | {r['rows']} | {r['N']}x{r['K']} | {r['method']} | "
-                         f"{r['error']} | | | |")
+                         f"{r['error']} | | | | |")
             continue
         lines.append(f"| {r['threads']} | {r['dtype']} | {r['rows']} | {r['N']}x{r['K']} | {r['method']} | "
-                     f"{r['us_per_call']:.1f} | {r['gbs']:.1f} | {r['read_bw_gbs']:.1f} | {r['share']:.0%} |")
+                     f"{r['us_per_call']:.1f} | {r['gbs']:.1f} | {r['read_bw_gbs']:.1f} | {r['share']:.0%} | "
+                     f"{r.get('vs_aten', float('nan')):.2f} |")
     return "\n".join(lines)
 
 
@@ -150,14 +202,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench linear", description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "int4"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--autotune", action="store_true", help="also inductor max-autotune with freezing (slow)")
     ap.add_argument("--quick", action="store_true", help="one shape, small stacks (a dry run)")
     ap.add_argument("--json", default=None, help="write the records here (a .csv and .png go next to it)")
     a = ap.parse_args(argv)
     kw = dict(shapes=SHAPES[:1], stack_bytes=8 * 2**20) if a.quick else {}
-    records = run(a.rows, a.threads, [getattr(torch, d) for d in a.dtypes], 1 if a.quick else a.reps, a.autotune,
+    records = run(a.rows, a.threads, [d if d == "int4" else getattr(torch, d) for d in a.dtypes], 1 if a.quick else a.reps, a.autotune,
                   **kw)
     print(table(records))
     if a.json:

@@ -5,6 +5,10 @@ None, result ``[..., N]``. Its CPU kernel is the native GEMV of ``csrc/gemv.cpp`
 :func:`load_native_linear` has built, checked and registered it: fp32 or bf16 weights (``x`` of the
 weight's dtype), fp32 accumulation, each weight row streamed once. Every other case (more rows, other dtypes,
 other devices, the native module unavailable) runs ``F.linear``.
+
+``linear_int4(x, qdata, scale_and_zero, group_size, out_features, bias)`` is the linear of torchao's
+``Int4OpaqueTensor`` (``_weight_int4pack_mm_for_cpu``); its CPU kernel is the int4 GEMV of ``csrc/gemv_int4.cpp``
+(bf16 activations, at most 8 rows, output features a multiple of 64), registered with ``tinyserve::linear``'s.
 """
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "load_native_linear", "native_linear_reason", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_BF16"]
+__all__ = ["linear", "linear_int4", "dequantize_int4pack", "load_native_linear", "native_linear_reason",
+           "int4_layout_problem", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_BF16", "INT4_BLOCK_N"]
 
 #: the most activation rows (product of ``x``'s leading dimensions) the GEMV takes (``GEMV_MAX_ROWS`` of gemv.h)
 GEMV_MAX_ROWS = 8
@@ -23,7 +28,9 @@ GEMV_MAX_ROWS = 8
 GEMV_MAX_ROWS_BF16 = 4
 
 _lock = threading.Lock()
-_state: dict = {"loaded": None, "reason": None}
+_state: dict = {"loaded": None, "reason": None, "int4_layout": None}
+#: output rows per block of ATen's CPU int4pack layout that the int4 GEMV reads (``BLOCK_N`` of gemv_int4.cpp)
+INT4_BLOCK_N = 64
 
 
 # A plain schema, not torch.library.custom_op: custom_op adds a Python autograd kernel to every call (~10-20 us,
@@ -46,6 +53,27 @@ def _(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+_lib.define("linear_int4(Tensor x, Tensor qdata, Tensor scale_and_zero, int group_size, int out_features, "
+            "Tensor? bias=None) -> Tensor")
+
+
+def _linear_int4_fallback(x, qdata, scale_and_zero, group_size: int, out_features: int, bias=None):
+    # ATen's kernel, the call torchao's Int4OpaqueTensor makes, until the native GEMV registers itself
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), qdata, group_size,
+                                                   scale_and_zero)[:, :out_features]  # [M, N]
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+_lib.impl("linear_int4", _linear_int4_fallback, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinyserve::linear_int4", lib=_lib)
+def _(x, qdata, scale_and_zero, group_size, out_features, bias=None):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` through ``tinyserve::linear``.
 
@@ -66,6 +94,73 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return torch.ops.tinyserve.linear(x, weight, bias)
 
 
+def linear_int4(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
+                out_features: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The linear of torchao's ``Int4OpaqueTensor`` (weight-only int4) through ``tinyserve::linear_int4``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., K]`` activations of ``scale_and_zero``'s dtype (bf16 for the GEMV).
+    qdata : torch.Tensor
+        ``[N, K / 2]`` uint8, the weight as ``aten._convert_weight_to_int4pack_for_cpu`` packs it.
+    scale_and_zero : torch.Tensor
+        ``[K / group_size, N, 2]`` bf16 for the GEMV: scale and zero point of each group of ``group_size`` input
+        channels; the weight is ``(q - 8) * scale + zero``.
+    group_size : int
+        Input channels per scale/zero pair.
+    out_features : int
+        ``N``.
+    bias : torch.Tensor, optional
+        ``[N]``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., N]`` in ``x``'s dtype.
+    """
+    return torch.ops.tinyserve.linear_int4(x, qdata, scale_and_zero, group_size, out_features, bias)
+
+
+def dequantize_int4pack(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The weight ``[N, K]`` (dtype of ``scale_and_zero``) of an int4pack weight in the layout the GEMV reads.
+
+    The PyTorch reference of ``tinyserve::linear_int4``: ``qdata`` ``[N, K / 2]`` uint8 is ``[N / 64, K, 32]``,
+    byte ``j`` of (block ``b``, column ``k``) holding row ``64 b + j`` in its low nibble and row ``64 b + 32 + j`` in
+    its high nibble; ``scale_and_zero`` ``[K / group_size, N, 2]``; ``W = (q - 8) * scale + zero`` rounded to the
+    dtype of ``scale_and_zero`` (ATen's kernel dequantizes to the activations' dtype the same way).
+    """
+    N, K = qdata.shape[0], qdata.shape[1] * 2
+    blocks = qdata.view(N // INT4_BLOCK_N, K, INT4_BLOCK_N // 2)
+    q = torch.cat([blocks & 15, blocks >> 4], dim=2).permute(0, 2, 1).reshape(N, K).float()  # [N, K] codes
+    scale = scale_and_zero[..., 0].float().t().repeat_interleave(group_size, 1)  # [N, K]
+    zero = scale_and_zero[..., 1].float().t().repeat_interleave(group_size, 1)  # [N, K]
+    return ((q - 8) * scale + zero).to(scale_and_zero.dtype)
+
+
+def int4_layout_problem() -> Optional[str]:
+    """None when this ATen packs int4 weights in the layout :func:`dequantize_int4pack` and the GEMV read.
+
+    The layout of ``_convert_weight_to_int4pack_for_cpu`` depends on the vector ISA of the ATen build, so a probe
+    of random codes is packed and read back. Cached per process.
+    """
+    if _state["int4_layout"] is None:
+        gen = torch.Generator().manual_seed(77)
+        N, K = 2 * INT4_BLOCK_N, 64
+        q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=gen)
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        except (RuntimeError, AttributeError) as e:
+            _state["int4_layout"] = f"ATen cannot pack int4 weights on CPU ({type(e).__name__})"
+            return _state["int4_layout"]
+        ones = torch.stack([torch.ones(1, N), torch.full((1, N), 8.0)], -1).to(torch.bfloat16)  # scale 1, zero 8
+        ok = packed.shape == (N, K // 2) and packed.dtype == torch.uint8
+        ok = ok and torch.equal(dequantize_int4pack(packed, ones.expand(K // 32, N, 2).contiguous(), 32).float(),
+                                q.float())
+        _state["int4_layout"] = "" if ok else "ATen's int4pack layout is not the 64-row blocks the GEMV reads"
+    return _state["int4_layout"] or None
+
+
 def _self_check(lib) -> Optional[str]:
     """The GEMV against ``F.linear`` on small cases (fp32 and bf16, 1..8 rows, bias or not, K with a tail)."""
     gen = torch.Generator().manual_seed(4321)
@@ -78,6 +173,17 @@ def _self_check(lib) -> Optional[str]:
             err = float((lib.linear_rows(x, w, b).float() - want).abs().max())
             if not err <= tol * max(1.0, float(want.abs().max())):
                 return f"linear_rows differs from F.linear by {err:.3g} ({dtype}, {rows}x{K} @ {N}x{K})"
+    if int4_layout_problem() is None:  # the int4 GEMV against the dequantized weight
+        for rows, K, N in ((1, 64, 64), (5, 96, 128)):
+            q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=gen)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            sz = torch.stack([torch.rand(K // 32, N, generator=gen) * 0.1,
+                              torch.randn(K // 32, N, generator=gen) * 0.1], -1).to(torch.bfloat16)
+            x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+            want = F.linear(x.float(), dequantize_int4pack(packed, sz, 32).float())
+            err = float((lib.linear_int4_rows(x, packed, sz, 32, N, None).float() - want).abs().max())
+            if not err <= 2e-2 * max(1.0, float(want.abs().max())):
+                return f"linear_int4_rows differs from the dequantized weight by {err:.3g} ({rows}x{K} @ {N}x{K})"
     return None
 
 

@@ -6,12 +6,20 @@ product of its leading dimensions, static),
 lives on the CPU, and its weight ``[N, K]`` (fp32 or bf16, of ``x``'s dtype) is held by the graph: a
 parameter or constant, as a placeholder or ``get_attr``, and its result needs no grad (the op has no
 backward). Every other linear (prefill rows, symbolic rows, activations as weights, graphs that record grad,
-other devices or dtypes) stays ATen's. The counts go to ``counters``
-(``linear_rewritten``, ``linear_kept:<reason>``) and to ``gm.meta["tinyserve_linears"]`` for
+other devices or dtypes) stays ATen's.
+
+A linear whose weight is torchao's ``Int4OpaqueTensor`` (weight-only int4, ``PrototypeInt4WeightOnlyConfig``)
+becomes ``tinyserve::linear_int4``, the native int4 GEMV over the subclass's own packed data (``qdata`` and
+``scale_and_zero``, read with ``getattr`` in the graph), under the same row, device and grad conditions, when
+ATen packs int4 weights in the layout the GEMV reads, the output features are a multiple of 64, and the
+activations and scales are bf16. The counts go to ``counters``
+(``linear_rewritten``, ``linear_int4_rewritten``, ``linear_kept:<reason>``) and to
+``gm.meta["tinyserve_linears"]`` for
 :func:`~tinyserve_compile.explain`.
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import torch
@@ -19,7 +27,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from tinyserve_compile.explain import counters
-from tinyserve_compile.kernels.linear import GEMV_MAX_ROWS, GEMV_MAX_ROWS_BF16, load_native_linear, native_linear_reason
+from tinyserve_compile.kernels.linear import (GEMV_MAX_ROWS, GEMV_MAX_ROWS_BF16, INT4_BLOCK_N, int4_layout_problem,
+                                               load_native_linear, native_linear_reason)
 
 from ._graph import fake
 
@@ -38,6 +47,49 @@ def _is_subclass(t: torch.Tensor) -> bool:
     return is_traceable_wrapper_subclass(t) or type(t) not in (torch.Tensor, FakeTensor, torch.nn.Parameter)
 
 
+def _is_int4_opaque(t: torch.Tensor) -> bool:
+    """True for torchao's ``Int4OpaqueTensor`` (only looked up when torchao is imported)."""
+    mod = sys.modules.get("torchao.prototype.quantization.int4")
+    cls = getattr(mod, "Int4OpaqueTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
+def _rows(fx_: torch.Tensor):
+    """The activation rows of ``x`` ``[..., K]`` (None when symbolic)."""
+    if any(not isinstance(s, int) for s in fx_.shape):
+        return None
+    rows = 1
+    for s in fx_.shape[:-1]:
+        rows *= s
+    return rows
+
+
+def _why_not_int4(fx_: torch.Tensor, fw: torch.Tensor, b) -> "str | None":
+    """None when a linear with an ``Int4OpaqueTensor`` weight can become ``tinyserve::linear_int4``."""
+    if fw.act_mapping_type is not None or fw.act_pre_scale is not None:
+        return "int4 with activation quantization or pre-scale"
+    if len(fw.block_size) != 2 or fw.block_size[0] != 1 or fw.block_size[1] % 2:
+        return "int4 block size"
+    if fx_.dtype != torch.bfloat16 or fw.scale_and_zero.dtype != torch.bfloat16:
+        return "int4 dtype"
+    N, K = fw.shape
+    if N % INT4_BLOCK_N or tuple(fw.qdata.shape) != (N, K // 2) or fw.qdata.dtype != torch.uint8:
+        return f"int4 output features not a multiple of {INT4_BLOCK_N}"
+    if b is not None:
+        fb = fake(b)
+        if fb is None or fb.dim() != 1 or fb.dtype != torch.bfloat16 or _is_subclass(fb):
+            return "bias"
+    rows = _rows(fx_)
+    if rows is None:
+        return "symbolic rows"
+    if rows > GEMV_MAX_ROWS or rows == 0:
+        return f"rows > {GEMV_MAX_ROWS}"
+    problem = int4_layout_problem()
+    if problem:
+        return problem
+    return None
+
+
 def _why_not(node: fx.Node):
     """None when ``node`` (a linear) can become ``tinyserve::linear``, else the reason it stays ATen's."""
     args = list(node.args) + [None] * (3 - len(node.args))
@@ -54,6 +106,8 @@ def _why_not(node: fx.Node):
         return "dtype"
     if not isinstance(w, fx.Node) or w.op not in ("placeholder", "get_attr") or fw.dim() != 2:
         return "weight is computed in the graph"
+    if _is_int4_opaque(fw) and not _is_subclass(fx_):
+        return _why_not_int4(fx_, fw, b)
     if _is_subclass(fw) or _is_subclass(fx_):
         return "tensor subclass"  # quantized weights (torchao), DTensor: their own linear
     if b is not None:
@@ -75,7 +129,7 @@ def _why_not(node: fx.Node):
 def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
     graph = gm.graph
     linears = [n for n in graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS]
-    report = {"rewritten": 0, "kept": Counter(), "reason": None}
+    report = {"rewritten": 0, "int4": 0, "kept": Counter(), "reason": None}
     gm.meta["tinyserve_linears"] = report
     if not linears:
         return gm
@@ -99,13 +153,25 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
     for n in candidates:
         args = list(n.args) + [None] * (3 - len(n.args))
         x, w, b = args[0], args[1], n.kwargs.get("bias", args[2])
+        fw = fake(w)
         with graph.inserting_before(n):
-            new = graph.call_function(torch.ops.tinyserve.linear.default, (x, w, b))  # [..., N]
+            if _is_int4_opaque(fw):
+                # the subclass's packed codes [N, K/2] uint8 and scales/zeros [K/gs, N, 2] bf16
+                qdata = graph.call_function(getattr, (w, "qdata"))
+                qdata.meta["example_value"] = fw.qdata
+                sz = graph.call_function(getattr, (w, "scale_and_zero"))
+                sz.meta["example_value"] = fw.scale_and_zero
+                new = graph.call_function(torch.ops.tinyserve.linear_int4.default,
+                                          (x, qdata, sz, int(fw.block_size[1]), int(fw.shape[0]), b))  # [..., N]
+                report["int4"] += 1
+            else:
+                new = graph.call_function(torch.ops.tinyserve.linear.default, (x, w, b))  # [..., N]
         new.meta.update(n.meta)
         n.replace_all_uses_with(new)
         graph.erase_node(n)
         report["rewritten"] += 1
     counters["linear_rewritten"] += report["rewritten"]
+    counters["linear_int4_rewritten"] += report["int4"]
     for why, k in report["kept"].items():
         counters[f"linear_kept:{why}"] += k
     if candidates:

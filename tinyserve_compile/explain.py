@@ -43,7 +43,8 @@ def record_graph(gm, config) -> None:
     counters["cache_writes_rewritten"] += len(slots)
     lin = gm.meta.get("tinyserve_linears")
     if lin is not None:  # passes/decode_linear.py: linears now the native GEMV, the rest with why
-        info["linears"] = {"rewritten": lin["rewritten"], "kept": dict(lin["kept"]), "reason": lin["reason"]}
+        info["linears"] = {"rewritten": lin["rewritten"], "int4": lin.get("int4", 0), "kept": dict(lin["kept"]),
+                           "reason": lin["reason"]}
     _GRAPHS.append(info)
 
 
@@ -74,6 +75,7 @@ class ExplainReport:
             if lin and (lin["rewritten"] or lin["kept"] or lin["reason"]):
                 kept = ", ".join(f"{k}: {v}" for k, v in sorted(lin["kept"].items()))
                 lines.append(f"  graph {g['graph']} linears: {lin['rewritten']} to the native GEMV"
+                             + (f" ({lin['int4']} int4)" if lin.get("int4") else "")
                              + (f", kept in ATen ({kept})" if kept else "")
                              + (f"; {lin['reason']}" if lin["reason"] else ""))
         cb = {k: v for k, v in c.items() if k.startswith("cb_")}

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "gemv.h"
+#include "gemv_int4.h"
 #include "simd.h"
 
 namespace tinyserve_native {
@@ -93,6 +94,11 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   return linear_rows(x, weight, bias);
 }
 
+at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scale_and_zero,
+                           int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  return linear_int4_rows(x, qdata, scale_and_zero, group_size, out_features, bias);
+}
+
 }  // namespace
 
 bool gemv_applies(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -134,6 +140,7 @@ void register_linear_kernel() {
   linear_library = std::make_unique<torch::Library>(torch::Library::IMPL, "tinyserve", c10::DispatchKey::CPU,
                                                     __FILE__, __LINE__);
   linear_library->impl("linear", TORCH_FN(linear_cpu));
+  linear_library->impl("linear_int4", TORCH_FN(linear_int4_cpu));
 }
 
 }  // namespace tinyserve_native

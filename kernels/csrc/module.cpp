@@ -4,6 +4,7 @@
 #include "bounds.h"
 #include "dispatch.h"
 #include "gemv.h"
+#include "gemv_int4.h"
 #include "paged.h"
 #include "pipeline.h"
 #include "pool.h"
@@ -27,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_paged_cpu_kernel", &tinyserve_native::register_paged_cpu_kernel,
         "make the native kernel the CPU kernel of tinyserve::paged_sparse_decode");
   m.def("linear_rows", &tinyserve_native::linear_rows, "x @ W^T (+ b) as a GEMV for at most 8 rows, else at::linear");
+  m.def("linear_int4_rows", &tinyserve_native::linear_int4_rows,
+        "x @ W^T (+ b) for int4pack weights as a GEMV for at most 8 rows, else _weight_int4pack_mm_for_cpu");
   m.def("register_linear_kernel", &tinyserve_native::register_linear_kernel,
-        "make linear_rows the CPU kernel of tinyserve::linear");
+        "make linear_rows and linear_int4_rows the CPU kernels of tinyserve::linear and tinyserve::linear_int4");
 }

@@ -1,0 +1,294 @@
+// A GEMV for decode-shaped linears with int4 weights in ATen's CPU int4pack layout (torchao's Int4OpaqueTensor):
+// y[M, N] = x[M, K] @ W[N, K]^T (+ b) for M <= 8 bf16 rows, fp32 accumulation, bf16 output. It is the CPU kernel of
+// tinyserve::linear_int4 once registered (register_linear_kernel in gemv.cpp).
+// Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
+//
+// The weight, as _convert_weight_to_int4pack_for_cpu packs it on AVX-512 ATen builds (checked at load time by
+// kernels/linear.py against a packed probe), is qdata [N/64, K, 32] uint8: byte j of (block b, column k) holds
+// row b*64+j in its low nibble and row b*64+32+j in its high nibble. scale_and_zero is [K/gs, N, 2] bf16, and
+// the weight is W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n] with g = k / gs.
+//
+// Why this layout streams well: a block of 64 output rows reads 32 contiguous bytes per input column, so each
+// thread streams its blocks front to back once. Within a group of gs columns the codes meet x as
+// sum_k q[n, k] * x[k] (fp32 FMAs on the widened codes, x broadcast), and the group's scale and zero enter once:
+// y[n] += scale * sum_k q x + (zero - 8 scale) * sum_k x.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include "gemv_int4.h"
+
+namespace tinyserve_native {
+namespace {
+
+constexpr int64_t BLOCK_N = 64;  // output rows per packed block
+// the least weight bytes per task of parallel_for (see gemv.cpp)
+constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
+
+inline float bf16_at(const c10::BFloat16* p) { return static_cast<float>(*p); }
+
+// the 64 sums of each activation row plus the bias, rounded once to bf16, into y (bf16 [M, N]) at rows n0..n0+63
+template <int M>
+inline void store_rows(const float (&acc)[M][BLOCK_N], const c10::BFloat16* bias, c10::BFloat16* y, int64_t N,
+                       int64_t n0) {
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < BLOCK_N; ++r)
+      y[m * N + n0 + r] = c10::BFloat16(acc[m][r] + (bias ? static_cast<float>(bias[n0 + r]) : 0.f));
+}
+
+// One block of 64 output rows for activation rows [0, M) of x (bf16 widened to fp32 [M, K]), on CPUs without
+// AVX512-BF16 (or VBMI); xsum [M, G] holds each group's
+// sum of x; y (bf16 [M, N]) receives rows b*64 .. b*64+63 plus the bias (bf16 [N] or null).
+template <int M>
+void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
+    const c10::BFloat16* bias, c10::BFloat16* y, int64_t K,
+                int64_t N, int64_t gs, int64_t b) {
+  const int64_t G = K / gs, n0 = b * BLOCK_N;
+  const uint8_t* qb = q + b * K * 32;  // [K, 32] bytes of this block
+  float acc[M][BLOCK_N];
+  std::memset(acc, 0, sizeof(acc));
+  for (int64_t g = 0; g < G; ++g) {
+#if defined(CPU_CAPABILITY_AVX512)
+    // ---- stage 1: sum_k q[n, k] * x[m, k] over the group, 64 rows as 4 vectors per activation row
+    __m512 aq[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + k * 32));
+      const __m256i lo = _mm256_and_si256(bytes, low4);                         // rows 0..31
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);  // rows 32..63
+      __m512 w[4];
+      w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)));
+      w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)));
+      w[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)));
+      w[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)));
+      for (int m = 0; m < M; ++m) {
+        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+        for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_fmadd_ps(w[i], xb, aq[m][i]);
+      }
+    }
+    // ---- stage 2: scale and zero of the group's 64 rows (bf16 pairs: scale low half, zero high half)
+    const uint32_t* pz = reinterpret_cast<const uint32_t*>(sz + (g * N + n0) * 2);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(pz + 16 * i);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
+      const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // zero - 8 scale
+      for (int m = 0; m < M; ++m) {
+        __m512 a = _mm512_loadu_ps(acc[m] + 16 * i);
+        a = _mm512_fmadd_ps(s, aq[m][i], a);
+        a = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * G + g]), a);
+        _mm512_storeu_ps(acc[m] + 16 * i, a);
+      }
+    }
+#else
+    // ---- portable path: the same sums, one row at a time
+    for (int j = 0; j < 32; ++j) {
+      float aql[M] = {}, aqh[M] = {};
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+        const uint8_t byte = qb[k * 32 + j];
+        for (int m = 0; m < M; ++m) {
+          aql[m] += float(byte & 15) * x[m * K + k];
+          aqh[m] += float(byte >> 4) * x[m * K + k];
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int r = j + 32 * h;
+        const float s = bf16_at(sz + (g * N + n0 + r) * 2), z = bf16_at(sz + (g * N + n0 + r) * 2 + 1);
+        for (int m = 0; m < M; ++m) acc[m][r] += s * (h ? aqh[m] : aql[m]) + (z - 8.f * s) * xsum[m * G + g];
+      }
+    }
+#endif
+  }
+  store_rows<M>(acc, bias, y, N, n0);
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define TS_INT4_BF16_DOT 1
+// The same block for bf16 activations with AVX512-BF16 dot products: two input columns k, k+1 at once. Each code
+// becomes the bf16 number 128 + q (exponent byte 0x43 over the code: exact), and vdpbf16ps adds
+// x[k] (128 + q[n, k]) + x[k+1] (128 + q[n, k+1]) in fp32 (products of bf16 numbers are exact), so per group
+// sum_k q x = dot - 128 sum_k x, and y[n] += scale * dot + (zero - 136 scale) * sum_k x.
+template <int M>
+void int4_block_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
+    const c10::BFloat16* bias, c10::BFloat16* y, int64_t K, int64_t N, int64_t gs, int64_t b) {
+  const int64_t G = K / gs, n0 = b * BLOCK_N;
+  const uint8_t* qb = q + b * K * 32;  // [K, 32] bytes of this block
+  // byte permutation: 32-bit lane r of output j takes the code of row 16 j + r (of a nibble half) at column k (byte 4r) and at k + 1
+  // (byte 4r + 2); the odd bytes stay 0x43, the exponent of 128
+  alignas(64) uint8_t idx_bytes[2][64];
+  for (int j = 0; j < 2; ++j)
+    for (int r = 0; r < 16; ++r) {
+      const int row = 16 * j + r;  // rows 0..15 or 16..31 of a nibble half
+      idx_bytes[j][4 * r] = uint8_t(row), idx_bytes[j][4 * r + 1] = 0;
+      idx_bytes[j][4 * r + 2] = uint8_t(32 + row), idx_bytes[j][4 * r + 3] = 0;
+    }
+  __m512i idx[2];
+  for (int j = 0; j < 2; ++j) idx[j] = _mm512_load_si512(idx_bytes[j]);
+  const __mmask64 even = 0x5555555555555555ull;
+  const __m512i exp128 = _mm512_set1_epi16(0x4300);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  float acc[M][BLOCK_N];
+  std::memset(acc, 0, sizeof(acc));
+  for (int64_t g = 0; g < G; ++g) {
+    // ---- stage 1: dot products of 128 + q with x over the group, two columns per step
+    __m512 aq[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+      const __m512i bytes = _mm512_loadu_si512(qb + k * 32);  // columns k (bytes 0..31) and k + 1 (32..63)
+      const __m512i lo = _mm512_and_si512(bytes, low4);                         // rows 0..31
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);  // rows 32..63
+      __m512bh w[4];
+      w[0] = (__m512bh)_mm512_mask_permutexvar_epi8(exp128, even, idx[0], lo);
+      w[1] = (__m512bh)_mm512_mask_permutexvar_epi8(exp128, even, idx[1], lo);
+      w[2] = (__m512bh)_mm512_mask_permutexvar_epi8(exp128, even, idx[0], hi);
+      w[3] = (__m512bh)_mm512_mask_permutexvar_epi8(exp128, even, idx[1], hi);
+      for (int m = 0; m < M; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, x + m * K + k, sizeof(pair));  // x[m, k], x[m, k + 1]
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(pair));
+        for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_dpbf16_ps(aq[m][i], w[i], xb);
+      }
+    }
+    // ---- stage 2: scale and zero of the group's 64 rows (bf16 pairs: scale low half, zero high half)
+    const uint32_t* pz = reinterpret_cast<const uint32_t*>(sz + (g * N + n0) * 2);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(pz + 16 * i);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
+      const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, z);  // zero - 136 scale
+      for (int m = 0; m < M; ++m) {
+        __m512 a = _mm512_loadu_ps(acc[m] + 16 * i);
+        a = _mm512_fmadd_ps(s, aq[m][i], a);
+        a = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * G + g]), a);
+        _mm512_storeu_ps(acc[m] + 16 * i, a);
+      }
+    }
+  }
+  store_rows<M>(acc, bias, y, N, n0);
+}
+
+void int4_blocks_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
+    const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
+  const int64_t G = K / gs;
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const c10::BFloat16* xm = x + m0 * K;
+      const float* sm = xsum + m0 * G;
+      c10::BFloat16* ym = y + m0 * N;
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: int4_block_bf16<1>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        case 2: int4_block_bf16<2>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        case 3: int4_block_bf16<3>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        default: int4_block_bf16<4>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+      }
+    }
+  }
+}
+#endif
+
+// activation rows [m0, m0 + Mc) of every block in [b0, b1): at most 4 rows at once keep the sums in registers
+void int4_blocks(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
+    const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
+                 int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
+  const int64_t G = K / gs;
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const float* xm = x + m0 * K;
+      const float* sm = xsum + m0 * G;
+      c10::BFloat16* ym = y + m0 * N;
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: int4_block<1>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        case 2: int4_block<2>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        case 3: int4_block<3>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+        default: int4_block<4>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
+      }
+    }
+  }
+}
+
+// ATen's own kernel, the same call torchao makes: every case the GEMV does not take
+at::Tensor int4_aten(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& sz, int64_t gs, int64_t N,
+                     const std::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1);
+  at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, K}).contiguous(), qdata, gs, sz);
+  y = y.narrow(1, 0, N);
+  if (bias.has_value() && bias->defined()) y = y + *bias;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return y.to(x.scalar_type()).reshape(shape);
+}
+
+}  // namespace
+
+bool int4_gemv_applies(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& sz, int64_t gs, int64_t N) {
+  if (!x.device().is_cpu() || !qdata.device().is_cpu() || !sz.device().is_cpu() || x.dim() < 1) return false;
+  if (x.scalar_type() != at::kBFloat16) return false;  // ATen's kernel takes activations of the scales' dtype
+  if (qdata.scalar_type() != at::kByte || qdata.dim() != 2 || !qdata.is_contiguous()) return false;
+  if (sz.scalar_type() != at::kBFloat16 || sz.dim() != 3 || sz.size(2) != 2 || !sz.is_contiguous()) return false;
+  const int64_t K = x.size(-1);
+  if (K == 0 || N <= 0 || N % BLOCK_N != 0 || gs <= 0 || K % gs != 0) return false;
+  if (qdata.size(0) != N || qdata.size(1) * 2 != K || sz.size(0) != K / gs || sz.size(1) != N) return false;
+  const int64_t M = x.numel() / K;
+  return M >= 1 && M <= INT4_GEMV_MAX_ROWS;
+}
+
+at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scale_and_zero,
+                            int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1, "linear_int4: x must have at least one dimension");
+  const int64_t N = out_features, gs = group_size;
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool bias_ok = !has_bias || (bias->device().is_cpu() && bias->scalar_type() == at::kBFloat16 &&
+                                     bias->dim() == 1 && bias->size(0) == N);
+  if (!bias_ok || !int4_gemv_applies(x, qdata, scale_and_zero, gs, N))
+    return int4_aten(x, qdata, scale_and_zero, gs, N, bias);
+  const int64_t K = x.size(-1), M = x.numel() / K, G = K / gs;
+  // ---- stage 1: x [M, K] bf16 and its per-group sums xsum [M, G] fp32 (a few KB, on the calling thread)
+  const at::Tensor xb = x.reshape({M, K}).contiguous();
+  const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
+  std::vector<float> xsum(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) s += static_cast<float>(xbp[m * K + k]);
+      xsum[m * G + g] = s;
+    }
+  at::Tensor bc;
+  if (has_bias) bc = bias->contiguous();
+  const c10::BFloat16* bp = has_bias ? bc.data_ptr<c10::BFloat16>() : nullptr;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());  // [..., N] bf16
+  const float* sp = xsum.data();
+  const uint8_t* qp = qdata.data_ptr<uint8_t>();
+  const c10::BFloat16* zp = scale_and_zero.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  // ---- stage 2: blocks of 64 output rows, one contiguous range per thread
+  const int64_t nb = N / BLOCK_N;
+  const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
+#if defined(TS_INT4_BF16_DOT)
+  if (gs % 2 == 0) {  // AVX512-BF16 dot products over column pairs
+    at::parallel_for(0, nb, grain,
+                     [&](int64_t b0, int64_t b1) { int4_blocks_bf16(xbp, sp, qp, zp, bp, yp, M, K, N, gs, b0, b1); });
+    return y;
+  }
+#endif
+  const at::Tensor xf = xb.to(at::kFloat);  // [M, K] fp32 for the widening path
+  const float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) { int4_blocks(xp, sp, qp, zp, bp, yp, M, K, N, gs, b0, b1); });
+  return y;
+}
+
+}  // namespace tinyserve_native

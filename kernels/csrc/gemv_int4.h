@@ -1,0 +1,20 @@
+// The int4 decode GEMV (gemv_int4.cpp): y = x @ W^T (+ b) with W in ATen's CPU int4pack layout.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace tinyserve_native {
+
+// the most activation rows (product of x's leading dimensions) the int4 GEMV takes; more go to ATen's kernel
+constexpr int64_t INT4_GEMV_MAX_ROWS = 8;
+
+// whether linear_int4_rows runs the GEMV for these arguments (else it calls _weight_int4pack_mm_for_cpu)
+bool int4_gemv_applies(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& sz, int64_t gs, int64_t N);
+// x [..., K] bf16, qdata [N, K/2] uint8 (int4pack), scale_and_zero [K/gs, N, 2] bf16, bias [N] or none
+// -> [..., N] in x's dtype
+at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scale_and_zero,
+                            int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias);
+
+}  // namespace tinyserve_native
