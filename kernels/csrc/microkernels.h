@@ -275,42 +275,13 @@ inline void permute_pairs(float* x, int64_t D) {
   }
 }
 
-// acc[g, :] += sum_{j < n} p[g * ldp + j] * row_j
-template <int NV>
-void v_accum(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv_rt, const float* rows, int n) {
-  const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
-  if constexpr (NV > 0 && NV <= 8) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* pg = p + g * ldp;
-      float* ag = acc + g * st;
-      Vec a[NV];
-      for (int i = 0; i < NV; ++i) a[i] = Vec::loadu(ag + i * VS);
-      for (int j = 0; j < n; ++j) {
-        const Vec pj(pg[j]);
-        for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(pj, Vec::loadu(rows + j * st + i * VS), a[i]);
-      }
-      for (int i = 0; i < NV; ++i) a[i].store(ag + i * VS);
-    }
-  } else {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* pg = p + g * ldp;
-      float* ag = acc + g * st;
-      for (int64_t i = 0; i < nv; ++i) {
-        Vec a = Vec::loadu(ag + i * VS);
-        for (int j = 0; j < n; ++j) a = at::vec::fmadd(Vec(pg[j]), Vec::loadu(rows + j * st + i * VS), a);
-        a.store(ag + i * VS);
-      }
-    }
-  }
-}
-
 struct Kern {
   decltype(&dot_block<0>) dot;
   decltype(&bound_block<0>) bound;
-  decltype(&v_accum<0>) vacc;
-  // row-pointer kernels (fp32 rows of D == nv * VS) and the int8 bound kernel (nullptr where nv has none)
+  // the fp32 value sum over rows addressed one pointer each (cache rows read in place, or converted rows)
+  decltype(&v_accum_rows<0>) vacc;
+  // the row-pointer dot (fp32 rows of D == nv * VS) and the int8 bound kernel (nullptr where nv has none)
   decltype(&dot_rows<0>) dotp = nullptr;
-  decltype(&v_accum_rows<0>) vaccp = nullptr;
   decltype(&bound_block_i8<1>) bound8 = nullptr;
 #if TS_BF16_PAIRS
   // bfloat16 pair kernels, set when D is a multiple of 2 * VS
@@ -321,19 +292,19 @@ struct Kern {
   static Kern pick(int64_t nv) {
     Kern k;
     switch (nv) {
-      case 1: k = {&dot_block<1>, &bound_block<1>, &v_accum<1>}; break;
-      case 2: k = {&dot_block<2>, &bound_block<2>, &v_accum<2>}; break;
-      case 4: k = {&dot_block<4>, &bound_block<4>, &v_accum<4>}; break;
-      case 8: k = {&dot_block<8>, &bound_block<8>, &v_accum<8>}; break;
-      case 16: k = {&dot_block<16>, &bound_block<16>, &v_accum<16>}; break;
-      default: k = {&dot_block<0>, &bound_block<0>, &v_accum<0>}; break;
+      case 1: k = {&dot_block<1>, &bound_block<1>, &v_accum_rows<1>}; break;
+      case 2: k = {&dot_block<2>, &bound_block<2>, &v_accum_rows<2>}; break;
+      case 4: k = {&dot_block<4>, &bound_block<4>, &v_accum_rows<4>}; break;
+      case 8: k = {&dot_block<8>, &bound_block<8>, &v_accum_rows<8>}; break;
+      case 16: k = {&dot_block<16>, &bound_block<16>, &v_accum_rows<16>}; break;
+      default: k = {&dot_block<0>, &bound_block<0>, &v_accum_rows<0>}; break;
     }
     switch (nv) {
-      case 1: k.dotp = &dot_rows<1>; k.vaccp = &v_accum_rows<1>; k.bound8 = &bound_block_i8<1>; break;
-      case 2: k.dotp = &dot_rows<2>; k.vaccp = &v_accum_rows<2>; k.bound8 = &bound_block_i8<2>; break;
-      case 4: k.dotp = &dot_rows<4>; k.vaccp = &v_accum_rows<4>; k.bound8 = &bound_block_i8<4>; break;
-      case 8: k.dotp = &dot_rows<8>; k.vaccp = &v_accum_rows<8>; k.bound8 = &bound_block_i8<8>; break;
-      default: k.dotp = &dot_rows<0>; k.vaccp = &v_accum_rows<0>; break;
+      case 1: k.dotp = &dot_rows<1>; k.bound8 = &bound_block_i8<1>; break;
+      case 2: k.dotp = &dot_rows<2>; k.bound8 = &bound_block_i8<2>; break;
+      case 4: k.dotp = &dot_rows<4>; k.bound8 = &bound_block_i8<4>; break;
+      case 8: k.dotp = &dot_rows<8>; k.bound8 = &bound_block_i8<8>; break;
+      default: k.dotp = &dot_rows<0>; break;
     }
 #if TS_BF16_PAIRS
     switch (nv) {
@@ -441,12 +412,15 @@ inline void value_accum(const Kern& kern, const T* base, int64_t stride, const i
     if (Dp == D) {  // rows read in place
       const float* src[VS];
       for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
-      kern.vaccp(acc, p, ldp, G, Dp / VS, src, n);
+      kern.vacc(acc, p, ldp, G, Dp / VS, src, n);
       return;
     }
   }
+  // ---- rows converted to fp32 (contiguous, Dp floats each), summed through row pointers
   const float* rows = token_block<T>(base, stride, tok, n, D, Dp, scr, false);
-  kern.vacc(acc, p, ldp, G, Dp / VS, rows, n);
+  const float* src[VS];
+  for (int j = 0; j < n; ++j) src[j] = rows + j * Dp;
+  kern.vacc(acc, p, ldp, G, Dp / VS, src, n);
 }
 
 }  // namespace tinyserve_native
