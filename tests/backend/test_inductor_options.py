@@ -33,20 +33,43 @@ def _check(model, compiled, ids, n=3):
 
 @pytest.mark.parametrize("how", ["environment", "option"])
 def test_cpp_wrapper_matches_eager(how):
-    # "environment": cpp_wrapper on for the whole compile, as TORCHINDUCTOR_CPP_WRAPPER=1 sets it, under no_grad
-    # (the C++ AutogradCPU pass-through in front); "option": through inductor_options, under inference_mode (the
-    # autograd keys skipped, the CPU kernels reached directly)
+    # "environment": cpp_wrapper on for the whole compile, as TORCHINDUCTOR_CPP_WRAPPER=1 sets it; "option":
+    # through inductor_options. Both under no_grad: the C++ AutogradCPU pass-through in front of the CPU kernels
     model = hf_model("llama")
     ids = prompt(PROMPT)
     if how == "environment":
-        ctx = inductor_config.patch(cpp_wrapper=True)
-        opts = OPTS
+        with inductor_config.patch(cpp_wrapper=True):
+            _check(model, torch.compile(model, backend="tinyserve", options=OPTS), ids)
     else:
-        ctx = torch.inference_mode()
         opts = dict(OPTS, inductor_options={"cpp_wrapper": True})
-    with ctx:
         _check(model, torch.compile(model, backend="tinyserve", options=opts), ids)
     assert inductor_config.cpp_wrapper is False  # the option changed nothing outside the compile
+
+
+@pytest.mark.skipif(native_unavailable_reason() is not None, reason="the native CPU kernels are not in use")
+def test_cpp_wrapper_sparse_decode_under_inference_mode():
+    # inference_mode skips the autograd keys: the C++ wrapper's boxed call (a generic list for `spec`) reaches the
+    # CPU kernel directly
+    from tinyserve_compile.kernels import reference as ref
+    from tinyserve_compile.kernels.spec import SelectionSpec
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 8, generator=g)  # [B, Hq, 1, D]
+    k = torch.randn(1, 2, 64, 8, generator=g)  # [B, Hkv, L, D]
+    v = torch.randn(1, 2, 64, 8, generator=g)
+    b = ref.page_bounds(k, 8, dtype=torch.float32)
+    vl = torch.tensor(64)
+    spec = SelectionSpec(8, 16, 1, 1, 0, False, torch.float32).to_list()
+
+    def f(q, k, v, kmax, kmin, kabs, vl):
+        return torch.ops.tinyserve.sparse_decode(q, k, v, kmax, kmin, kabs, vl, None, 0.35, spec, "auto", None) * 2
+
+    args = (q, k, v, b.kmax, b.kmin, b.kabs, vl)
+    with torch.inference_mode():
+        want = f(*args)
+        with inductor_config.patch(cpp_wrapper=True):
+            got = torch.compile(f, backend="inductor", dynamic=False)(*args)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), worst(got, want)
 
 
 def test_freezing_matches_eager():
