@@ -110,8 +110,8 @@ void normalise_int_lists(const c10::OperatorHandle& op, torch::jit::Stack* stack
     // `int[]` and `SymInt[]` (torch.library.custom_op writes `SymInt[]` for a list[int] hint)
     const c10::TypePtr& t = args[i].real_type();
     if (t->kind() != c10::TypeKind::ListType) continue;
-    const c10::TypeKind e = t->castRaw<c10::ListType>()->getElementType()->kind();
-    if (e != c10::TypeKind::IntType && e != c10::TypeKind::SymIntType) continue;
+    const c10::TypeKind elem = t->castRaw<c10::ListType>()->getElementType()->kind();
+    if (elem != c10::TypeKind::IntType && elem != c10::TypeKind::SymIntType) continue;
     const auto items = v.toListRef();
     c10::List<int64_t> ints;
     ints.reserve(items.size());
