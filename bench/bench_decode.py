@@ -284,12 +284,31 @@ def _rebuilds() -> int:
     return int(tc.explain().runtime.get("bounds_rebuilds", 0))
 
 
-def _compile(model, name: str, opts: Optional[dict]):
+def compile_options(name: str, opts: Optional[dict], inductor_options: Optional[dict] = None,
+                    skip_module_guards: bool = False) -> Optional[dict]:
+    """``options=`` of ``torch.compile`` for provider ``name`` (None for eager).
+
+    The same Inductor settings and guard filter reach both compiled providers, so that they compare fairly:
+    stock Inductor takes ``inductor_options`` as its ``options``, tinyserve as its ``inductor_options`` option;
+    ``guard_filter_fn`` (``skip_module_guards``) goes beside either, where torch.compile takes it out.
+    """
+    if name == "eager":
+        return None
+    out = dict(inductor_options or {}) if name == "inductor" else dict(opts or {})
+    if name != "inductor" and inductor_options:
+        out["inductor_options"] = {**dict(inductor_options), **dict(out.get("inductor_options") or {})}
+    if skip_module_guards:
+        out["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    return out
+
+
+def _compile(model, name: str, opts: Optional[dict], inductor_options: Optional[dict] = None,
+             skip_module_guards: bool = False):
     if name == "eager":
         return model
-    if name == "inductor":
-        return torch.compile(model, backend="inductor", dynamic=False)
-    return torch.compile(model, backend="tinyserve", options=opts, dynamic=False)
+    options = compile_options(name, opts, inductor_options, skip_module_guards)
+    backend = "inductor" if name == "inductor" else "tinyserve"
+    return torch.compile(model, backend=backend, options=options or None, dynamic=False)
 
 
 # ------------------------------------------------------------------------------------------------ one point
@@ -303,9 +322,11 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
               model_kind: str = "auto", fill: str = "auto", dtype: torch.dtype = torch.float32,
               device: torch.device = torch.device("cpu"), cold: bool = True, snap_dir: str = "results/.prefill",
               stream_gbps: float = float("nan"), log=print, weights: Optional[str] = None,
-              extra: Sequence = ()) -> List[dict]:
+              extra: Sequence = (), inductor_options: Optional[dict] = None,
+              skip_module_guards: bool = False) -> List[dict]:
     """Records of every provider at one (context, batch) point; see the module docstring. ``extra``: other
-    engines' providers (``bench/llamacpp.py``), timed in the same rounds."""
+    engines' providers (``bench/llamacpp.py``), timed in the same rounds. ``inductor_options`` and
+    ``skip_module_guards``: see :func:`compile_options`."""
     import torch._inductor.utils
 
     import tinyserve_compile as tc
@@ -352,9 +373,12 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
     with torch.no_grad():
         for name, budget in providers:  # compile + warm up, one provider after the other
             opts_of[name] = provider_options(name, options, budget)
+            if opts_of[name] is not None and inductor_options:
+                # the Inductor settings tinyserve compiles with (recorded in the row's options too)
+                opts_of[name] = compile_options(name, opts_of[name], inductor_options)
             if name.startswith("tinyserve"):
                 tc.reset()
-            fns[name] = _compile(model, name, opts_of[name])
+            fns[name] = _compile(model, name, opts_of[name], inductor_options, skip_module_guards)
             rollback()
             fresh = cold and name != "eager"
             with (torch._inductor.utils.fresh_cache() if fresh else contextlib.nullcontext()):
@@ -414,7 +438,9 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
             timed_bounds_rebuilds=rebuilds[name],
             kv_bytes_per_step=kv, weight_bytes=wbytes, stream_gbps=stream_gbps, floor_ms=floor_ms,
             pct_of_floor=floor_ms / ms * 100, cold_compile=cold, threads=torch.get_num_threads(), date=date,
-            weights=weights or {v: k for k, v in DTYPES.items()}[dtype]))
+            weights=weights or {v: k for k, v in DTYPES.items()}[dtype],
+            inductor_options=json.dumps(inductor_options or {}, sort_keys=True) if name != "eager" else "",
+            skip_module_guards=skip_module_guards and name != "eager"))
     point = dict(context=ctx, batch=batch, stream_gbps=stream_gbps, rounds=rounds, warmup=warmup, date=date,
                  threads=torch.get_num_threads())
     for p in extra:
@@ -436,7 +462,8 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         warmup: int = 3, model: str = "auto", fill: str = "auto", dtype: str = "fp32", device: str = "cpu",
         cold: bool = True, snap_dir: Optional[str] = None, max_batch_tokens: int = 65536, log=print,
         previous: bool = False, weights: Optional[str] = None, extra: Sequence = (),
-        aten_linear: bool = False) -> List[dict]:
+        aten_linear: bool = False, inductor_options: Optional[dict] = None,
+        skip_module_guards: bool = False) -> List[dict]:
     """Every (context, batch) point with ``batch * context <= max_batch_tokens``; returns the records."""
     from bench.accuracy import PREFILL_CACHE
 
@@ -458,7 +485,8 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
                 continue
             t0 = time.perf_counter()
             rows += run_point(ctx, b, names, dict(options or {}), steps, rounds, warmup, model, fill, DTYPES[dtype],
-                              dev, cold, snap_dir or PREFILL_CACHE, bw, log, weights, extra)
+                              dev, cold, snap_dir or PREFILL_CACHE, bw, log, weights, extra,
+                              inductor_options, skip_module_guards)
             log(f"# context {ctx} batch {b}: {time.perf_counter() - t0:.0f} s")
     return rows
 
@@ -595,6 +623,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="2K only, batch 1 and 8, 4 steps x 2 rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--json", help="write the records here (a .csv and .png go next to it)")
+    ap.add_argument("--inductor-options", default="{}",
+                    help="torch._inductor.config settings as JSON for both compiled providers (stock inductor's "
+                         "options=, tinyserve's inductor_options), e.g. '{\"cpp_wrapper\": true}'")
+    ap.add_argument("--skip-module-guards", action="store_true",
+                    help="both compiled providers skip Dynamo's guards on nn.Module parameters and buffers "
+                         "(guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)")
     llamacpp.add_arguments(ap)
     a = ap.parse_args(argv)
     try:
@@ -611,15 +645,29 @@ def main(argv=None):
         ap.error(f"--options is not JSON: {e}")
     if not isinstance(options, dict):
         ap.error("--options must be a JSON object")
+    try:
+        inductor_options = json.loads(a.inductor_options)
+    except json.JSONDecodeError as e:
+        ap.error(f"--inductor-options is not JSON: {e}")
+    if not isinstance(inductor_options, dict):
+        ap.error("--inductor-options must be a JSON object")
+    import torch._inductor.config as inductor_config
+
+    unknown = sorted(set(inductor_options) - set(inductor_config.get_config_copy()))
+    if unknown:
+        ap.error(f"--inductor-options: unknown torch._inductor.config key(s) {unknown}")
     t0 = time.perf_counter()
     extra = llamacpp.providers_from_args(a, lambda n: _prompt_ids("smollm2", n)[0].tolist(), torch.get_num_threads())
     rows = run(a.contexts, a.batches, tuple(a.providers.split(",")), options, a.paper, a.budgets, a.steps, a.rounds,
                a.warmup, a.model, a.fill, a.dtype, a.device, not a.warm_compile, a.prefill_cache, a.max_batch_tokens,
-               previous=a.previous, weights=a.weights, extra=extra, aten_linear=a.aten_linear)
+               previous=a.previous, weights=a.weights, extra=extra, aten_linear=a.aten_linear,
+               inductor_options=inductor_options, skip_module_guards=a.skip_module_guards)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"{platform.machine()} CPU"
     print(f"# {time.strftime('%Y-%m-%d %H:%M %Z')} {dev}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, commit {_commit()}, {a.steps} steps x {a.rounds} rounds per point, "
           f"{time.perf_counter() - t0:.0f} s")
+    print(f"# compiled providers: inductor options {json.dumps(inductor_options, sort_keys=True)}, nn.Module guards "
+          f"{'skipped (skip_guard_on_all_nn_modules_unsafe)' if a.skip_module_guards else 'kept (default)'}")
     print(table(rows))
     for t in targets(rows):
         print(f"# target {t['target']}: {t['value']:.2f} -> {'met' if t['met'] else 'MISSED'}")

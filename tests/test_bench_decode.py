@@ -91,3 +91,41 @@ def test_left_padded_rows_decode_like_each_row_alone(tmp_path):
         want = model(input_ids=toks[r:r + 1], cache=one, use_cache=True).logits
         torch.testing.assert_close(got[r], want[0, -1], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(got[0], got[1], atol=1e-3)  # the rows really differ
+
+
+def test_compile_options_reach_both_compiled_providers():
+    guard = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    io = {"cpp_wrapper": True}
+    assert bd.compile_options("eager", None, io, True) is None
+    assert bd.compile_options("inductor", None, io, True) == {"cpp_wrapper": True, "guard_filter_fn": guard}
+    ts = bd.compile_options("tinyserve", {"token_budget": 16}, io, True)
+    assert ts == {"token_budget": 16, "inductor_options": io, "guard_filter_fn": guard}
+    # a tinyserve provider's own inductor_options win over the command line's, key by key
+    ts = bd.compile_options("tinyserve", {"inductor_options": {"cpp_wrapper": False}}, {**io, "freezing": True})
+    assert ts == {"inductor_options": {"cpp_wrapper": False, "freezing": True}}
+    assert bd.compile_options("inductor", None) == {}
+
+
+@pytest.mark.parametrize("flag, value, match", [("--inductor-options", "{bad", "not JSON"),
+                                                ("--inductor-options", "[1]", "JSON object"),
+                                                ("--inductor-options", '{"nope": 1}', "unknown")])
+def test_inductor_options_flag_errors(flag, value, match, capsys):
+    with pytest.raises(SystemExit):
+        bd.main(["--model", "tiny", "--contexts", "64", "--batches", "1", flag, value])
+    assert match in capsys.readouterr().err
+
+
+def test_inductor_options_and_module_guards_in_rows(tmp_path):
+    out = tmp_path / "decode.json"
+    io = {"freezing": True}
+    rows = bd.main(["--model", "tiny", "--contexts", "64", "--batches", "1", "--providers", "eager,inductor,tinyserve",
+                    "--options", json.dumps({"token_budget": 16, "page_size": 8}), "--steps", "1", "--rounds", "1",
+                    "--warmup", "1", "--warm-compile", "--prefill-cache", str(tmp_path / "snap"),
+                    "--inductor-options", json.dumps(io), "--skip-module-guards", "--json", str(out)])
+    assert [r["provider"] for r in rows] == ["eager", "inductor", "tinyserve"]
+    by = {r["provider"]: r for r in json.loads(out.read_text())}
+    assert by["eager"]["inductor_options"] == "" and by["eager"]["skip_module_guards"] is False
+    for p in ("inductor", "tinyserve"):
+        assert json.loads(by[p]["inductor_options"]) == io and by[p]["skip_module_guards"] is True
+    assert json.loads(by["tinyserve"]["options"])["inductor_options"] == io
+    assert by["tinyserve"]["sparse_sites"] >= 2

@@ -28,9 +28,12 @@ def _lower(gm: torch.fx.GraphModule, example_inputs: List[Any], config: TinyServ
     if config.lower == "eager":
         return gm.forward
     if config.lower == "inductor":
+        import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
+        # the caller's Inductor settings, for this compile only
+        with inductor_config.patch(dict(config.inductor_options or {})):
+            return compile_fx(gm, example_inputs)
     # "tensorrt": Torch-TensorRT's torch.compile backend, with our ops left to PyTorch.
     try:
         import torch_tensorrt  # noqa: F401  (registers the "torch_tensorrt" dynamo backend)

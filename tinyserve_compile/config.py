@@ -6,7 +6,7 @@ into :class:`TinyServeConfig` with :meth:`TinyServeConfig.from_options`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 __all__ = [
@@ -97,6 +97,10 @@ class TinyServeConfig:
     decode_linear : bool
         Rewrite each CPU linear with at most 8 activation rows and fp32/bf16 weights held by the graph
         (parameters, constants) into ``tinyserve::linear``, the native GEMV (when the native module builds).
+    inductor_options : dict, optional
+        Settings of ``torch._inductor.config`` (``{"cpp_wrapper": True}``, ``{"freezing": True}``, ...) in force
+        while Inductor compiles the rewritten graph (``lower="inductor"`` only), through
+        ``torch._inductor.config.patch``: nothing changes outside that compile.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -112,6 +116,7 @@ class TinyServeConfig:
     bounds_dtype: str = DEFAULT_BOUNDS_DTYPE
     strict: bool = False
     decode_linear: bool = DEFAULT_DECODE_LINEAR
+    inductor_options: Optional[Mapping[str, Any]] = field(default=None, hash=False)
 
     def __post_init__(self):
         def bad(name, msg):
@@ -147,10 +152,27 @@ class TinyServeConfig:
             bad("strict", f"must be a bool, got {self.strict!r}")
         if not isinstance(self.decode_linear, bool):
             bad("decode_linear", f"must be a bool, got {self.decode_linear!r}")
+        if self.inductor_options is not None:
+            self._check_inductor_options(bad)
         from .policies import POLICIES
 
         if self.policy not in POLICIES:
             bad("policy", f"must be one of {sorted(POLICIES)}, got {self.policy!r}")
+
+    def _check_inductor_options(self, bad) -> None:
+        opts = self.inductor_options
+        if not isinstance(opts, Mapping):
+            bad("inductor_options", f"must be a dict of torch._inductor.config settings, got {type(opts).__name__}")
+        if opts and self.lower != "inductor":
+            bad("inductor_options", f"applies only with lower='inductor', got lower={self.lower!r}")
+        import torch._inductor.config as inductor_config
+
+        known = inductor_config.get_config_copy()
+        unknown = sorted(str(k) for k in opts if not isinstance(k, str) or k not in known)
+        if unknown:
+            bad("inductor_options", f"has unknown torch._inductor.config key(s) {unknown}")
+        # a private copy, so that a caller's later change to its dict does not reach this frozen config
+        object.__setattr__(self, "inductor_options", dict(opts))
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]] = None) -> "TinyServeConfig":

@@ -100,6 +100,30 @@ void autograd_passthrough(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
 
 }  // namespace
 
+void normalise_int_lists(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t n = args.size();
+  const size_t first = stack->size() - n;
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& v = (*stack)[first + i];
+    if (!v.isList()) continue;  // int lists, tensors, scalars: as the kernel takes them
+    // `int[]` and `SymInt[]` (torch.library.custom_op writes `SymInt[]` for a list[int] hint)
+    const c10::TypePtr& t = args[i].real_type();
+    if (t->kind() != c10::TypeKind::ListType) continue;
+    const c10::TypeKind elem = t->castRaw<c10::ListType>()->getElementType()->kind();
+    if (elem != c10::TypeKind::IntType && elem != c10::TypeKind::SymIntType) continue;
+    const auto items = v.toListRef();
+    c10::List<int64_t> ints;
+    ints.reserve(items.size());
+    for (const c10::IValue& e : items) {
+      TORCH_CHECK_VALUE(e.isInt() || e.isSymInt(), op.schema().name(), ": argument '", args[i].name(),
+                        "' must be a list of ints, got an element of type ", e.tagKind());
+      ints.push_back(e.isInt() ? e.toInt() : e.toSymInt().guard_int(__FILE__, __LINE__));
+    }
+    v = c10::IValue(std::move(ints));
+  }
+}
+
 void register_autograd_passthrough(const std::vector<std::string>& ops) {
   static std::unique_ptr<torch::Library> library;
   static std::vector<std::string> done;
@@ -121,8 +145,9 @@ void register_cpu_kernel(pybind11::object sparse_decode_kernel, pybind11::object
   cache_write_fallback = new pybind11::object(std::move(cache_write_kernel));
   cpu_library = std::make_unique<torch::Library>(torch::Library::IMPL, "tinyserve", c10::DispatchKey::CPU,
                                                  __FILE__, __LINE__);
-  cpu_library->impl("sparse_decode", TORCH_FN(sparse_decode_cpu));
-  cpu_library->impl("cache_write", TORCH_FN(cache_write_cpu));
+  // boxed: reached with generic lists of SymInts for `spec` from Inductor's C++ wrapper (normalise_int_lists)
+  TINYSERVE_IMPL_INT_LIST_TOLERANT(*cpu_library, "sparse_decode", TORCH_FN(sparse_decode_cpu));
+  TINYSERVE_IMPL_INT_LIST_TOLERANT(*cpu_library, "cache_write", TORCH_FN(cache_write_cpu));
 }
 
 void set_native_cache_write(bool on) { native_cache_write.store(on, std::memory_order_relaxed); }

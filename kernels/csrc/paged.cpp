@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bounds.h"
+#include "dispatch.h"
 #include "paged.h"
 #include "pipeline.h"
 
@@ -231,7 +232,8 @@ void register_paged_cpu_kernel(pybind11::object python_kernel) {
   fallback = new pybind11::object(std::move(python_kernel));  // lives as long as the registration
   cpu_library = std::make_unique<torch::Library>(torch::Library::IMPL, "tinyserve", c10::DispatchKey::CPU,
                                                  __FILE__, __LINE__);
-  cpu_library->impl("paged_sparse_decode", TORCH_FN(paged_sparse_decode_cpu));
+  // boxed: reached with a generic list of SymInts for `spec` from Inductor's C++ wrapper (normalise_int_lists)
+  TINYSERVE_IMPL_INT_LIST_TOLERANT(*cpu_library, "paged_sparse_decode", TORCH_FN(paged_sparse_decode_cpu));
 }
 
 }  // namespace tinyserve_native

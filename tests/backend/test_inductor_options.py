@@ -1,0 +1,106 @@
+"""Inductor's settings under the tinyserve backend: the C++ wrapper (the native ops called through a boxed stack
+with a generic list for `spec`), freezing, and the `inductor_options` option that applies them to the decode
+graph's compile only. Tokens and logits match eager; rewrites are counted."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+
+import tinyserve_compile as tc
+from helpers import hf_decode, prompt, worst
+from models import hf_model
+from tinyserve_compile.config import TinyServeConfig
+from tinyserve_compile.runtime import native_unavailable_reason
+
+PROMPT = 40
+#: the tiny Llama's 4 layers: 4 decode attention sites, 4 cache writes, 4 x 7 + 1 linears
+SITES = 4
+LINEARS = 4 * 7 + 1
+OPTS = {"token_budget": 256}
+
+
+def _check(model, compiled, ids, n=3):
+    ref_toks, ref_logits, _ = hf_decode(model, model, ids, n)
+    toks, logits, _ = hf_decode(model, compiled, ids, n)
+    assert torch.equal(toks, ref_toks), worst(logits, ref_logits)
+    assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4), worst(logits, ref_logits)
+    c = tc.counters
+    assert c["rewritten"] == SITES and c["cache_writes_rewritten"] == SITES, dict(c)
+    if native_unavailable_reason() is None:
+        assert c["native_sites"] == SITES and c["linear_rewritten"] == LINEARS, dict(c)
+
+
+@pytest.mark.parametrize("how", ["environment", "option"])
+def test_cpp_wrapper_matches_eager(how):
+    # "environment": cpp_wrapper on for the whole compile, as TORCHINDUCTOR_CPP_WRAPPER=1 sets it; "option":
+    # through inductor_options. Both under no_grad: the C++ AutogradCPU pass-through in front of the CPU kernels
+    model = hf_model("llama")
+    ids = prompt(PROMPT)
+    if how == "environment":
+        with inductor_config.patch(cpp_wrapper=True):
+            _check(model, torch.compile(model, backend="tinyserve", options=OPTS), ids)
+    else:
+        opts = dict(OPTS, inductor_options={"cpp_wrapper": True})
+        _check(model, torch.compile(model, backend="tinyserve", options=opts), ids)
+    assert inductor_config.cpp_wrapper is False  # the option changed nothing outside the compile
+
+
+@pytest.mark.skipif(native_unavailable_reason() is not None, reason="the native CPU kernels are not in use")
+def test_cpp_wrapper_sparse_decode_under_inference_mode():
+    # inference_mode skips the autograd keys: the C++ wrapper's boxed call (a generic list for `spec`) reaches the
+    # CPU kernel directly
+    from tinyserve_compile.kernels import reference as ref
+    from tinyserve_compile.kernels.spec import SelectionSpec
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 8, generator=g)  # [B, Hq, 1, D]
+    k = torch.randn(1, 2, 64, 8, generator=g)  # [B, Hkv, L, D]
+    v = torch.randn(1, 2, 64, 8, generator=g)
+    b = ref.page_bounds(k, 8, dtype=torch.float32)
+    vl = torch.tensor(64)
+    spec = SelectionSpec(8, 16, 1, 1, 0, False, torch.float32).to_list()
+
+    def f(q, k, v, kmax, kmin, kabs, vl):
+        return torch.ops.tinyserve.sparse_decode(q, k, v, kmax, kmin, kabs, vl, None, 0.35, spec, "auto", None) * 2
+
+    args = (q, k, v, b.kmax, b.kmin, b.kabs, vl)
+    with torch.inference_mode():
+        want = f(*args)
+        with inductor_config.patch(cpp_wrapper=True):
+            got = torch.compile(f, backend="inductor", dynamic=False)(*args)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), worst(got, want)
+
+
+def test_freezing_matches_eager():
+    model = hf_model("llama")
+    ids = prompt(PROMPT)
+    opts = dict(OPTS, inductor_options={"freezing": True})
+    _check(model, torch.compile(model, backend="tinyserve", options=opts), ids)
+    assert inductor_config.freezing is False
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"no_such_setting": 1}, r"'inductor_options' has unknown torch._inductor.config key\(s\) \['no_such_setting'\]"),
+    ([("cpp_wrapper", True)], "'inductor_options' must be a dict"),
+    ("cpp_wrapper", "'inductor_options' must be a dict"),
+])
+def test_inductor_options_validation(value, match):
+    with pytest.raises(ValueError, match=match):
+        TinyServeConfig.from_options({"inductor_options": value})
+
+
+def test_inductor_options_need_inductor():
+    with pytest.raises(ValueError, match="'inductor_options' applies only with lower='inductor'"):
+        TinyServeConfig.from_options({"inductor_options": {"freezing": True}, "lower": "eager"})
+    # empty settings are no settings: fine with any lowering
+    assert TinyServeConfig.from_options({"inductor_options": {}, "lower": "eager"}).inductor_options == {}
+
+
+def test_inductor_options_copied_and_hashable():
+    mine = {"cpp_wrapper": True, "cpp.threads": 1}  # nested settings by their dotted name
+    cfg = TinyServeConfig.from_options({"inductor_options": mine})
+    mine["freezing"] = True
+    assert cfg.inductor_options == {"cpp_wrapper": True, "cpp.threads": 1}
+    assert hash(cfg) == hash(TinyServeConfig())  # a hashable config, as before the option
+    assert cfg != TinyServeConfig() and cfg == TinyServeConfig.from_options({"inductor_options": dict(cfg.inductor_options)})
