@@ -53,6 +53,7 @@ from .explain import counters
 from .kernels.paged_sparse_decode import paged_sparse_decode, paged_write_, rebuild_pages_
 from .kernels.reference import PageBounds, bounds_itemsize, store_bounds
 from .kernels.spec import SelectionSpec
+from .runtime import tensor_version
 
 __all__ = [
     "ATTENTION_NAME",
@@ -263,11 +264,12 @@ class _PagedState:
 
     def check(self, cache_tensor: torch.Tensor):
         """Mark every bound stale when the cache tensor was written by anyone but us since our last write."""
-        if self.version is not None and cache_tensor._version != self.version:
+        version = tensor_version(cache_tensor)  # None for an inference tensor: every bound is stale each call
+        if version is None or (self.version is not None and version != self.version):
             for f in self.fresh.values():
                 f.zero_()
             counters["cb_stale"] += 1
-        self.version = cache_tensor._version
+        self.version = version
 
 
 @dataclass
@@ -309,7 +311,7 @@ def _update(self, key_states, value_states, layer_idx, kwargs):
         bounds, fresh = state.layer(layer_idx, k_view)
         paged_write_(k_view, v_view, k_new, v_new, write_index, bounds, fresh, state.page_size,
                      state.rows_per_block, state.pages_per_block, _paged_kernel(st.config))
-    state.version = allocator.cache_tensor._version
+    state.version = tensor_version(allocator.cache_tensor)
     kwargs["tinyserve_paged"] = _LayerCall(state, layer_idx, k_view, v_view, kwargs["read_index"][allocator.index])
     return key_states, value_states
 

@@ -182,6 +182,13 @@ def state_for(cache: torch.Tensor, page_size: int, bounds_dtype: Optional[torch.
     return st
 
 
+def tensor_version(t: torch.Tensor) -> Optional[int]:
+    """``t``'s version counter, or ``None`` for an inference tensor (made under ``torch.inference_mode()``), which
+    has none: then nothing tells whether someone else wrote it since the last call, so its page bounds are rebuilt
+    on every call (exact, at the cost of reading every key: ``runtime_stats["inference_cache_rebuilds"]``)."""
+    return None if t.is_inference() else t._version
+
+
 def enter(slots: Sequence[BoundsSlot], args: Sequence, dense_layers: int) -> List[torch.Tensor]:
     """Before a compiled call: check each written buffer once; return the graph's extra inputs.
 
@@ -207,8 +214,12 @@ def enter(slots: Sequence[BoundsSlot], args: Sequence, dense_layers: int) -> Lis
             _NEXT_RANK[0] = 0  # a ranked buffer: the next new one starts a new cache's layers
         st = state_for(cache, slot.page_size, slot.bounds_dtype, slot.perm, slot.rows)
         flags = st._flags
-        if cache._version != st.version or flags[0]:
-            if st.version != -1 and cache._version != st.version:
+        version = tensor_version(cache)
+        if version is None:  # an inference tensor: no way to see other writers, so the bounds are rebuilt
+            runtime_stats["inference_cache_rebuilds"] += 1
+            st.version = -1
+        if version is None or version != st.version or flags[0]:
+            if st.version != -1 and version != st.version:
                 runtime_stats["foreign_writes"] += 1
             flags[0] = 1  # the graph's write op rebuilds
             st.policy_state.clear()  # a new sequence for stateful policies
@@ -227,7 +238,8 @@ def leave(slots: Sequence[BoundsSlot], args: Sequence) -> None:
     """After a compiled call returned: record each written buffer's version."""
     for slot in slots:
         cache = args[slot.input_index]
-        _STATES[id(cache)].version = cache._version
+        v = tensor_version(cache)
+        _STATES[id(cache)].version = -1 if v is None else v
 
 
 def native_unavailable_reason() -> Optional[str]:

@@ -91,3 +91,18 @@ def test_batch_with_left_padding_matches_reference():
     big = torch.compile(model, backend="tinyserve", options=dict(OPTS, token_budget=512))
     toks, logits, _ = hf_decode(model, big, ids, 4, attention_mask=mask)
     assert torch.allclose(logits, dense_logits, atol=1e-4, rtol=1e-4), worst(logits, dense_logits)
+
+
+def test_decode_under_inference_mode_rebuilds_and_matches_reference():
+    # a cache made under inference_mode has no version counter: the bounds are rebuilt every call, never stale
+    model = hf_model("llama")
+    compiled = torch.compile(model, backend="tinyserve", options=OPTS)
+    with torch.inference_mode():
+        ref_toks, ref_logits, _ = hf_decode(model, None, prompt(100, seed=4), 5, reference=OPTS)
+        toks, logits, cache = hf_decode(model, compiled, prompt(100, seed=4), 5)
+        assert cache.layers[0].keys.is_inference()
+    assert torch.equal(toks, ref_toks)
+    assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
+    rt = tc.explain().runtime
+    assert rt["inference_cache_rebuilds"] >= 5 * 2  # every step, every sparse layer's buffer
+    assert tc.counters["rewritten"] > 0
