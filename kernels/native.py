@@ -27,6 +27,7 @@ Environment
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -162,6 +163,33 @@ def clear_stale_lock(build_dir: str, max_age_s: float = STALE_LOCK_SECONDS) -> b
     return True
 
 
+@contextlib.contextmanager
+def build_guard(build_dir: str):
+    """Hold ``build_dir/build.flock`` while ``torch.utils.cpp_extension`` builds and loads the module.
+
+    It is an OS file lock, which the kernel drops when its holder exits or is killed. Every build of this
+    project takes it before cpp_extension takes its own ``lock`` file, so a ``lock`` found while holding it was
+    left by a build that was killed half-way (cpp_extension would wait for it forever): it is removed. Where
+    ``fcntl`` is missing (Windows), only :func:`clear_stale_lock`'s age rule applies.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(os.path.join(build_dir, "build.flock"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process builds this source
+        try:
+            os.remove(os.path.join(build_dir, "lock"))
+        except FileNotFoundError:
+            pass
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def _load(verbose: bool) -> bool:
     if os.environ.get("TINYSERVE_DISABLE_NATIVE", "") not in ("", "0"):
         _state["reason"] = "disabled by TINYSERVE_DISABLE_NATIVE"
@@ -219,15 +247,16 @@ def _load(verbose: bool) -> bool:
             with open(tmp, "wb") as f:
                 f.write(srcs[n])
             os.replace(tmp, local)
-    module = cpp_extension.load(
-        name=f"tinyserve_native_{key}",
-        sources=[os.path.join(local_dir, n) for n in names if n.endswith(".cpp")],
-        extra_cflags=cflags,
-        extra_ldflags=ldflags,
-        build_directory=build_dir,
-        is_python_module=True,
-        verbose=verbose,
-    )
+    with build_guard(build_dir):
+        module = cpp_extension.load(
+            name=f"tinyserve_native_{key}",
+            sources=[os.path.join(local_dir, n) for n in names if n.endswith(".cpp")],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            build_directory=build_dir,
+            is_python_module=True,
+            verbose=verbose,
+        )
     problem = _self_check(module)
     _state["module"] = module
     if problem:
