@@ -20,6 +20,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Optional, Sequence
@@ -125,6 +126,32 @@ def serve_args(model: str, rest: Sequence[str]) -> list:
     return args
 
 
+@contextlib.contextmanager
+def _gguf_architecture():
+    """While ``transformers serve`` loads the model: give a config read from a GGUF file the causal-LM class of
+    its model type as ``architectures``. transformers' GGUF loader leaves it ``None`` and the server then fails
+    on ``config.architectures[0]`` (TypeError); only the configs of GGUF files are touched."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    original = AutoConfig.__dict__["from_pretrained"]
+
+    def from_pretrained(cls, *args, **kwargs):
+        out = original.__func__(cls, *args, **kwargs)
+        config = out[0] if isinstance(out, tuple) else out  # (config, unused kwargs) with return_unused_kwargs
+        if kwargs.get("gguf_file") and not getattr(config, "architectures", None):
+            name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+            if name:
+                config.architectures = [name]
+        return out
+
+    AutoConfig.from_pretrained = classmethod(from_pretrained)
+    try:
+        yield
+    finally:
+        AutoConfig.from_pretrained = original
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tinyserve_compile.serve", description=__doc__.split("\n\n")[1],
                                  epilog="Any other flag is passed to `transformers serve`.")
@@ -151,7 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     served = {}
 
     def load_enabled(self, *args, **kwargs):
-        model = load(self, *args, **kwargs)
+        with _gguf_architecture():
+            model = load(self, *args, **kwargs)
         cbm.enable_continuous_batching(model, options)
         served["context"] = getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0
         print(f"tinyserve: continuous batching through tinyserve for {type(model).__name__} "

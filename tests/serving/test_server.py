@@ -166,3 +166,19 @@ def test_request_checks_name_the_field():
     assert serve_args("m", ["--port", "1"]) == ["serve", "m", "--continuous-batching", "--port", "1", "--host",
                                                 "127.0.0.1"]
     assert serve_args("m", ["--host", "0.0.0.0"])[-2:] == ["--host", "0.0.0.0"]
+
+
+def test_gguf_config_gets_its_causal_lm_class_while_the_server_loads():
+    # transformers' GGUF loader leaves config.architectures None, and `transformers serve` indexes it: the
+    # server's load gives a GGUF config its causal-LM class, only while it loads
+    from transformers import AutoConfig
+
+    from tinyserve_compile.serve import _gguf_architecture
+    from tinyserve_compile.smollm2 import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    assert AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).architectures is None
+    with _gguf_architecture():
+        cfg, unused = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, return_unused_kwargs=True)
+        assert cfg.architectures == ["LlamaForCausalLM"]
+    assert AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).architectures is None
