@@ -17,7 +17,7 @@ from bench import __main__ as cli  # noqa: E402
 from tinyserve_compile.config import TinyServeConfig  # noqa: E402
 
 #: the fields of TinyServeConfig that are not part of the selection rule
-NOT_SELECTION = {"dense_layers", "policy", "lower", "kernel", "strict", "decode_linear"}
+NOT_SELECTION = {"dense_layers", "policy", "lower", "kernel", "strict", "decode_linear", "inductor_options"}
 SELECTION = [f.name for f in dataclasses.fields(TinyServeConfig) if f.name not in NOT_SELECTION]
 PRESENT = [c for c, (module, _) in cli.COMMANDS.items() if (ROOT / "bench" / f"{module}.py").exists()]
 
