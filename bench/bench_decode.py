@@ -589,6 +589,17 @@ def plot(rows: List[dict], path: str) -> None:
     plt.close(fig)
 
 
+def _json_object(ap: argparse.ArgumentParser, text: str, flag: str) -> dict:
+    """``text`` parsed as a JSON object, or a usage error naming ``flag``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        ap.error(f"{flag} is not JSON: {e}")
+    if not isinstance(value, dict):
+        ap.error(f"{flag} must be a JSON object")
+    return value
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
@@ -639,18 +650,8 @@ def main(argv=None):
         a.contexts, a.steps, a.rounds, a.warmup = [2048], 4, 2, 2
     if a.threads:
         torch.set_num_threads(a.threads)
-    try:
-        options = json.loads(a.options)
-    except json.JSONDecodeError as e:
-        ap.error(f"--options is not JSON: {e}")
-    if not isinstance(options, dict):
-        ap.error("--options must be a JSON object")
-    try:
-        inductor_options = json.loads(a.inductor_options)
-    except json.JSONDecodeError as e:
-        ap.error(f"--inductor-options is not JSON: {e}")
-    if not isinstance(inductor_options, dict):
-        ap.error("--inductor-options must be a JSON object")
+    options = _json_object(ap, a.options, "--options")
+    inductor_options = _json_object(ap, a.inductor_options, "--inductor-options")
     import torch._inductor.config as inductor_config
 
     unknown = sorted(set(inductor_options) - set(inductor_config.get_config_copy()))

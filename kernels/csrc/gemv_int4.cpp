@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -45,6 +46,48 @@ inline void store_rows(const float (&acc)[M][BLOCK_N], const c10::BFloat16* bias
     for (int r = 0; r < BLOCK_N; ++r)
       y[m * N + n0 + r] = c10::BFloat16(acc[m][r] + (bias ? static_cast<float>(bias[n0 + r]) : 0.f));
 }
+
+// activation rows [m0, m0 + Mc) of every block in [b0, b1), at most 4 rows at once so that the sums stay in
+// registers: block(std::integral_constant<int, Mc>, x rows, their group sums, y rows, block index)
+template <typename T, typename Block>
+void by_row_groups(const T* x, const float* xsum, c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t G,
+                   int64_t b0, int64_t b1, const Block& block) {
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const T* xm = x + m0 * K;
+      const float* sm = xsum + m0 * G;
+      c10::BFloat16* ym = y + m0 * N;
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: block(std::integral_constant<int, 1>{}, xm, sm, ym, b); break;
+        case 2: block(std::integral_constant<int, 2>{}, xm, sm, ym, b); break;
+        case 3: block(std::integral_constant<int, 3>{}, xm, sm, ym, b); break;
+        default: block(std::integral_constant<int, 4>{}, xm, sm, ym, b); break;
+      }
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// acc[m][r] += scale_r * aq[m][r] + (zero_r - offset * scale_r) * xsum[m, g] for the 64 rows n0.. of group g, with
+// aq the group's dot products of codes read as (q + offset); scale and zero are bf16 pairs, scale in the low half
+template <int M>
+inline void apply_group(float (&acc)[M][BLOCK_N], const __m512 (&aq)[M][4], const c10::BFloat16* sz,
+                        const float* xsum, int64_t g, int64_t G, int64_t N, int64_t n0, float offset) {
+  const uint32_t* pz = reinterpret_cast<const uint32_t*>(sz + (g * N + n0) * 2);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(pz + 16 * i);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
+    const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(offset), s, z);
+    for (int m = 0; m < M; ++m) {
+      __m512 a = _mm512_loadu_ps(acc[m] + 16 * i);
+      a = _mm512_fmadd_ps(s, aq[m][i], a);
+      a = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * G + g]), a);
+      _mm512_storeu_ps(acc[m] + 16 * i, a);
+    }
+  }
+}
+#endif
 
 // One block of 64 output rows for activation rows [0, M) of x (bf16 widened to fp32 [M, K]), on CPUs without
 // AVX512-BF16 (or VBMI); xsum [M, G] holds each group's
@@ -78,20 +121,8 @@ void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::
         for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_fmadd_ps(w[i], xb, aq[m][i]);
       }
     }
-    // ---- stage 2: scale and zero of the group's 64 rows (bf16 pairs: scale low half, zero high half)
-    const uint32_t* pz = reinterpret_cast<const uint32_t*>(sz + (g * N + n0) * 2);
-    for (int i = 0; i < 4; ++i) {
-      const __m512i v = _mm512_loadu_si512(pz + 16 * i);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
-      const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // zero - 8 scale
-      for (int m = 0; m < M; ++m) {
-        __m512 a = _mm512_loadu_ps(acc[m] + 16 * i);
-        a = _mm512_fmadd_ps(s, aq[m][i], a);
-        a = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * G + g]), a);
-        _mm512_storeu_ps(acc[m] + 16 * i, a);
-      }
-    }
+    // ---- stage 2: scale and zero of the group's 64 rows (codes read as q)
+    apply_group<M>(acc, aq, sz, xsum, g, G, N, n0, 8.f);
 #else
     // ---- portable path: the same sums, one row at a time
     for (int j = 0; j < 32; ++j) {
@@ -162,61 +193,29 @@ void int4_block_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q
         for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_dpbf16_ps(aq[m][i], w[i], xb);
       }
     }
-    // ---- stage 2: scale and zero of the group's 64 rows (bf16 pairs: scale low half, zero high half)
-    const uint32_t* pz = reinterpret_cast<const uint32_t*>(sz + (g * N + n0) * 2);
-    for (int i = 0; i < 4; ++i) {
-      const __m512i v = _mm512_loadu_si512(pz + 16 * i);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
-      const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, z);  // zero - 136 scale
-      for (int m = 0; m < M; ++m) {
-        __m512 a = _mm512_loadu_ps(acc[m] + 16 * i);
-        a = _mm512_fmadd_ps(s, aq[m][i], a);
-        a = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * G + g]), a);
-        _mm512_storeu_ps(acc[m] + 16 * i, a);
-      }
-    }
+    // ---- stage 2: scale and zero of the group's 64 rows (codes read as the bf16 number 128 + q)
+    apply_group<M>(acc, aq, sz, xsum, g, G, N, n0, 136.f);
   }
   store_rows<M>(acc, bias, y, N, n0);
 }
 
 void int4_blocks_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
     const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
-  const int64_t G = K / gs;
-  for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const c10::BFloat16* xm = x + m0 * K;
-      const float* sm = xsum + m0 * G;
-      c10::BFloat16* ym = y + m0 * N;
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 1: int4_block_bf16<1>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
-        case 2: int4_block_bf16<2>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
-        case 3: int4_block_bf16<3>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
-        default: int4_block_bf16<4>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
-      }
-    }
-  }
+  by_row_groups(x, xsum, y, M, K, N, K / gs, b0, b1,
+                [&](auto mc, const c10::BFloat16* xm, const float* sm, c10::BFloat16* ym, int64_t b) {
+                  int4_block_bf16<decltype(mc)::value>(xm, sm, q, sz, bias, ym, K, N, gs, b);
+                });
 }
 #endif
 
-// activation rows [m0, m0 + Mc) of every block in [b0, b1): at most 4 rows at once keep the sums in registers
+// activation rows of every block in [b0, b1) through the fp32 block kernel
 void int4_blocks(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
     const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
                  int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
-  const int64_t G = K / gs;
-  for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const float* xm = x + m0 * K;
-      const float* sm = xsum + m0 * G;
-      c10::BFloat16* ym = y + m0 * N;
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 1: int4_block<1>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
-        case 2: int4_block<2>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
-        case 3: int4_block<3>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
-        default: int4_block<4>(xm, sm, q, sz, bias, ym, K, N, gs, b); break;
-      }
-    }
-  }
+  by_row_groups(x, xsum, y, M, K, N, K / gs, b0, b1,
+                [&](auto mc, const float* xm, const float* sm, c10::BFloat16* ym, int64_t b) {
+                  int4_block<decltype(mc)::value>(xm, sm, q, sz, bias, ym, K, N, gs, b);
+                });
 }
 
 // ATen's own kernel, the same call torchao makes: every case the GEMV does not take
