@@ -114,11 +114,9 @@ def _why_not(node: fx.Node):
         fb = fake(b)
         if fb is None or fb.dtype != fw.dtype or fb.dim() != 1:
             return "bias"
-    if any(not isinstance(s, int) for s in fx_.shape):
+    rows = _rows(fx_)
+    if rows is None:
         return "symbolic rows"
-    rows = 1
-    for s in fx_.shape[:-1]:
-        rows *= s
     if rows > GEMV_MAX_ROWS or rows == 0:
         return f"rows > {GEMV_MAX_ROWS}"
     if fw.dtype == torch.bfloat16 and rows > GEMV_MAX_ROWS_BF16:
