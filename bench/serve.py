@@ -16,7 +16,9 @@ Providers
 ---------
 * ``stock-eager``: CB as shipped, attention ``sdpa`` (every decode step gathers every request's whole history);
 * ``stock-compiled``: the same with ``ContinuousBatchingConfig(varlen_compile_config=CompileConfig(backend=
-  "inductor"))`` (CB on CPU runs its varlen path; the block-table decode path is CUDA-only);
+  "inductor", dynamic=True))``: the compile config transformers itself picks for the varlen path at
+  ``default_compile_level=1`` (dynamic shapes, so that the growing KV length does not recompile; CB on CPU runs its
+  varlen path, the block-table decode path is CUDA-only);
 * ``tinyserve``: ``tinyserve_compile.enable_continuous_batching(model, options)``: each decode row attends to the
   tokens its own pages' bounds select (see :mod:`tinyserve_compile.continuous_batching`);
 * ``tinyserve-compiled``: the same with the compiled varlen path (the rest of the model through Inductor; the paged
@@ -33,6 +35,11 @@ it). ``stream_gbps`` is the read bandwidth measured in the same run; ``kv_floor_
 
 Differences from the seed paper's table: CPU (2 cores) instead of a GPU, one small model (SmolLM2-135M), tens of
 requests rather than 512-2048, and the baselines are transformers' CB, not vLLM, TGI or TensorRT-LLM.
+
+A provider still running after ``--timeout`` seconds of the timed run is stopped and keeps a row marked
+``timed_out``: its ``requests`` are those finished, its ``requests_per_s`` and ``tokens_per_s`` are upper bounds
+(every request, or every token, over the time it ran: the real figures are lower), and its latencies come from the
+finished requests only. A ratio against such a row is a lower bound.
 
 Outputs: a table on stdout, ``<out>/serve.json`` and ``.csv``, ``<out>/serve.png``; a progress bar on stderr.
 
@@ -133,7 +140,8 @@ def _configs(provider: str, args, max_len: int):
               num_blocks=args.users * (-(-max_len // CB_PAGE) + 1) + 4, use_async_batching=False,
               allow_block_sharing=False)
     if provider.endswith("compiled"):
-        cb.update(varlen_compile_config=CompileConfig(backend="inductor", mode=None, fullgraph=False),
+        # transformers' own default for the varlen path (default_compile_level=1): dynamic shapes, no fullgraph
+        cb.update(varlen_compile_config=CompileConfig(backend="inductor", mode=None, fullgraph=False, dynamic=True),
                   q_padding_interval_size=args.q_pad, kv_padding_interval_size=args.kv_pad)
     return gen, ContinuousBatchingConfig(**cb)
 
@@ -167,6 +175,7 @@ def run_provider(model, provider: str, requests: List[Request], args, progress=N
         inflight: Dict[str, tuple] = {}
         done: Dict[int, dict] = {}
         deadline = start + args.timeout
+        timed_out = False
         while pending or inflight:
             now = time.perf_counter() - start
             while pending and len(inflight) < args.users and pending[0].arrival <= now:
@@ -186,8 +195,10 @@ def run_provider(model, provider: str, requests: List[Request], args, progress=N
                 if progress is not None:
                     progress.update(1)
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"{provider}: {len(done)} of {len(requests)} requests done after {args.timeout} s")
-        wall = max(d["end"] for d in done.values()) - start
+                timed_out = True
+                break
+        # a timed-out run: every request (token) over the time it ran bounds its throughput from above
+        wall = time.perf_counter() - start if timed_out else max(d["end"] for d in done.values()) - start
     finally:
         manager.stop(block=True, timeout=60)
         model.destroy_cached_continuous_batching_manager()
@@ -198,8 +209,13 @@ def run_provider(model, provider: str, requests: List[Request], args, progress=N
     itl = [x for d in done.values() for x in d["itl"]]
     ttft = [d["ttft"] for d in done.values()]
     steps = c.get("cb_steps", 0)
-    row = dict(provider=provider, requests=len(done), wall_s=wall, warmup_s=warmup_s,
-               requests_per_s=len(done) / wall, tokens_per_s=n_tok / wall,
+    if timed_out:
+        print(f"{provider}: {len(done)} of {len(requests)} requests done after {args.timeout} s; its throughput "
+              f"is given as an upper bound", file=sys.stderr)
+    n_req = len(requests) if timed_out else len(done)
+    n_tok = len(requests) * args.new_tokens if timed_out else n_tok
+    row = dict(provider=provider, requests=len(done), timed_out=timed_out, wall_s=wall, warmup_s=warmup_s,
+               requests_per_s=n_req / wall, tokens_per_s=n_tok / wall,
                ttft_p50_s=_pct(ttft, 50), ttft_p99_s=_pct(ttft, 99), itl_p50_ms=_pct(itl, 50) * 1e3,
                itl_p99_ms=_pct(itl, 99) * 1e3,
                kv_bytes_per_step=c["cb_kv_bytes"] / steps if sparse and steps else float("nan"),
@@ -230,7 +246,10 @@ def table(rows: List[dict], stream_gbps: float) -> str:
     for r in rows:
         ratio = r["tokens_per_s"] / best["tokens_per_s"] if best else float("nan")
         kv = r["kv_bytes_per_step"]
-        lines.append(f"| {r['provider']} | {r['requests_per_s']:.3f} | {r['tokens_per_s']:.1f} | {ratio:.2f} | "
+        le = "<=" if r.get("timed_out") else ""  # a timed-out row's throughput is an upper bound
+        ge = ">=" if best is not None and best.get("timed_out") and r is not best else ""
+        lines.append(f"| {r['provider']}{' (timed out)' if le else ''} | {le}{r['requests_per_s']:.3f} | "
+                     f"{le}{r['tokens_per_s']:.1f} | {ge}{ratio:.2f} | "
                      f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['itl_p50_ms']:.0f} | {r['itl_p99_ms']:.0f} | "
                      f"{kv / 1e6:.1f} | {r['dense_kv_bytes_per_step'] / 1e6:.1f} | "
                      f"{kv / (stream_gbps * 1e9) * 1e3:.2f} | {r.get('same_tokens_as_stock')}/{r['requests']} |")
@@ -292,7 +311,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--q-pad", type=int, default=64, help="compiled providers: query padding interval")
     ap.add_argument("--kv-pad", type=int, default=4096, help="compiled providers: KV padding interval")
     ap.add_argument("--options", default="{}", help="tinyserve options as JSON (token_budget, page_size, ...)")
-    ap.add_argument("--timeout", type=float, default=7200, help="seconds per provider before giving up")
+    ap.add_argument("--timeout", type=float, default=7200,
+                    help="seconds per provider (warm-up, then the timed run) before it is stopped; a timed run that "
+                         "overruns keeps a row with upper bounds on its throughput")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests per prompt length, per provider")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="results/serve")
@@ -332,7 +353,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # tokens of the tinyserve providers against stock, request by request (equal when the budget covers them)
     ref = next((r["_tokens"] for r in rows if r["provider"].startswith("stock")), None)
     for r in rows:
-        r["same_tokens_as_stock"] = None if ref is None else sum(r["_tokens"][i] == ref[i] for i in ref)
+        r["same_tokens_as_stock"] = None if ref is None else sum(r["_tokens"].get(i) == ref[i] for i in ref)
     print(f"# {name}, {a.requests} requests, {a.users} users, Poisson interval {a.interval} s, prompts "
           f"{prompt_lens}, {a.new_tokens} new tokens, options {a.options}")
     print(table(rows, stream))

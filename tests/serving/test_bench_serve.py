@@ -27,3 +27,15 @@ def test_workload_is_seeded_poisson_with_the_given_lengths():
     gaps = [y.arrival - x.arrival for x, y in zip(a, a[1:])]
     assert a[0].arrival == 0 and min(gaps) >= 0
     assert 0.02 < sum(gaps) / len(gaps) < 0.1  # mean interval 0.05 s (50 draws)
+
+
+def test_a_provider_past_its_timeout_keeps_a_row_with_upper_bounds(tmp_path, capsys):
+    out = tmp_path / "serve"
+    # no warm-up and a timed run far shorter than 6 requests take: the run stops with a bounded row, no exception
+    assert main(["--quick", "--providers", "stock-eager", "--warmup", "0", "--timeout", "0.05",
+                 "--out", str(out)]) == 0
+    (row,) = json.loads((out / "serve.json").read_text())["rows"]
+    assert row["timed_out"] is True and row["requests"] < 6
+    assert row["requests_per_s"] == 6 / row["wall_s"]  # every request over the time it ran: an upper bound
+    assert row["tokens_per_s"] == 6 * 6 / row["wall_s"]
+    assert "stock-eager (timed out) | <=" in capsys.readouterr().out
