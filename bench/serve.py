@@ -39,7 +39,7 @@ requests rather than 512-2048, and the baselines are transformers' CB, not vLLM,
 A provider still running after ``--timeout`` seconds of the timed run is stopped and keeps a row marked
 ``timed_out``: its ``requests`` are those finished, its ``requests_per_s`` and ``tokens_per_s`` are upper bounds
 (every request, or every token, over the time it ran: the real figures are lower), and its latencies come from the
-finished requests only. A ratio against such a row is a lower bound.
+tokens generated before the stop (requests are streamed, so unfinished ones count too). A ratio against such a row is a lower bound.
 
 Outputs: a table on stdout, ``<out>/serve.json`` and ``.csv``, ``<out>/serve.png``; a progress bar on stderr.
 
@@ -174,29 +174,32 @@ def run_provider(model, provider: str, requests: List[Request], args, progress=N
         pending = list(requests)
         inflight: Dict[str, tuple] = {}
         done: Dict[int, dict] = {}
+        latest: Dict[str, object] = {}  # request id -> its latest streamed output
         deadline = start + args.timeout
         timed_out = False
         while pending or inflight:
             now = time.perf_counter() - start
             while pending and len(inflight) < args.users and pending[0].arrival <= now:
                 r = pending.pop(0)
+                # streamed, so that a request still running at a timeout has its tokens' timestamps so far
                 rid = manager.add_request(r.prompt, request_id=f"r{r.index}", max_new_tokens=args.new_tokens,
-                                          record_timestamps=True)
+                                          record_timestamps=True, streaming=True)
                 inflight[rid] = (r, start + r.arrival)
             res = manager.get_result(timeout=0.01)
-            if res is not None and res.is_finished() and res.request_id in inflight:
-                r, arrived = inflight.pop(res.request_id)
+            if res is not None and res.request_id in inflight:
                 if res.error is not None:
                     raise RuntimeError(f"{provider}: request {res.request_id} failed: {res.error}")
-                ts = list(res.timestamps or [])
-                done[r.index] = dict(ttft=ts[0] - arrived if ts else float("nan"),
-                                     itl=[b - a for a, b in zip(ts, ts[1:])], end=ts[-1] if ts else arrived,
-                                     tokens=list(res.generated_tokens))
-                if progress is not None:
-                    progress.update(1)
+                latest[res.request_id] = res
+                if res.is_finished():
+                    r, arrived = inflight.pop(res.request_id)
+                    done[r.index] = _figures(res, arrived)
+                    if progress is not None:
+                        progress.update(1)
             if time.perf_counter() > deadline:
                 timed_out = True
                 break
+        # latencies of the requests a timeout stopped: from the tokens they had streamed
+        running = [_figures(latest[rid], arrived) for rid, (r, arrived) in inflight.items() if rid in latest]
         # a timed-out run: every request (token) over the time it ran bounds its throughput from above
         wall = time.perf_counter() - start if timed_out else max(d["end"] for d in done.values()) - start
     finally:
@@ -206,8 +209,8 @@ def run_provider(model, provider: str, requests: List[Request], args, progress=N
             tc.disable_continuous_batching(model)
     c = dict(tc.counters)
     n_tok = sum(len(d["tokens"]) for d in done.values())
-    itl = [x for d in done.values() for x in d["itl"]]
-    ttft = [d["ttft"] for d in done.values()]
+    itl = [x for d in list(done.values()) + (running if timed_out else []) for x in d["itl"]]
+    ttft = [d["ttft"] for d in list(done.values()) + (running if timed_out else [])]
     steps = c.get("cb_steps", 0)
     if timed_out:
         print(f"{provider}: {len(done)} of {len(requests)} requests done after {args.timeout} s; its throughput "
@@ -223,6 +226,13 @@ def run_provider(model, provider: str, requests: List[Request], args, progress=N
                sparse_rows=c.get("cb_sparse_rows", 0), steps=steps)
     row["_tokens"] = {i: d["tokens"] for i, d in done.items()}
     return row
+
+
+def _figures(res, arrived: float) -> dict:
+    """Time to first token, inter-token latencies (s), last token time and tokens of one (streamed) output."""
+    ts = list(res.timestamps or [])
+    return dict(ttft=ts[0] - arrived if ts else float("nan"), itl=[b - a for a, b in zip(ts, ts[1:])],
+                end=ts[-1] if ts else arrived, tokens=list(res.generated_tokens))
 
 
 def _drain(manager, ids, deadline):
