@@ -35,8 +35,27 @@ def _erase_dead_chain(graph: fx.Graph, node) -> None:
         todo.extend(inputs)
 
 
+def _mask_and_valid_len(graph: fx.Graph, shared: dict, site, attn_mask, k: fx.Node, device):
+    """The mask and int64 ``[1]`` valid length a rewritten site passes to its op, inserted before ``site.node``.
+
+    A mask over a ``[:n]`` prefix read is padded to the cache length ("not attended" past n). Sites that read
+    one mask node with one prefix length and cache length (every layer of an HF model shares its decode mask)
+    share one valid length, inserted before the first of them (sites are visited in graph order, so it
+    precedes the others), instead of one reduction of the mask per site.
+    """
+    length = site.k_layout.full(fake(site.k_base))[2]
+    if attn_mask is None:  # no mask: the valid length is the keys read (a constant or a size, nothing to share)
+        return None, decode_valid_len(graph, k, None, site.kv_len, device)
+    key = (attn_mask, site.kv_len, length, device)
+    if key not in shared:
+        mask = pad_mask(graph, attn_mask, site.kv_len, length)
+        shared[key] = mask, decode_valid_len(graph, k, mask, site.kv_len, device)  # [1] int64
+    return shared[key]
+
+
 def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
     graph = gm.graph
+    shared = {}  # (mask node, prefix length, cache length, device) -> (mask, valid length) of sites sharing them
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     slots = gm.meta.get("tinyserve_bounds", [])
     for site in gm.meta.get("tinyserve_sites", []):
@@ -58,9 +77,7 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
             # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
             k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)
             v = cache_view(graph, site.v_base, site.v_perm, site.v_layout.batch, site.v_layout.batch_dim)
-            # a mask over a [:n] prefix read is padded to the cache length ("not attended" past n)
-            mask = pad_mask(graph, a["attn_mask"], site.kv_len, site.k_layout.full(fake(site.k_base))[2])
-            valid_len = decode_valid_len(graph, k, mask, site.kv_len, q.device)  # [1] int64
+            mask, valid_len = _mask_and_valid_len(graph, shared, site, a["attn_mask"], k, q.device)
             if query_aware:  # one call of the fused op
                 new = graph.call_function(
                     torch.ops.tinyserve.sparse_decode.default,
