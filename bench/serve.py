@@ -203,7 +203,11 @@ def run_provider(model, provider: str, requests: List[Request], args, progress=N
         # a timed-out run: every request (token) over the time it ran bounds its throughput from above
         wall = time.perf_counter() - start if timed_out else max(d["end"] for d in done.values()) - start
     finally:
-        manager.stop(block=True, timeout=60)
+        # a hard stop (a flushing stop would finish a timed-out run's requests first), waiting for the step in flight:
+        # the next provider must not share the model with a running generation thread
+        manager.stop(block=True, timeout=args.timeout, hard_stop=True)
+        if manager.is_running():
+            raise RuntimeError(f"{provider}: the generation thread did not stop within {args.timeout} s")
         model.destroy_cached_continuous_batching_manager()
         if sparse:
             tc.disable_continuous_batching(model)
