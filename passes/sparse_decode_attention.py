@@ -58,13 +58,14 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
     shared = {}  # (mask node, prefix length, cache length, device) -> (mask, valid length) of sites sharing them
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     slots = gm.meta.get("tinyserve_bounds", [])
+    replaced = {}  # an erased site node -> the op call that replaced it (a later site may read it, e.g. as its query)
     for site in gm.meta.get("tinyserve_sites", []):
         if site.status != "sparse":
             continue
         if site.positions is None:  # the write pass did not run for it: stay dense
             site.status, site.reason = "dense", "key-cache write was not rewritten"
             continue
-        a = site.args
+        a = {name: replaced.get(x, x) if isinstance(x, fx.Node) else x for name, x in site.args.items()}
         q = fake(a["query"])
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(int(q.shape[-1]))
         slot_i = next(i for i, sl in enumerate(slots) if sl.input_index == placeholders.index(site.k_base))
@@ -95,6 +96,7 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
         old_k, old_v = a["key"], a["value"]
         site.node.replace_all_uses_with(new)
         graph.erase_node(site.node)
+        replaced[site.node] = new
         _erase_dead_chain(graph, old_k)
         _erase_dead_chain(graph, old_v)
         site.node = new

@@ -345,3 +345,27 @@ def test_cache_write_op_takes_any_integer_positions(impl):
     assert len(calls) == (5 if impl == "torch" else 0), len(calls)  # the write ran through the path under test
 
 
+
+
+def two_layer_site(q, kbuf, vbuf, k, v, pos, mask, kbuf2, vbuf2):
+    """Two attention layers reading one mask (as every layer of an HF model reads its decode mask)."""
+    o = setitem_site(q, kbuf, vbuf, k, v, pos, mask)
+    return setitem_site(o, kbuf2, vbuf2, k, v, pos, mask)
+
+
+def test_sites_reading_one_mask_share_one_valid_length():
+    q, kbuf, vbuf, k, v, mask = _case(4)
+    kbuf2, vbuf2 = kbuf.flip(2).contiguous(), vbuf.flip(2).contiguous()
+    _check(two_layer_site, (q, kbuf, vbuf, k, v, torch.tensor([40]), mask), extra=(kbuf2, vbuf2), expect_sites=2)
+    graphs = []
+    real = tc.backend.record_graph
+    torch._dynamo.reset()
+    tc.reset()
+    with mock.patch.object(tc.backend, "record_graph", lambda gm, config: (graphs.append(gm), real(gm, config))):
+        torch.compile(two_layer_site, backend="tinyserve", options=SMALL)(
+            q, kbuf.clone(), vbuf.clone(), k, v, torch.tensor([40]), mask, kbuf2.clone(), vbuf2.clone())
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.tinyserve.sparse_decode.default]
+    amax = [n for n in gm.graph.nodes if n.target is torch.ops.aten.amax.default]
+    assert len(calls) == 2 and len(amax) == 1, gm.graph  # one reduction of the shared mask, not one per site
+    assert calls[0].args[6] is calls[1].args[6]  # the same valid length node feeds both sites
