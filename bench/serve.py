@@ -69,6 +69,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROVIDERS = ("stock-eager", "stock-compiled", "tinyserve", "tinyserve-compiled")
 #: CB page size: a multiple of tinyserve's default page size (8)
 CB_PAGE = 64
+#: seconds a provider's generation thread may take to finish its step in flight once stopped (a recompile takes minutes)
+STOP_WAIT_S = 600
 TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
 
@@ -205,9 +207,9 @@ def run_provider(model, provider: str, requests: List[Request], args, progress=N
     finally:
         # a hard stop (a flushing stop would finish a timed-out run's requests first), waiting for the step in flight:
         # the next provider must not share the model with a running generation thread
-        manager.stop(block=True, timeout=args.timeout, hard_stop=True)
+        manager.stop(block=True, timeout=STOP_WAIT_S, hard_stop=True)
         if manager.is_running():
-            raise RuntimeError(f"{provider}: the generation thread did not stop within {args.timeout} s")
+            raise RuntimeError(f"{provider}: the generation thread did not stop within {STOP_WAIT_S} s")
         model.destroy_cached_continuous_batching_manager()
         if sparse:
             tc.disable_continuous_batching(model)
