@@ -54,6 +54,8 @@ void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t 
       }
     }
     // ---- stage 2: lane sums, the scalar tail of K, the bias
+    alignas(64) float sums[R * M > FVS ? R * M : FVS];  // sums[r * M + m]: lanes of acc[r][m] added
+    bool summed = false;
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (R * M <= FVS) {
       // all R * M lane sums in one transpose-and-add (reduce_rows), not one horizontal sum each
@@ -61,21 +63,18 @@ void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t 
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) red[r * M + m] = acc[r][m];
       for (int i = R * M; i < FVS; ++i) red[i] = FVec(0.f);
-      alignas(64) float sums[FVS];
       reduce_rows(red).store(sums);
-      for (int r = 0; r < R; ++r) {
-        for (int m = 0; m < M; ++m) {
-          float s = sums[r * M + m];
-          for (int64_t k = kv; k < K; ++k) s += static_cast<float>(w[(n + r) * K + k]) * x[m * K + k];
-          y[m * N + n + r] = s + (bias ? bias[n + r] : 0.f);
-        }
-      }
-      continue;
+      summed = true;
     }
 #endif
+    if (!summed) {
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m)
+          sums[r * M + m] = at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return a + b; }, acc[r][m]);
+    }
     for (int r = 0; r < R; ++r) {
       for (int m = 0; m < M; ++m) {
-        float s = at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return a + b; }, acc[r][m]);
+        float s = sums[r * M + m];
         for (int64_t k = kv; k < K; ++k) s += static_cast<float>(w[(n + r) * K + k]) * x[m * K + k];
         y[m * N + n + r] = s + (bias ? bias[n + r] : 0.f);
       }
