@@ -779,3 +779,34 @@ def pad_mask(graph: fx.Graph, attn_mask: Optional[fx.Node], kv_len: Any, length:
         e = aten.full_like.default(aten.slice.Tensor(mt, -1, 0, 1), fill)
         out.meta["example_value"] = aten.cat.default([mt, aten.expand.default(e, [-1] * (mt.dim() - 1) + [length - n])], -1)
     return out
+
+
+def compact_mask(graph: fx.Graph, attn_mask: Optional[fx.Node]) -> Optional[fx.Node]:
+    """Insert one contiguous copy of ``attn_mask``, its broadcast (stride-0) leading dims narrowed to size 1.
+
+    The decode mask of an HF model is a view (an ``expand`` of a comparison), and Inductor materializes a view
+    that an extern kernel reads once per reader: 30 copies of the mask per step for 30 rewritten layers. Inductor
+    removes a ``clone`` whose metadata matches its input, so the copy is ``prims.inductor_force_stride_order``
+    (Inductor's own "copy unless it has these strides"): one buffer that every site reads (the ops broadcast a
+    ``[B, 1, 1, L]`` mask themselves). A mask with symbolic sizes is returned as is.
+    """
+    mt = fake(attn_mask) if attn_mask is not None else None
+    if mt is None or not all(isinstance(s, int) for s in mt.shape):
+        return attn_mask
+    import torch._inductor.inductor_prims  # noqa: F401  (defines prims.inductor_force_stride_order)
+
+    call = graph.call_function
+    aten = torch.ops.aten
+    out = attn_mask
+    narrow = [d for d in range(mt.dim() - 1) if mt.stride(d) == 0 and mt.shape[d] != 1]
+    for d in narrow:
+        out = call(aten.slice.Tensor, (out, d, 0, 1))
+    mode = getattr(mt, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        e = mt
+        for d in narrow:
+            e = aten.slice.Tensor(e, d, 0, 1)
+        e = e.contiguous()
+    out = call(torch.ops.prims.inductor_force_stride_order.default, (out, list(e.stride())))
+    out.meta["example_value"] = e
+    return out

@@ -19,7 +19,7 @@ from tinyserve_compile import runtime
 from tinyserve_compile.explain import counters
 from tinyserve_compile.kernels.spec import SelectionSpec
 
-from ._graph import cache_view, decode_valid_len, fake, is_inplace, pad_mask
+from ._graph import cache_view, compact_mask, decode_valid_len, fake, is_inplace, pad_mask
 
 __all__ = ["sparse_decode_attention"]
 
@@ -35,13 +35,14 @@ def _erase_dead_chain(graph: fx.Graph, node) -> None:
         todo.extend(inputs)
 
 
-def _mask_and_valid_len(graph: fx.Graph, shared: dict, site, attn_mask, k: fx.Node, device):
+def _mask_and_valid_len(graph: fx.Graph, shared: dict, site, attn_mask, k: fx.Node, device, lower: str):
     """The mask and int64 ``[1]`` valid length a rewritten site passes to its op, inserted before ``site.node``.
 
     A mask over a ``[:n]`` prefix read is padded to the cache length ("not attended" past n). Sites that read
     one mask node with one prefix length and cache length (every layer of an HF model shares its decode mask)
     share one valid length, inserted before the first of them (sites are visited in graph order, so it
-    precedes the others), instead of one reduction of the mask per site.
+    precedes the others), instead of one reduction of the mask per site. Lowered by Inductor, they also share
+    one contiguous copy of the mask (:func:`compact_mask`) instead of one copy per site.
     """
     length = site.k_layout.full(fake(site.k_base))[2]
     if attn_mask is None:  # no mask: the valid length is the keys read (a constant or a size, nothing to share)
@@ -49,6 +50,8 @@ def _mask_and_valid_len(graph: fx.Graph, shared: dict, site, attn_mask, k: fx.No
     key = (attn_mask, site.kv_len, length, device)
     if key not in shared:
         mask = pad_mask(graph, attn_mask, site.kv_len, length)
+        if lower == "inductor":
+            mask = compact_mask(graph, mask)  # one buffer for every site, not one copy per site
         shared[key] = mask, decode_valid_len(graph, k, mask, site.kv_len, device)  # [1] int64
     return shared[key]
 
@@ -78,7 +81,7 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
             # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
             k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)
             v = cache_view(graph, site.v_base, site.v_perm, site.v_layout.batch, site.v_layout.batch_dim)
-            mask, valid_len = _mask_and_valid_len(graph, shared, site, a["attn_mask"], k, q.device)
+            mask, valid_len = _mask_and_valid_len(graph, shared, site, a["attn_mask"], k, q.device, config.lower)
             if query_aware:  # one call of the fused op
                 new = graph.call_function(
                     torch.ops.tinyserve.sparse_decode.default,

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tinyserve_compile as tc
-from helpers import prompt, worst
+from helpers import hf_decode, prompt, worst
 from models import VOCAB, gpt_fast_model
 from tinyserve_compile import runtime
 from tinyserve_compile.testing import reference_sparse_attention
@@ -369,3 +369,48 @@ def test_sites_reading_one_mask_share_one_valid_length():
     amax = [n for n in gm.graph.nodes if n.target is torch.ops.aten.amax.default]
     assert len(calls) == 2 and len(amax) == 1, gm.graph  # one reduction of the shared mask, not one per site
     assert calls[0].args[6] is calls[1].args[6]  # the same valid length node feeds both sites
+
+
+def _op_call_args(code: str, op: str) -> list:
+    """The argument lists (as source strings) of every call of ``op`` in Inductor's generated wrapper code."""
+    calls = []
+    for start in [i + len(op) + 1 for i in range(len(code)) if code.startswith(op + "(", i)]:
+        args, depth, cur = [], 0, ""
+        for ch in code[start:]:
+            if ch == ")" and depth == 0:
+                break
+            depth += ch in "([{"
+            depth -= ch in ")]}"
+            if ch == "," and depth == 0:
+                args.append(cur.strip())
+                cur = ""
+            else:
+                cur += ch
+        calls.append(args + [cur.strip()])
+    return calls
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_inductor_copies_a_shared_decode_mask_once_not_once_per_site(batch):
+    """HF's decode mask is a view that every layer reads; Inductor materialized it once per rewritten site (30
+    copies of the mask per SmolLM2 step). Every site now reads one buffer, and the tokens match eager."""
+    from torch._inductor.utils import run_and_get_code
+    from models import hf_model
+
+    model = hf_model("llama")
+    ids = prompt(40, batch=batch)
+    mask = torch.ones(batch, 40, dtype=torch.long)
+    mask[1:, :7] = 0  # the second row is left padded
+    kw = {"attention_mask": mask} if batch > 1 else {}
+    want, want_logits, _ = hf_decode(model, model, ids, 3, **kw)
+    torch._dynamo.reset()
+    tc.reset()
+    step = torch.compile(model, backend="tinyserve", options={"dense_layers": 0, "token_budget": 512, "page_size": 8})
+    (got, logits, _), code = run_and_get_code(hf_decode, model, step, ids, 3, **kw)
+    calls = [_op_call_args(c, "torch.ops.tinyserve.sparse_decode.default") for c in code]
+    calls = [c for c in calls if c]  # per compiled graph (the growing 2D mask recompiles once, dynamic)
+    assert tc.counters["rewritten"] == 4 * len(calls) and all(len(c) == 4 for c in calls), tc.explain()
+    for c in calls:
+        assert len({args[7] for args in c}) == 1, c  # one mask buffer for the four sites
+    assert torch.equal(got, want)
+    torch.testing.assert_close(logits, want_logits, atol=2e-4, rtol=1e-4)
