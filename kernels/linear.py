@@ -13,12 +13,12 @@ other devices, the native module unavailable) runs ``F.linear``.
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "linear_int4", "dequantize_int4pack", "load_native_linear", "native_linear_reason",
+__all__ = ["linear", "linear_int4", "linear_group", "linear_int4_group", "dequantize_int4pack", "load_native_linear", "native_linear_reason",
            "int4_layout_problem", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_BF16", "INT4_BLOCK_N"]
 
 #: the most activation rows (product of ``x``'s leading dimensions) the GEMV takes (``GEMV_MAX_ROWS`` of gemv.h)
@@ -72,6 +72,85 @@ _lib.impl("linear_int4", _linear_int4_fallback, "CompositeExplicitAutograd")
 @torch.library.register_fake("tinyserve::linear_int4", lib=_lib)
 def _(x, qdata, scale_and_zero, group_size, out_features, bias=None):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+# Grouped forms: the linears of one layer that read the same activation (q, k and v; gate and up), without bias,
+# in one call and one parallel region. Results in the order of the weights.
+_lib.define("linear_group(Tensor x, Tensor[] weights) -> Tensor[]")
+
+
+def _linear_group_fallback(x: torch.Tensor, weights: List[torch.Tensor]) -> List[torch.Tensor]:
+    return [F.linear(x, w) for w in weights]
+
+
+_lib.impl("linear_group", _linear_group_fallback, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinyserve::linear_group", lib=_lib)
+def _(x, weights):
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+_lib.define("linear_int4_group(Tensor x, Tensor[] qdata, Tensor[] scale_and_zero, int group_size, "
+            "int[] out_features) -> Tensor[]")
+
+
+def _linear_int4_group_fallback(x, qdata, scale_and_zero, group_size: int, out_features: List[int]):
+    if not len(qdata) == len(scale_and_zero) == len(out_features):
+        raise ValueError(f"linear_int4_group: qdata, scale_and_zero and out_features need one entry per weight, got "
+                         f"{len(qdata)}, {len(scale_and_zero)} and {len(out_features)}")
+    return [_linear_int4_fallback(x, q, sz, group_size, n) for q, sz, n in zip(qdata, scale_and_zero, out_features)]
+
+
+_lib.impl("linear_int4_group", _linear_int4_group_fallback, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinyserve::linear_int4_group", lib=_lib)
+def _(x, qdata, scale_and_zero, group_size, out_features):
+    return [x.new_empty((*x.shape[:-1], n)) for n in out_features]
+
+
+def linear_group(x: torch.Tensor, weights: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``[F.linear(x, w) for w in weights]`` through ``tinyserve::linear_group``: one call, one parallel region.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., K]`` activations, fp32 or bf16 for the GEMV.
+    weights : list of torch.Tensor
+        ``[N_i, K]`` each, of ``x``'s dtype.
+
+    Returns
+    -------
+    list of torch.Tensor
+        ``[..., N_i]`` each, in ``x``'s dtype.
+    """
+    return torch.ops.tinyserve.linear_group(x, weights)
+
+
+def linear_int4_group(x: torch.Tensor, qdata: List[torch.Tensor], scale_and_zero: List[torch.Tensor], group_size: int,
+                      out_features: List[int]) -> List[torch.Tensor]:
+    """:func:`linear_int4` (no bias) of several int4 weights that read one ``x``, in one call.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., K]`` bf16 activations for the GEMV.
+    qdata : list of torch.Tensor
+        ``[N_i, K / 2]`` uint8 each (see :func:`linear_int4`).
+    scale_and_zero : list of torch.Tensor
+        ``[K / group_size, N_i, 2]`` bf16 each.
+    group_size : int
+        Input channels per scale/zero pair, shared by the weights.
+    out_features : list of int
+        ``N_i``.
+
+    Returns
+    -------
+    list of torch.Tensor
+        ``[..., N_i]`` each, in ``x``'s dtype.
+    """
+    return torch.ops.tinyserve.linear_int4_group(x, qdata, scale_and_zero, group_size, out_features)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -184,6 +263,21 @@ def _self_check(lib) -> Optional[str]:
             err = float((lib.linear_int4_rows(x, packed, sz, 32, N, None).float() - want).abs().max())
             if not err <= 2e-2 * max(1.0, float(want.abs().max())):
                 return f"linear_int4_rows differs from the dequantized weight by {err:.3g} ({rows}x{K} @ {N}x{K})"
+    # the grouped forms against the single ones (the same row and block kernels, one parallel region)
+    x = torch.randn(3, 64, generator=gen)
+    ws = [torch.randn(n, 64, generator=gen) for n in (40, 9)]
+    if not all(torch.equal(a, lib.linear_rows(x, w, None)) for a, w in zip(lib.linear_group_rows(x, ws), ws)):
+        return "linear_group_rows differs from linear_rows"
+    if int4_layout_problem() is None:
+        x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
+        qs = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.randint(0, 16, (n, 64), dtype=torch.int32, generator=gen), 1) for n in (64, 128)]
+        szs = [torch.stack([torch.rand(2, n, generator=gen) * 0.1, torch.randn(2, n, generator=gen) * 0.1],
+                           -1).to(torch.bfloat16) for n in (64, 128)]
+        got = lib.linear_int4_group_rows(x, qs, szs, 32, [64, 128])
+        if not all(torch.equal(a, lib.linear_int4_rows(x, q, sz, 32, q.shape[0], None))
+                   for a, q, sz in zip(got, qs, szs)):
+            return "linear_int4_group_rows differs from linear_int4_rows"
     return None
 
 

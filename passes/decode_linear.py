@@ -12,13 +12,16 @@ A linear whose weight is torchao's ``Int4OpaqueTensor`` (weight-only int4, ``Pro
 becomes ``tinyserve::linear_int4``, the native int4 GEMV over the subclass's own packed data (``qdata`` and
 ``scale_and_zero``, read with ``getattr`` in the graph), under the same row, device and grad conditions, when
 ATen packs int4 weights in the layout the GEMV reads, the output features are a multiple of 64, and the
-activations and scales are bf16. The counts go to ``counters``
-(``linear_rewritten``, ``linear_int4_rewritten``, ``linear_kept:<reason>``) and to
+activations and scales are bf16. Bias-free linears of one kind that read the same ``x`` (a layer's q, k and v
+projections; gate and up) become one ``tinyserve::linear_group`` or ``tinyserve::linear_int4_group`` call: one
+call and one parallel region for all of them. The counts go to ``counters``
+(``linear_rewritten``, ``linear_int4_rewritten``, ``linear_grouped``, ``linear_kept:<reason>``) and to
 ``gm.meta["tinyserve_linears"]`` for
 :func:`~tinyserve_compile.explain`.
 """
 from __future__ import annotations
 
+import operator
 import sys
 from collections import Counter
 
@@ -34,6 +37,8 @@ from ._graph import fake
 
 __all__ = ["decode_linear"]
 
+#: group bias-free linears that share an input into one call (False: one call per linear, for A/B measurements)
+GROUP_SHARED_INPUTS = True
 #: call targets of a linear in a dynamo graph
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
@@ -124,10 +129,57 @@ def _why_not(node: fx.Node):
     return None
 
 
+def _linear_args(node: fx.Node):
+    """``(x, weight, bias)`` of a linear node."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return args[0], args[1], node.kwargs.get("bias", args[2])
+
+
+def _int4_parts(graph: fx.Graph, w: fx.Node, fw):
+    """``getattr`` nodes of an ``Int4OpaqueTensor`` weight's packed codes ``[N, K/2]`` uint8 and scales/zeros
+    ``[K/gs, N, 2]`` bf16, inserted at the graph's insertion point."""
+    qdata = graph.call_function(getattr, (w, "qdata"))
+    qdata.meta["example_value"] = fw.qdata
+    sz = graph.call_function(getattr, (w, "scale_and_zero"))
+    sz.meta["example_value"] = fw.scale_and_zero
+    return qdata, sz
+
+
+def _rewrite_group(graph: fx.Graph, members, report) -> None:
+    """Replace bias-free linears that read one ``x`` (q, k and v; gate and up) by one grouped call.
+
+    ``tinyserve::linear_group`` or ``tinyserve::linear_int4_group`` runs every weight in one parallel region: one
+    call and one fork/join where there were ``len(members)``. Inserted before the first member (its ``x`` and
+    weights are defined there), each member's uses read its item of the result.
+    """
+    x = _linear_args(members[0])[0]
+    weights = [_linear_args(n)[1] for n in members]
+    fws = [fake(w) for w in weights]
+    with graph.inserting_before(members[0]):
+        if _is_int4_opaque(fws[0]):
+            parts = [_int4_parts(graph, w, fw) for w, fw in zip(weights, fws)]
+            call = graph.call_function(torch.ops.tinyserve.linear_int4_group.default,
+                                       (x, [q for q, _ in parts], [sz for _, sz in parts], int(fws[0].block_size[1]),
+                                        [int(fw.shape[0]) for fw in fws]))  # [[..., N_i]]
+            report["int4"] += len(members)
+        else:
+            call = graph.call_function(torch.ops.tinyserve.linear_group.default, (x, weights))  # [[..., N_i]]
+        call.meta["example_value"] = [fake(n) for n in members]
+        for i, n in enumerate(members):
+            item = graph.call_function(operator.getitem, (call, i))
+            item.meta.update(n.meta)
+            n.replace_all_uses_with(item)
+    for n in members:
+        graph.erase_node(n)
+    report["rewritten"] += len(members)
+    report["grouped"] += len(members)
+    report["groups"] += 1
+
+
 def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
     graph = gm.graph
     linears = [n for n in graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS]
-    report = {"rewritten": 0, "int4": 0, "kept": Counter(), "reason": None}
+    report = {"rewritten": 0, "int4": 0, "grouped": 0, "groups": 0, "kept": Counter(), "reason": None}
     gm.meta["tinyserve_linears"] = report
     if not linears:
         return gm
@@ -148,17 +200,24 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
         report["reason"] = f"native GEMV unavailable: {native_linear_reason()}"
         report["kept"]["native GEMV unavailable"] += len(candidates)
         candidates = []
+    groups = {}  # (x, kind, dtype or group size) -> the bias-free linears reading x, in graph order
     for n in candidates:
-        args = list(n.args) + [None] * (3 - len(n.args))
-        x, w, b = args[0], args[1], n.kwargs.get("bias", args[2])
+        x, w, b = _linear_args(n)
+        fw = fake(w)
+        if b is None and GROUP_SHARED_INPUTS:
+            groups.setdefault((x, "int4", int(fw.block_size[1])) if _is_int4_opaque(fw) else (x, "gemv", fw.dtype), []).append(n)
+    for members in groups.values():
+        if len(members) > 1:
+            _rewrite_group(graph, members, report)
+    grouped = {n for members in groups.values() if len(members) > 1 for n in members}
+    for n in candidates:
+        if n in grouped:
+            continue
+        x, w, b = _linear_args(n)
         fw = fake(w)
         with graph.inserting_before(n):
             if _is_int4_opaque(fw):
-                # the subclass's packed codes [N, K/2] uint8 and scales/zeros [K/gs, N, 2] bf16
-                qdata = graph.call_function(getattr, (w, "qdata"))
-                qdata.meta["example_value"] = fw.qdata
-                sz = graph.call_function(getattr, (w, "scale_and_zero"))
-                sz.meta["example_value"] = fw.scale_and_zero
+                qdata, sz = _int4_parts(graph, w, fw)
                 new = graph.call_function(torch.ops.tinyserve.linear_int4.default,
                                           (x, qdata, sz, int(fw.block_size[1]), int(fw.shape[0]), b))  # [..., N]
                 report["int4"] += 1
@@ -170,6 +229,7 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
         report["rewritten"] += 1
     counters["linear_rewritten"] += report["rewritten"]
     counters["linear_int4_rewritten"] += report["int4"]
+    counters["linear_grouped"] += report["grouped"]
     for why, k in report["kept"].items():
         counters[f"linear_kept:{why}"] += k
     if candidates:

@@ -44,7 +44,7 @@ def record_graph(gm, config) -> None:
     lin = gm.meta.get("tinyserve_linears")
     if lin is not None:  # passes/decode_linear.py: linears now the native GEMV, the rest with why
         info["linears"] = {"rewritten": lin["rewritten"], "int4": lin.get("int4", 0), "kept": dict(lin["kept"]),
-                           "reason": lin["reason"]}
+                           "reason": lin["reason"], "grouped": lin.get("grouped", 0), "groups": lin.get("groups", 0)}
     _GRAPHS.append(info)
 
 
@@ -76,6 +76,7 @@ class ExplainReport:
                 kept = ", ".join(f"{k}: {v}" for k, v in sorted(lin["kept"].items()))
                 lines.append(f"  graph {g['graph']} linears: {lin['rewritten']} to the native GEMV"
                              + (f" ({lin['int4']} int4)" if lin.get("int4") else "")
+                             + (f", {lin['grouped']} of them in {lin['groups']} shared-input calls" if lin.get("groups") else "")
                              + (f", kept in ATen ({kept})" if kept else "")
                              + (f"; {lin['reason']}" if lin["reason"] else ""))
         cb = {k: v for k, v in c.items() if k.startswith("cb_")}

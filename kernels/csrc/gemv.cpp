@@ -124,6 +124,38 @@ void gemv(const float* x, const W* w, const float* bias, float* y, int64_t M, in
   }
 }
 
+// ---- several weights [N_i, K] that read one x: one parallel region over all their rows, so that a layer's q, k
+// and v (or gate and up) projections cost one call and one fork/join instead of one each
+template <typename W, int M>
+void gemv_group_m(const float* x, const std::vector<const W*>& w, const std::vector<int64_t>& N,
+                  const std::vector<float*>& y, int64_t K) {
+  constexpr int R = rows_per_group<M>();
+  std::vector<int64_t> start(N.size() + 1, 0);  // weight i holds rows [start[i], start[i + 1]) of the union
+  for (size_t i = 0; i < N.size(); ++i) start[i + 1] = start[i] + N[i];
+  const int64_t grain = std::max<int64_t>(R, MIN_TASK_BYTES / std::max<int64_t>(1, K * int64_t(sizeof(W))));
+  at::parallel_for(0, start.back(), grain, [&](int64_t a, int64_t b) {
+    for (size_t i = 0; i < N.size(); ++i) {
+      const int64_t lo = std::max(a, start[i]), hi = std::min(b, start[i + 1]);
+      if (lo < hi) gemv_rows<W, M, R>(x, w[i], nullptr, y[i], K, N[i], lo - start[i], hi - start[i]);
+    }
+  });
+}
+
+template <typename W>
+void gemv_group(const float* x, const std::vector<const W*>& w, const std::vector<int64_t>& N,
+                const std::vector<float*>& y, int64_t M, int64_t K) {
+  switch (M) {
+    case 1: return gemv_group_m<W, 1>(x, w, N, y, K);
+    case 2: return gemv_group_m<W, 2>(x, w, N, y, K);
+    case 3: return gemv_group_m<W, 3>(x, w, N, y, K);
+    case 4: return gemv_group_m<W, 4>(x, w, N, y, K);
+    case 5: return gemv_group_m<W, 5>(x, w, N, y, K);
+    case 6: return gemv_group_m<W, 6>(x, w, N, y, K);
+    case 7: return gemv_group_m<W, 7>(x, w, N, y, K);
+    default: return gemv_group_m<W, 8>(x, w, N, y, K);
+  }
+}
+
 std::unique_ptr<torch::Library> linear_library;
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -133,6 +165,15 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
 at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scale_and_zero,
                            int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
   return linear_int4_rows(x, qdata, scale_and_zero, group_size, out_features, bias);
+}
+
+std::vector<at::Tensor> linear_group_cpu(const at::Tensor& x, at::TensorList weights) {
+  return linear_group_rows(x, weights);
+}
+
+std::vector<at::Tensor> linear_int4_group_cpu(const at::Tensor& x, at::TensorList qdata, at::TensorList scale_and_zero,
+                                              int64_t group_size, at::IntArrayRef out_features) {
+  return linear_int4_group_rows(x, qdata, scale_and_zero, group_size, out_features);
 }
 
 }  // namespace
@@ -171,12 +212,50 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std:
   return y.to(x.scalar_type()).view(shape);  // [..., N] in x's dtype
 }
 
+std::vector<at::Tensor> linear_group_rows(const at::Tensor& x, at::TensorList weights) {
+  TORCH_CHECK(!weights.empty(), "linear_group: weights must not be empty");
+  bool gemv_ok = true;
+  for (const auto& w : weights) gemv_ok = gemv_ok && gemv_applies(x, w, std::nullopt) && w.scalar_type() == weights[0].scalar_type();
+  std::vector<at::Tensor> out;
+  if (!gemv_ok) {  // any other case: one ATen linear per weight
+    for (const auto& w : weights) out.push_back(at::linear(x, w));
+    return out;
+  }
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();  // [M, K] fp32, widened once for the group
+  std::vector<int64_t> N;
+  std::vector<at::Tensor> ys;
+  std::vector<float*> yp;
+  for (const auto& w : weights) {
+    N.push_back(w.size(0));
+    ys.push_back(at::empty({M, w.size(0)}, x.options().dtype(at::kFloat)));  // [M, N_i] fp32
+    yp.push_back(ys.back().data_ptr<float>());
+  }
+  if (weights[0].scalar_type() == at::kFloat) {
+    std::vector<const float*> wp;
+    for (const auto& w : weights) wp.push_back(w.data_ptr<float>());
+    gemv_group<float>(xf.data_ptr<float>(), wp, N, yp, M, K);
+  } else {
+    std::vector<const c10::BFloat16*> wp;
+    for (const auto& w : weights) wp.push_back(w.data_ptr<c10::BFloat16>());
+    gemv_group<c10::BFloat16>(xf.data_ptr<float>(), wp, N, yp, M, K);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  for (size_t i = 0; i < ys.size(); ++i) {
+    shape.back() = N[i];
+    out.push_back(ys[i].to(x.scalar_type()).view(shape));  // [..., N_i] in x's dtype
+  }
+  return out;
+}
+
 void register_linear_kernel() {
   if (linear_library) return;  // once per process
   linear_library = std::make_unique<torch::Library>(torch::Library::IMPL, "tinyserve", c10::DispatchKey::CPU,
                                                     __FILE__, __LINE__);
   linear_library->impl("linear", TORCH_FN(linear_cpu));
   linear_library->impl("linear_int4", TORCH_FN(linear_int4_cpu));
+  linear_library->impl("linear_group", TORCH_FN(linear_group_cpu));
+  linear_library->impl("linear_int4_group", TORCH_FN(linear_int4_group_cpu));
 }
 
 }  // namespace tinyserve_native

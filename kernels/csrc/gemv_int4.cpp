@@ -244,6 +244,76 @@ bool int4_gemv_applies(const at::Tensor& x, const at::Tensor& qdata, const at::T
   return M >= 1 && M <= INT4_GEMV_MAX_ROWS;
 }
 
+namespace {
+// x [M, K] bf16 (contiguous) and its per-group sums [M, G] fp32 (a few KB, on the calling thread)
+std::vector<float> group_sums(const c10::BFloat16* xbp, int64_t M, int64_t K, int64_t gs) {
+  const int64_t G = K / gs;
+  std::vector<float> xsum(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) s += static_cast<float>(xbp[m * K + k]);
+      xsum[m * G + g] = s;
+    }
+  return xsum;
+}
+}  // namespace
+
+std::vector<at::Tensor> linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at::TensorList scale_and_zero,
+                                               int64_t group_size, at::IntArrayRef out_features) {
+  const size_t n = qdata.size();
+  TORCH_CHECK(n > 0 && scale_and_zero.size() == n && out_features.size() == n,
+              "linear_int4_group: qdata, scale_and_zero and out_features need one entry per weight, got ", n, ", ",
+              scale_and_zero.size(), " and ", out_features.size());
+  TORCH_CHECK(x.dim() >= 1, "linear_int4_group: x must have at least one dimension");
+  const int64_t gs = group_size;
+  bool ok = true;
+  for (size_t i = 0; i < n; ++i) ok = ok && int4_gemv_applies(x, qdata[i], scale_and_zero[i], gs, out_features[i]);
+  std::vector<at::Tensor> out;
+  if (!ok) {  // any other case: ATen's kernel per weight
+    for (size_t i = 0; i < n; ++i) out.push_back(int4_aten(x, qdata[i], scale_and_zero[i], gs, out_features[i], std::nullopt));
+    return out;
+  }
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  // ---- stage 1: x [M, K] bf16 and its group sums, once for every weight
+  const at::Tensor xb = x.reshape({M, K}).contiguous();
+  const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
+  const std::vector<float> xsum = group_sums(xbp, M, K, gs);
+  std::vector<int64_t> start(n + 1, 0);  // weight i holds blocks [start[i], start[i + 1]) of the union
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  for (size_t i = 0; i < n; ++i) {
+    start[i + 1] = start[i] + out_features[i] / BLOCK_N;
+    shape.back() = out_features[i];
+    out.push_back(at::empty(shape, x.options()));  // [..., N_i] bf16
+  }
+  // ---- stage 2: blocks of 64 output rows of every weight, one parallel region
+  const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
+  at::Tensor xf;
+#if defined(TS_INT4_BF16_DOT)
+  const bool dot = gs % 2 == 0;
+#else
+  const bool dot = false;
+#endif
+  if (!dot) xf = xb.to(at::kFloat);  // [M, K] fp32 for the widening path
+  at::parallel_for(0, start.back(), grain, [&](int64_t a, int64_t b) {
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t lo = std::max(a, start[i]) - start[i], hi = std::min(b, start[i + 1]) - start[i];
+      if (lo >= hi) continue;
+      const uint8_t* qp = qdata[i].data_ptr<uint8_t>();
+      const c10::BFloat16* zp = scale_and_zero[i].data_ptr<c10::BFloat16>();
+      c10::BFloat16* yp = out[i].data_ptr<c10::BFloat16>();
+#if defined(TS_INT4_BF16_DOT)
+      if (dot) {
+        int4_blocks_bf16(xbp, xsum.data(), qp, zp, nullptr, yp, M, K, out_features[i], gs, lo, hi);
+        continue;
+      }
+#endif
+      int4_blocks(xf.data_ptr<float>(), xsum.data(), qp, zp, nullptr, yp, M, K, out_features[i], gs, lo, hi);
+    }
+  });
+  return out;
+}
+
 at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scale_and_zero,
                             int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1, "linear_int4: x must have at least one dimension");
@@ -253,17 +323,11 @@ at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const 
                                      bias->dim() == 1 && bias->size(0) == N);
   if (!bias_ok || !int4_gemv_applies(x, qdata, scale_and_zero, gs, N))
     return int4_aten(x, qdata, scale_and_zero, gs, N, bias);
-  const int64_t K = x.size(-1), M = x.numel() / K, G = K / gs;
-  // ---- stage 1: x [M, K] bf16 and its per-group sums xsum [M, G] fp32 (a few KB, on the calling thread)
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  // ---- stage 1: x [M, K] bf16 and its per-group sums xsum [M, K / gs] fp32 (group_sums)
   const at::Tensor xb = x.reshape({M, K}).contiguous();
   const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
-  std::vector<float> xsum(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) s += static_cast<float>(xbp[m * K + k]);
-      xsum[m * G + g] = s;
-    }
+  const std::vector<float> xsum = group_sums(xbp, M, K, gs);
   at::Tensor bc;
   if (has_bias) bc = bias->contiguous();
   const c10::BFloat16* bp = has_bias ? bc.data_ptr<c10::BFloat16>() : nullptr;

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <vector>
 
 namespace tinyserve_native {
 
@@ -16,5 +17,10 @@ bool int4_gemv_applies(const at::Tensor& x, const at::Tensor& qdata, const at::T
 // -> [..., N] in x's dtype
 at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scale_and_zero,
                             int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias);
+
+// several int4 weights (qdata[i] [N_i, K/2], scale_and_zero[i] [K/gs, N_i, 2]), no bias, that read one x ->
+// [..., N_i] each, in one parallel region (ATen's kernel per weight where linear_int4_rows would call it)
+std::vector<at::Tensor> linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at::TensorList scale_and_zero,
+                                               int64_t group_size, at::IntArrayRef out_features);
 
 }  // namespace tinyserve_native

@@ -16,13 +16,18 @@ pytestmark = pytest.mark.skipif(not load_native_linear(), reason=f"native GEMV u
 
 #: linears of the tiny models' decode graph: 4 layers x (q, k, v, o, gate, up, down) + lm_head
 LINEARS = 4 * 7 + 1
+#: of those, the bias-free ones that share an input, per family: q/k/v and gate/up (qwen2's q/k/v have a bias)
+GROUPED = {"llama": (4 * 5, 4 * 2), "qwen2": (4 * 2, 4)}  # (linears, calls)
 PROMPT = 40
 #: a decode batch above the GEMV's 8 rows
 GEMV_ROWS_OVER = 9
 
 
 def _gemv_nodes(gm):
-    return sum(1 for n in gm.graph.nodes if n.target is torch.ops.tinyserve.linear.default)
+    """Linears the graph runs on the GEMV: single calls plus the weights of grouped calls."""
+    return sum(1 if n.target is torch.ops.tinyserve.linear.default else len(n.args[1])
+               for n in gm.graph.nodes
+               if n.target in (torch.ops.tinyserve.linear.default, torch.ops.tinyserve.linear_group.default))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with bias
@@ -36,8 +41,10 @@ def test_decode_step_rewritten_and_exact(family):
     assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4), worst(logits, ref_logits)
     c = tc.counters
     assert c["linear_rewritten"] == LINEARS, dict(c)
+    assert c["linear_grouped"] == GROUPED[family][0], dict(c)
     assert not any(k.startswith("linear_kept") for k in c), dict(c)
-    assert f"{LINEARS} to the native GEMV" in str(tc.explain())
+    assert f"{LINEARS} to the native GEMV, {GROUPED[family][0]} of them in {GROUPED[family][1]} shared-input calls" \
+        in str(tc.explain())
 
 
 def test_big_batch_stays_aten():
@@ -89,6 +96,9 @@ def test_pass_counts_nodes_of_the_graph():
     on = run_passes(_copy(gm), TinyServeConfig(token_budget=256))
     off = run_passes(_copy(gm), TinyServeConfig(token_budget=256, decode_linear=False))
     assert _gemv_nodes(on) == LINEARS and on.meta["tinyserve_linears"]["rewritten"] == LINEARS
+    groups = [n for n in on.graph.nodes if n.target is torch.ops.tinyserve.linear_group.default]
+    assert [len(n.args[1]) for n in groups] == [3, 2] * 4  # each layer: q/k/v, then gate/up
+    assert all(len(n.users) == len(n.args[1]) for n in groups)  # every item read
     assert _gemv_nodes(off) == 0
 
 

@@ -29,12 +29,12 @@ PROMPT = 24
 OPTS = {"token_budget": 256, "lower": "eager"}
 
 
-def _model(intermediate=128):
+def _model(intermediate=128, kv_heads=2):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval().to(torch.bfloat16)
     return prepare_weights(model, "int4")
 
@@ -51,7 +51,20 @@ def test_int4_decode_rewritten_and_close():
     assert c["linear_int4_rewritten"] == LINEARS - KV_LINEARS, dict(c)
     assert c["linear_rewritten"] == LINEARS - KV_LINEARS, dict(c)
     assert c["linear_kept:int4 output features not a multiple of 64"] == KV_LINEARS, dict(c)
+    assert c["linear_grouped"] == 2 * 2, dict(c)  # gate and up of each layer in one call (q alone: k/v kept)
     assert f"({LINEARS - KV_LINEARS} int4)" in str(tc.explain())
+
+
+def test_int4_qkv_and_gate_up_in_one_call_each():
+    # 4 KV heads x 16 = 64 output features: k and v qualify, so q/k/v share one call and gate/up another
+    model = _model(kv_heads=4)
+    ids = prompt(PROMPT)
+    ref_toks, ref_logits, _ = hf_decode(model, model, ids, 3)
+    toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=OPTS), ids, 3)
+    assert torch.allclose(logits.float(), ref_logits.float(), atol=5e-2, rtol=5e-2), worst(logits, ref_logits)
+    c = tc.counters
+    assert c["linear_int4_rewritten"] == LINEARS and c["linear_grouped"] == 2 * 5, dict(c)
+    assert "10 of them in 4 shared-input calls" in str(tc.explain())
 
 
 def test_int4_big_batch_stays_torchao():

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tinyserve_compile.kernels.linear import GEMV_MAX_ROWS, linear, load_native_linear, native_linear_reason
+from tinyserve_compile.kernels.linear import GEMV_MAX_ROWS, linear, linear_group, load_native_linear, native_linear_reason
 
 pytestmark = pytest.mark.skipif(not load_native_linear(), reason=f"native GEMV unavailable: {native_linear_reason()}")
 
@@ -82,3 +82,36 @@ def test_fake_gives_shape_and_dtype():
         x = torch.empty(3, 1, 32, dtype=torch.bfloat16)
         out = linear(x, torch.empty(20, 32, dtype=torch.bfloat16), None)
     assert out.shape == (3, 1, 20) and out.dtype == torch.bfloat16
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, GEMV_MAX_ROWS), K=st.integers(1, 80), Ns=st.lists(st.integers(1, 70), min_size=1, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_group_equals_one_linear_per_weight(rows, K, Ns, dtype, seed):
+    # one call for the weights that read one x (q/k/v, gate/up): each result is exactly the single op's (the same
+    # row kernels), so it is as close to F.linear as test_gemv_matches_linear shows
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 1, K, generator=g).to(dtype)
+    ws = [torch.randn(n, K, generator=g).to(dtype) for n in Ns]
+    out = linear_group(x, ws)
+    assert len(out) == len(ws)
+    for o, w in zip(out, ws):
+        assert o.shape == (rows, 1, w.shape[0]) and o.dtype == dtype
+        assert torch.equal(o, linear(x, w, None))
+
+
+def test_group_above_the_gemv_rows_is_aten_linear():
+    x = torch.randn(GEMV_MAX_ROWS + 1, 32)
+    ws = [torch.randn(20, 32), torch.randn(7, 32)]
+    for o, w in zip(linear_group(x, ws), ws):
+        assert torch.equal(o, F.linear(x, w))
+
+
+def test_group_opcheck_and_fake():
+    x = torch.randn(2, 1, 32)
+    ws = [torch.randn(20, 32), torch.randn(12, 32)]
+    torch.library.opcheck(torch.ops.tinyserve.linear_group.default, (x, ws))
+    xb, wb = x.to(torch.bfloat16), [w.to(torch.bfloat16) for w in ws]
+    with FakeTensorMode() as mode:
+        out = linear_group(mode.from_tensor(xb), [mode.from_tensor(w) for w in wb])
+    assert [o.shape for o in out] == [(2, 1, 20), (2, 1, 12)] and out[0].dtype == torch.bfloat16

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tinyserve_compile.kernels.linear import (GEMV_MAX_ROWS, dequantize_int4pack, int4_layout_problem, linear_int4,
+                                              linear_int4_group,
                                               load_native_linear, native_linear_reason)
 
 pytestmark = pytest.mark.skipif(not load_native_linear() or int4_layout_problem() is not None,
@@ -80,3 +81,29 @@ def test_opcheck_and_fake():
         out = torch.ops.tinyserve.linear_int4(mode.from_tensor(x), mode.from_tensor(qdata), mode.from_tensor(sz),
                                               gs, N, None)
     assert out.shape == (2, 1, N) and out.dtype == torch.bfloat16
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, GEMV_MAX_ROWS), groups=st.integers(1, 3), blocks=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_int4_group_equals_one_linear_per_weight(rows, groups, blocks, seed):
+    gs = 32
+    K = groups * gs
+    weights = [_weight(K, 64 * nb, gs, seed + i) for i, nb in enumerate(blocks)]
+    x = torch.randn(rows, 1, K, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    out = linear_int4_group(x, [q for q, _ in weights], [sz for _, sz in weights], gs, [64 * nb for nb in blocks])
+    for o, (q, sz), nb in zip(out, weights, blocks):
+        assert o.shape == (rows, 1, 64 * nb) and o.dtype == torch.bfloat16
+        assert torch.equal(o, linear_int4(x, q, sz, gs, 64 * nb))
+
+
+def test_int4_group_opcheck_fake_and_bad_lists():
+    K, gs = 64, 32
+    (q1, s1), (q2, s2) = _weight(K, 128, gs, 1), _weight(K, 64, gs, 2)
+    x = torch.randn(2, 1, K).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.tinyserve.linear_int4_group.default, (x, [q1, q2], [s1, s2], gs, [128, 64]))
+    with FakeTensorMode() as mode:
+        out = linear_int4_group(mode.from_tensor(x), [mode.from_tensor(q1)], [mode.from_tensor(s1)], gs, [128])
+    assert out[0].shape == (2, 1, 128)
+    with pytest.raises(RuntimeError, match="one entry per weight"):
+        linear_int4_group(x, [q1, q2], [s1], gs, [128, 64])
