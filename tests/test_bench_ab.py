@@ -1,0 +1,50 @@
+"""``python -m bench ab``: one backend change compiled on and off in one process, timed side by side. A tiny
+model, two short rounds: the rows, the counts of what each variant compiled, and the files; no timing is asserted."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import ab  # noqa: E402
+
+
+def test_group_switch_compiles_both_variants(tmp_path, monkeypatch):
+    import tinyserve_compile as tc
+
+    grouped = []
+    real = ab.switched
+
+    def spy(switch, on):  # the grouped count of each variant's compile, read when its switch is released
+        cm = real(switch, on)
+
+        class Wrap:
+            def __enter__(self):
+                tc.reset()
+                return cm.__enter__()
+
+            def __exit__(self, *exc):
+                grouped.append((on, tc.counters["linear_grouped"]))
+                return cm.__exit__(*exc)
+        return Wrap()
+
+    monkeypatch.setattr(ab, "switched", spy)
+    rows = ab.run("group", 256, steps=2, rounds=2, model_kind="tiny", log=lambda *a: None)
+    assert [r["variant"] for r in rows] == ["on", "off"]
+    assert all(r["ms_per_token"] > 0 and r["off_over_on"] > 0 for r in rows)
+    assert grouped == [(True, 4 * 5), (False, 0)]  # 4 layers x (q, k, v, gate, up) grouped only when on
+    out = tmp_path / "ab.json"
+    monkeypatch.setattr(ab, "run", lambda *a, **k: rows)
+    assert ab.main(["--switch", "group", "--json", str(out)]) == 0
+    assert json.loads(out.read_text()) == rows
+    assert out.with_suffix(".csv").exists() and out.with_suffix(".png").exists()
+
+
+def test_unknown_switch_is_named():
+    with pytest.raises(ValueError, match="switch"):
+        ab.run("fast", 256, model_kind="tiny")
