@@ -18,8 +18,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "linear_int4", "linear_group", "linear_int4_group", "dequantize_int4pack", "load_native_linear", "native_linear_reason",
-           "int4_layout_problem", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_BF16", "INT4_BLOCK_N"]
+__all__ = ["linear", "linear_int4", "linear_group", "linear_int4_group", "dequantize_int4pack", "load_native_linear",
+           "native_linear_reason", "int4_layout_problem", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_BF16", "INT4_BLOCK_N"]
 
 #: the most activation rows (product of ``x``'s leading dimensions) the GEMV takes (``GEMV_MAX_ROWS`` of gemv.h)
 GEMV_MAX_ROWS = 8

@@ -96,17 +96,24 @@ void gemv_split(const float* x, const W* w, const float* bias, float* y, int64_t
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_rows<W, M, R>(x, w, bias, y, K, N, n0, n1); });
 }
 
+// 5-8 activation rows over a weight streamed from memory (an output head) or rows of x too long for L1 (K over
+// 1024): 2 weight rows per group (16 accumulators + 8 rows of x + 1 of 32 registers) halve the loads of x per
+// FMA. Measured at 8 rows, 2 threads: 49152x576 1.5x and 576x1536 1.25x faster; cache-resident 576- and
+// 1536-row weights with K = 576 ran slower that way, so they keep one row per group.
+template <typename W, int M>
+constexpr bool two_weight_rows(int64_t K, int64_t N) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return M > 4 && (K > 1024 || N * K * int64_t(sizeof(W)) > (int64_t(16) << 20));
+#else
+  return false;
+#endif
+}
+
 template <typename W, int M>
 void gemv_m(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N) {
-#if defined(CPU_CAPABILITY_AVX512)
-  // 5-8 activation rows over a weight streamed from memory (an output head) or rows of x too long for L1 (K over
-  // 1024): 2 weight rows per group (16 accumulators + 8 rows of x + 1 of 32 registers) halve the loads of x per
-  // FMA. Measured at 8 rows, 2 threads: 49152x576 1.5x and 576x1536 1.25x faster; cache-resident 576- and
-  // 1536-row weights with K = 576 ran slower that way, so they keep one row per group.
   if constexpr (M > 4) {
-    if (K > 1024 || N * K * int64_t(sizeof(W)) > (int64_t(16) << 20)) return gemv_split<W, M, 2>(x, w, bias, y, K, N);
+    if (two_weight_rows<W, M>(K, N)) return gemv_split<W, M, 2>(x, w, bias, y, K, N);
   }
-#endif
   gemv_split<W, M, rows_per_group<M>()>(x, w, bias, y, K, N);
 }
 
@@ -132,11 +139,18 @@ void gemv_group_m(const float* x, const std::vector<const W*>& w, const std::vec
   constexpr int R = rows_per_group<M>();
   std::vector<int64_t> start(N.size() + 1, 0);  // weight i holds rows [start[i], start[i + 1]) of the union
   for (size_t i = 0; i < N.size(); ++i) start[i + 1] = start[i] + N[i];
-  const int64_t grain = std::max<int64_t>(R, MIN_TASK_BYTES / std::max<int64_t>(1, K * int64_t(sizeof(W))));
+  const int64_t grain = std::max<int64_t>(2 * R, MIN_TASK_BYTES / std::max<int64_t>(1, K * int64_t(sizeof(W))));
   at::parallel_for(0, start.back(), grain, [&](int64_t a, int64_t b) {
     for (size_t i = 0; i < N.size(); ++i) {
-      const int64_t lo = std::max(a, start[i]), hi = std::min(b, start[i + 1]);
-      if (lo < hi) gemv_rows<W, M, R>(x, w[i], nullptr, y[i], K, N[i], lo - start[i], hi - start[i]);
+      const int64_t lo = std::max(a, start[i]) - start[i], hi = std::min(b, start[i + 1]) - start[i];
+      if (lo >= hi) continue;
+      if constexpr (M > 4) {  // the weight rows per group gemv_m takes for this weight alone
+        if (two_weight_rows<W, M>(K, N[i])) {
+          gemv_rows<W, M, 2>(x, w[i], nullptr, y[i], K, N[i], lo, hi);
+          continue;
+        }
+      }
+      gemv_rows<W, M, R>(x, w[i], nullptr, y[i], K, N[i], lo, hi);
     }
   });
 }

@@ -115,3 +115,14 @@ def test_group_opcheck_and_fake():
     with FakeTensorMode() as mode:
         out = linear_group(mode.from_tensor(xb), [mode.from_tensor(w) for w in wb])
     assert [o.shape for o in out] == [(2, 1, 20), (2, 1, 12)] and out[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_with_long_rows_equals_one_linear_per_weight(dtype):
+    # K over 1024 at 5-8 rows: two weight rows per group in the single op, and so in the grouped one
+    rows = 8 if dtype == torch.float32 else 4
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, 1100, generator=g).to(dtype)
+    ws = [torch.randn(n, 1100, generator=g).to(dtype) for n in (41, 24, 7)]
+    for o, w in zip(linear_group(x, ws), ws):
+        assert torch.equal(o, linear(x, w, None))
