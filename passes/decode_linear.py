@@ -95,10 +95,15 @@ def _why_not_int4(fx_: torch.Tensor, fw: torch.Tensor, b) -> "str | None":
     return None
 
 
+def _linear_args(node: fx.Node):
+    """``(x, weight, bias)`` of a linear node."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return args[0], args[1], node.kwargs.get("bias", args[2])
+
+
 def _why_not(node: fx.Node):
     """None when ``node`` (a linear) can become ``tinyserve::linear``, else the reason it stays ATen's."""
-    args = list(node.args) + [None] * (3 - len(node.args))
-    x, w, b = args[0], args[1], node.kwargs.get("bias", args[2])
+    x, w, b = _linear_args(node)
     fx_, fw = fake(x), fake(w)
     if fx_ is None or fw is None:
         return "no example value"
@@ -127,12 +132,6 @@ def _why_not(node: fx.Node):
     if fw.dtype == torch.bfloat16 and rows > GEMV_MAX_ROWS_BF16:
         return f"bf16 rows > {GEMV_MAX_ROWS_BF16}"
     return None
-
-
-def _linear_args(node: fx.Node):
-    """``(x, weight, bias)`` of a linear node."""
-    args = list(node.args) + [None] * (3 - len(node.args))
-    return args[0], args[1], node.kwargs.get("bias", args[2])
 
 
 def _int4_parts(graph: fx.Graph, w: fx.Node, fw):
@@ -205,11 +204,16 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
         x, w, b = _linear_args(n)
         fw = fake(w)
         if b is None and GROUP_SHARED_INPUTS:
-            groups.setdefault((x, "int4", int(fw.block_size[1])) if _is_int4_opaque(fw) else (x, "gemv", fw.dtype), []).append(n)
-    for members in groups.values():
-        if len(members) > 1:
-            _rewrite_group(graph, members, report)
-    grouped = {n for members in groups.values() if len(members) > 1 for n in members}
+            key = (x, "int4", int(fw.block_size[1])) if _is_int4_opaque(fw) else (x, "gemv", fw.dtype)
+            groups.setdefault(key, []).append(n)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    # a group's call goes before its first member, so it takes the members whose weight is defined there (a
+    # get_attr may come later, right before its own linear: that linear stays a single call)
+    groups = [g for g in ([n for n in m if order[_linear_args(n)[1]] < order[m[0]]] for m in groups.values())
+              if len(g) > 1]
+    for members in groups:
+        _rewrite_group(graph, members, report)
+    grouped = {n for members in groups for n in members}
     for n in candidates:
         if n in grouped:
             continue

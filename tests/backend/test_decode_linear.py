@@ -154,3 +154,42 @@ def test_guard_filter_fn_passes_beside_the_options():
     toks, _, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 2)
     assert torch.equal(toks, ref_toks)
     assert tc.counters["linear_rewritten"] == LINEARS and tc.counters["rewritten"] == 4
+
+
+def test_group_only_where_every_weight_is_defined_before_its_first_linear():
+    # symbolic_trace puts each get_attr right before its linear: w2 is defined after the first linear (of w1), where
+    # the group's call goes, so its linear stays a single call; w1 and the graph inputs w3, w4 are grouped
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from tinyserve_compile.config import TinyServeConfig
+    from tinyserve_compile.passes import decode_linear
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.randn(24, 16), requires_grad=False)
+            self.w2 = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
+
+        def forward(self, x, w3, w4):
+            return (torch.nn.functional.linear(x, self.w1), torch.nn.functional.linear(x, self.w2),
+                    torch.nn.functional.linear(x, w3), torch.nn.functional.linear(x, w4))
+
+    m = TwoHeads()
+    args = (torch.randn(1, 16), torch.randn(12, 16), torch.randn(4, 16))
+    gm = torch.fx.symbolic_trace(m)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.no_grad():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        FakeTensorProp(gm, mode).propagate(*args)
+        want = m(*args)
+        gm = decode_linear(gm, TinyServeConfig())
+        got = gm(*args)
+    gm.graph.lint()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.tinyserve.linear.default) == 1  # w2, the late get_attr
+    (group,) = [n for n in gm.graph.nodes if n.target is torch.ops.tinyserve.linear_group.default]
+    assert [w.target for w in group.args[1]] == ["w1", "w3", "w4"]
+    assert gm.meta["tinyserve_linears"]["grouped"] == 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
