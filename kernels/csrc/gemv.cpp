@@ -117,18 +117,24 @@ void gemv_m(const float* x, const W* w, const float* bias, float* y, int64_t K, 
   gemv_split<W, M, rows_per_group<M>()>(x, w, bias, y, K, N);
 }
 
+// f(std::integral_constant<int, M>) for M = 1..8 activation rows (more rows never reach the GEMV)
+template <typename F>
+void with_rows(int64_t M, const F& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 template <typename W>
 void gemv(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
-  switch (M) {
-    case 1: return gemv_m<W, 1>(x, w, bias, y, K, N);
-    case 2: return gemv_m<W, 2>(x, w, bias, y, K, N);
-    case 3: return gemv_m<W, 3>(x, w, bias, y, K, N);
-    case 4: return gemv_m<W, 4>(x, w, bias, y, K, N);
-    case 5: return gemv_m<W, 5>(x, w, bias, y, K, N);
-    case 6: return gemv_m<W, 6>(x, w, bias, y, K, N);
-    case 7: return gemv_m<W, 7>(x, w, bias, y, K, N);
-    default: return gemv_m<W, 8>(x, w, bias, y, K, N);
-  }
+  with_rows(M, [&](auto m) { gemv_m<W, decltype(m)::value>(x, w, bias, y, K, N); });
 }
 
 // ---- several weights [N_i, K] that read one x: one parallel region over all their rows, so that a layer's q, k
@@ -158,16 +164,7 @@ void gemv_group_m(const float* x, const std::vector<const W*>& w, const std::vec
 template <typename W>
 void gemv_group(const float* x, const std::vector<const W*>& w, const std::vector<int64_t>& N,
                 const std::vector<float*>& y, int64_t M, int64_t K) {
-  switch (M) {
-    case 1: return gemv_group_m<W, 1>(x, w, N, y, K);
-    case 2: return gemv_group_m<W, 2>(x, w, N, y, K);
-    case 3: return gemv_group_m<W, 3>(x, w, N, y, K);
-    case 4: return gemv_group_m<W, 4>(x, w, N, y, K);
-    case 5: return gemv_group_m<W, 5>(x, w, N, y, K);
-    case 6: return gemv_group_m<W, 6>(x, w, N, y, K);
-    case 7: return gemv_group_m<W, 7>(x, w, N, y, K);
-    default: return gemv_group_m<W, 8>(x, w, N, y, K);
-  }
+  with_rows(M, [&](auto m) { gemv_group_m<W, decltype(m)::value>(x, w, N, y, K); });
 }
 
 std::unique_ptr<torch::Library> linear_library;
@@ -229,7 +226,8 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std:
 std::vector<at::Tensor> linear_group_rows(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(!weights.empty(), "linear_group: weights must not be empty");
   bool gemv_ok = true;
-  for (const auto& w : weights) gemv_ok = gemv_ok && gemv_applies(x, w, std::nullopt) && w.scalar_type() == weights[0].scalar_type();
+  for (const auto& w : weights)
+    gemv_ok = gemv_ok && gemv_applies(x, w, std::nullopt) && w.scalar_type() == weights[0].scalar_type();
   std::vector<at::Tensor> out;
   if (!gemv_ok) {  // any other case: one ATen linear per weight
     for (const auto& w : weights) out.push_back(at::linear(x, w));
