@@ -57,7 +57,7 @@ def run(switch: str, ctx: int, weights: str = "fp32", batch: int = 1, steps: int
     """Rows ``{"variant": "on"|"off", "ms_per_token", ...}`` of one A/B at one point (see the module doc)."""
     from transformers import StaticCache
 
-    from bench.bench_decode import DTYPES, _compile, fill_cache, model_for, read_bandwidth_gbs
+    from bench.bench_decode import DTYPES, _compile, fill_cache, model_for, read_bandwidth_gbs, row_lengths
     from bench.weights import prepare_weights, weights_dtype
     from tinyserve_compile.config import DEFAULT_TOKEN_BUDGET
 
@@ -71,15 +71,16 @@ def run(switch: str, ctx: int, weights: str = "fp32", batch: int = 1, steps: int
     n_pos = steps + 2
     cache = StaticCache(config=model.config, max_cache_len=ctx + n_pos)
     toks = torch.tensor([[100 + r] for r in range(batch)])
+    lens = row_lengths(ctx, batch)  # rows of different lengths, left padded, as in bench decode
     mask = None
-    if batch > 1:  # rows of different lengths, left padded (as bench decode)
+    if batch > 1:
         mask = torch.ones(batch, ctx + n_pos, dtype=torch.long)
-        for r in range(batch):
-            mask[r, : r * (ctx // (2 * batch))] = 0
+        for r, n in enumerate(lens):
+            mask[r, : ctx - n] = 0
     torch._dynamo.reset()
     with torch.no_grad():
         model(input_ids=torch.zeros(batch, 1, dtype=torch.long), cache=cache, use_cache=True)
-        fill_cache(cache, base, name, [ctx] * batch, "random", "")
+        fill_cache(cache, base, name, lens, "random", "")
 
     def rollback():
         for layer in cache.layers:
@@ -93,8 +94,10 @@ def run(switch: str, ctx: int, weights: str = "fp32", batch: int = 1, steps: int
     with torch.no_grad():
         for variant, on in (("on", True), ("off", False)):
             # a different options dict per variant: Dynamo compiles each anew instead of reusing the other's code
-            opts = {"token_budget": DEFAULT_TOKEN_BUDGET} if not on else {"inductor_options": CPP_WRAPPER} \
-                if switch == "cpp-wrapper" else {}
+            if not on:
+                opts = {"token_budget": DEFAULT_TOKEN_BUDGET}  # the default, spelled out
+            else:
+                opts = {"inductor_options": CPP_WRAPPER} if switch == "cpp-wrapper" else {}
             fns[variant] = _compile(model, "tinyserve", opts)
             with switched(switch, on):
                 rollback()
