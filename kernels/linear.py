@@ -75,12 +75,14 @@ def _(x, qdata, scale_and_zero, group_size, out_features, bias=None):
 
 
 # Grouped forms: the linears of one layer that read the same activation (q, k and v; gate and up), without bias,
-# in one call and one parallel region. Results in the order of the weights.
-_lib.define("linear_group(Tensor x, Tensor[] weights) -> Tensor[]")
+# in one call and one parallel region; the result holds their outputs side by side (``F.linear(x, cat(weights))``).
+# One Tensor, not Tensor[]: Inductor's cpp_wrapper calls an op that returns tensors through the dispatcher, but
+# calls back into Python for a list return (~15 us a call).
+_lib.define("linear_group(Tensor x, Tensor[] weights) -> Tensor")
 
 
-def _linear_group_fallback(x: torch.Tensor, weights: List[torch.Tensor]) -> List[torch.Tensor]:
-    return [F.linear(x, w) for w in weights]
+def _linear_group_fallback(x: torch.Tensor, weights: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([F.linear(x, w) for w in weights], -1)
 
 
 _lib.impl("linear_group", _linear_group_fallback, "CompositeExplicitAutograd")
@@ -88,18 +90,19 @@ _lib.impl("linear_group", _linear_group_fallback, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("tinyserve::linear_group", lib=_lib)
 def _(x, weights):
-    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
 _lib.define("linear_int4_group(Tensor x, Tensor[] qdata, Tensor[] scale_and_zero, int group_size, "
-            "int[] out_features) -> Tensor[]")
+            "int[] out_features) -> Tensor")
 
 
 def _linear_int4_group_fallback(x, qdata, scale_and_zero, group_size: int, out_features: List[int]):
     if not len(qdata) == len(scale_and_zero) == len(out_features):
         raise ValueError(f"linear_int4_group: qdata, scale_and_zero and out_features need one entry per weight, got "
                          f"{len(qdata)}, {len(scale_and_zero)} and {len(out_features)}")
-    return [_linear_int4_fallback(x, q, sz, group_size, n) for q, sz, n in zip(qdata, scale_and_zero, out_features)]
+    return torch.cat([_linear_int4_fallback(x, q, sz, group_size, n)
+                      for q, sz, n in zip(qdata, scale_and_zero, out_features)], -1)
 
 
 _lib.impl("linear_int4_group", _linear_int4_group_fallback, "CompositeExplicitAutograd")
@@ -107,11 +110,12 @@ _lib.impl("linear_int4_group", _linear_int4_group_fallback, "CompositeExplicitAu
 
 @torch.library.register_fake("tinyserve::linear_int4_group", lib=_lib)
 def _(x, qdata, scale_and_zero, group_size, out_features):
-    return [x.new_empty((*x.shape[:-1], n)) for n in out_features]
+    return x.new_empty((*x.shape[:-1], sum(out_features)))
 
 
-def linear_group(x: torch.Tensor, weights: List[torch.Tensor]) -> List[torch.Tensor]:
-    """``[F.linear(x, w) for w in weights]`` through ``tinyserve::linear_group``: one call, one parallel region.
+def linear_group(x: torch.Tensor, weights: List[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat([F.linear(x, w) for w in weights], -1)`` through ``tinyserve::linear_group``: one call, one
+    parallel region.
 
     Parameters
     ----------
@@ -122,15 +126,15 @@ def linear_group(x: torch.Tensor, weights: List[torch.Tensor]) -> List[torch.Ten
 
     Returns
     -------
-    list of torch.Tensor
-        ``[..., N_i]`` each, in ``x``'s dtype.
+    torch.Tensor
+        ``[..., sum N_i]`` in ``x``'s dtype: weight ``i``'s output in columns ``[N_0 + .. + N_{i-1}, .. + N_i)``.
     """
     return torch.ops.tinyserve.linear_group(x, weights)
 
 
 def linear_int4_group(x: torch.Tensor, qdata: List[torch.Tensor], scale_and_zero: List[torch.Tensor], group_size: int,
-                      out_features: List[int]) -> List[torch.Tensor]:
-    """:func:`linear_int4` (no bias) of several int4 weights that read one ``x``, in one call.
+                      out_features: List[int]) -> torch.Tensor:
+    """:func:`linear_int4` (no bias) of several int4 weights that read one ``x``, in one call, side by side.
 
     Parameters
     ----------
@@ -147,8 +151,8 @@ def linear_int4_group(x: torch.Tensor, qdata: List[torch.Tensor], scale_and_zero
 
     Returns
     -------
-    list of torch.Tensor
-        ``[..., N_i]`` each, in ``x``'s dtype.
+    torch.Tensor
+        ``[..., sum N_i]`` in ``x``'s dtype: weight ``i``'s output in columns ``[N_0 + .. + N_{i-1}, .. + N_i)``.
     """
     return torch.ops.tinyserve.linear_int4_group(x, qdata, scale_and_zero, group_size, out_features)
 
@@ -266,7 +270,7 @@ def _self_check(lib) -> Optional[str]:
     # the grouped forms against the single ones (the same row and block kernels, one parallel region)
     x = torch.randn(3, 64, generator=gen)
     ws = [torch.randn(n, 64, generator=gen) for n in (40, 9)]
-    if not all(torch.equal(a, lib.linear_rows(x, w, None)) for a, w in zip(lib.linear_group_rows(x, ws), ws)):
+    if not torch.equal(lib.linear_group_rows(x, ws), torch.cat([lib.linear_rows(x, w, None) for w in ws], -1)):
         return "linear_group_rows differs from linear_rows"
     if int4_layout_problem() is None:
         x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
@@ -275,8 +279,8 @@ def _self_check(lib) -> Optional[str]:
         szs = [torch.stack([torch.rand(2, n, generator=gen) * 0.1, torch.randn(2, n, generator=gen) * 0.1],
                            -1).to(torch.bfloat16) for n in (64, 128)]
         got = lib.linear_int4_group_rows(x, qs, szs, 32, [64, 128])
-        if not all(torch.equal(a, lib.linear_int4_rows(x, q, sz, 32, q.shape[0], None))
-                   for a, q, sz in zip(got, qs, szs)):
+        if not torch.equal(got, torch.cat([lib.linear_int4_rows(x, q, sz, 32, q.shape[0], None)
+                                           for q, sz in zip(qs, szs)], -1)):
             return "linear_int4_group_rows differs from linear_int4_rows"
     return None
 

@@ -21,7 +21,6 @@ call and one parallel region for all of them. The counts go to ``counters``
 """
 from __future__ import annotations
 
-import operator
 import sys
 from collections import Counter
 
@@ -149,25 +148,33 @@ def _rewrite_group(graph: fx.Graph, members, report) -> None:
 
     ``tinyserve::linear_group`` or ``tinyserve::linear_int4_group`` runs every weight in one parallel region: one
     call and one fork/join where there were ``len(members)``. Inserted before the first member (its ``x`` and
-    weights are defined there), each member's uses read its item of the result.
+    weights are defined there); the result holds the members' outputs side by side, and each member's uses read
+    its columns, made contiguous (a no-op for one activation row; a copy of a few KB for a batch, so that any view
+    a model takes of a linear's output stays valid).
     """
     x = _linear_args(members[0])[0]
     weights = [_linear_args(n)[1] for n in members]
     fws = [fake(w) for w in weights]
+    outs = [fake(n) for n in members]  # [..., N_i] each
     with graph.inserting_before(members[0]):
         if _is_int4_opaque(fws[0]):
             parts = [_int4_parts(graph, w, fw) for w, fw in zip(weights, fws)]
             call = graph.call_function(torch.ops.tinyserve.linear_int4_group.default,
                                        (x, [q for q, _ in parts], [sz for _, sz in parts], int(fws[0].block_size[1]),
-                                        [int(fw.shape[0]) for fw in fws]))  # [[..., N_i]]
+                                        [int(fw.shape[0]) for fw in fws]))  # [..., sum N_i]
             report["int4"] += len(members)
         else:
-            call = graph.call_function(torch.ops.tinyserve.linear_group.default, (x, weights))  # [[..., N_i]]
-        call.meta["example_value"] = [fake(n) for n in members]
-        for i, n in enumerate(members):
-            item = graph.call_function(operator.getitem, (call, i))
+            call = graph.call_function(torch.ops.tinyserve.linear_group.default, (x, weights))  # [..., sum N_i]
+        call.meta["example_value"] = torch.cat(outs, -1)
+        start = 0
+        for n, out in zip(members, outs):
+            end = start + int(out.shape[-1])
+            cols = graph.call_function(torch.ops.aten.slice.Tensor, (call, -1, start, end))  # [..., N_i] view
+            cols.meta["example_value"] = call.meta["example_value"][..., start:end]
+            item = graph.call_method("contiguous", (cols,))
             item.meta.update(n.meta)
             n.replace_all_uses_with(item)
+            start = end
     for n in members:
         graph.erase_node(n)
     report["rewritten"] += len(members)

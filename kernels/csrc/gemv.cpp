@@ -178,12 +178,10 @@ at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& qdata, const a
   return linear_int4_rows(x, qdata, scale_and_zero, group_size, out_features, bias);
 }
 
-std::vector<at::Tensor> linear_group_cpu(const at::Tensor& x, at::TensorList weights) {
-  return linear_group_rows(x, weights);
-}
+at::Tensor linear_group_cpu(const at::Tensor& x, at::TensorList weights) { return linear_group_rows(x, weights); }
 
-std::vector<at::Tensor> linear_int4_group_cpu(const at::Tensor& x, at::TensorList qdata, at::TensorList scale_and_zero,
-                                              int64_t group_size, at::IntArrayRef out_features) {
+at::Tensor linear_int4_group_cpu(const at::Tensor& x, at::TensorList qdata, at::TensorList scale_and_zero,
+                                 int64_t group_size, at::IntArrayRef out_features) {
   return linear_int4_group_rows(x, qdata, scale_and_zero, group_size, out_features);
 }
 
@@ -223,15 +221,15 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std:
   return y.to(x.scalar_type()).view(shape);  // [..., N] in x's dtype
 }
 
-std::vector<at::Tensor> linear_group_rows(const at::Tensor& x, at::TensorList weights) {
+at::Tensor linear_group_rows(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(!weights.empty(), "linear_group: weights must not be empty");
   bool gemv_ok = true;
   for (const auto& w : weights)
     gemv_ok = gemv_ok && gemv_applies(x, w, std::nullopt) && w.scalar_type() == weights[0].scalar_type();
-  std::vector<at::Tensor> out;
   if (!gemv_ok) {  // any other case: one ATen linear per weight
+    std::vector<at::Tensor> out;
     for (const auto& w : weights) out.push_back(at::linear(x, w));
-    return out;
+    return at::cat(out, -1);
   }
   const int64_t K = x.size(-1), M = x.numel() / K;
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();  // [M, K] fp32, widened once for the group
@@ -253,11 +251,8 @@ std::vector<at::Tensor> linear_group_rows(const at::Tensor& x, at::TensorList we
     gemv_group<c10::BFloat16>(xf.data_ptr<float>(), wp, N, yp, M, K);
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  for (size_t i = 0; i < ys.size(); ++i) {
-    shape.back() = N[i];
-    out.push_back(ys[i].to(x.scalar_type()).view(shape));  // [..., N_i] in x's dtype
-  }
-  return out;
+  shape.back() = -1;
+  return at::cat(ys, 1).to(x.scalar_type()).view(shape);  // [..., sum N_i] in x's dtype
 }
 
 void register_linear_kernel() {

@@ -19,9 +19,9 @@ constexpr int64_t GEMV_MAX_ROWS_BF16 = 4;
 bool gemv_applies(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 // x [..., K] fp32 or bf16, weight [N, K] of x's dtype, bias [N] or none -> [..., N] in x's dtype
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
-// several weights [N_i, K] of x's dtype, no bias, that read one x -> [..., N_i] each, in one parallel region (one
-// ATen linear per weight where linear_rows would call at::linear)
-std::vector<at::Tensor> linear_group_rows(const at::Tensor& x, at::TensorList weights);
+// several weights [N_i, K] of x's dtype, no bias, that read one x -> [..., sum N_i] (the outputs side by side, in
+// the weights' order), in one parallel region (one ATen linear per weight where linear_rows would call at::linear)
+at::Tensor linear_group_rows(const at::Tensor& x, at::TensorList weights);
 // make linear_rows the CPU kernel of tinyserve::linear (once per process)
 void register_linear_kernel();
 

@@ -259,8 +259,8 @@ std::vector<float> group_sums(const c10::BFloat16* xbp, int64_t M, int64_t K, in
 }
 }  // namespace
 
-std::vector<at::Tensor> linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at::TensorList scale_and_zero,
-                                               int64_t group_size, at::IntArrayRef out_features) {
+at::Tensor linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at::TensorList scale_and_zero,
+                                  int64_t group_size, at::IntArrayRef out_features) {
   const size_t n = qdata.size();
   TORCH_CHECK(n > 0 && scale_and_zero.size() == n && out_features.size() == n,
               "linear_int4_group: qdata, scale_and_zero and out_features need one entry per weight, got ", n, ", ",
@@ -272,7 +272,7 @@ std::vector<at::Tensor> linear_int4_group_rows(const at::Tensor& x, at::TensorLi
   std::vector<at::Tensor> out;
   if (!ok) {  // any other case: ATen's kernel per weight
     for (size_t i = 0; i < n; ++i) out.push_back(int4_aten(x, qdata[i], scale_and_zero[i], gs, out_features[i], std::nullopt));
-    return out;
+    return at::cat(out, -1);
   }
   const int64_t K = x.size(-1), M = x.numel() / K;
   // ---- stage 1: x [M, K] bf16 and its group sums, once for every weight
@@ -280,11 +280,9 @@ std::vector<at::Tensor> linear_int4_group_rows(const at::Tensor& x, at::TensorLi
   const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
   const std::vector<float> xsum = group_sums(xbp, M, K, gs);
   std::vector<int64_t> start(n + 1, 0);  // weight i holds blocks [start[i], start[i + 1]) of the union
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   for (size_t i = 0; i < n; ++i) {
     start[i + 1] = start[i] + out_features[i] / BLOCK_N;
-    shape.back() = out_features[i];
-    out.push_back(at::empty(shape, x.options()));  // [..., N_i] bf16
+    out.push_back(at::empty({M, out_features[i]}, x.options()));  // [M, N_i] bf16
   }
   // ---- stage 2: blocks of 64 output rows of every weight, one parallel region
   const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
@@ -311,7 +309,9 @@ std::vector<at::Tensor> linear_int4_group_rows(const at::Tensor& x, at::TensorLi
       int4_blocks(xf.data_ptr<float>(), xsum.data(), qp, zp, nullptr, yp, M, K, out_features[i], gs, lo, hi);
     }
   });
-  return out;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = -1;
+  return at::cat(out, 1).view(shape);  // [..., sum N_i] bf16
 }
 
 at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scale_and_zero,

@@ -19,8 +19,9 @@ at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const 
                             int64_t group_size, int64_t out_features, const std::optional<at::Tensor>& bias);
 
 // several int4 weights (qdata[i] [N_i, K/2], scale_and_zero[i] [K/gs, N_i, 2]), no bias, that read one x ->
-// [..., N_i] each, in one parallel region (ATen's kernel per weight where linear_int4_rows would call it)
-std::vector<at::Tensor> linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at::TensorList scale_and_zero,
-                                               int64_t group_size, at::IntArrayRef out_features);
+// [..., sum N_i] (the outputs side by side, in the weights' order), in one parallel region (ATen's kernel per weight
+// where linear_int4_rows would call it)
+at::Tensor linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at::TensorList scale_and_zero,
+                                  int64_t group_size, at::IntArrayRef out_features);
 
 }  // namespace tinyserve_native

@@ -32,11 +32,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ b) for int4pack weights as a GEMV for at most 8 rows, else _weight_int4pack_mm_for_cpu");
   m.def("linear_group_rows",
         [](const at::Tensor& x, const std::vector<at::Tensor>& w) { return tinyserve_native::linear_group_rows(x, w); },
-        "linear_rows of several weights (no bias) that read one x, in one parallel region");
+        "linear_rows of several weights (no bias) that read one x, side by side, in one parallel region");
   m.def("linear_int4_group_rows",
         [](const at::Tensor& x, const std::vector<at::Tensor>& q, const std::vector<at::Tensor>& sz, int64_t gs,
            const std::vector<int64_t>& n) { return tinyserve_native::linear_int4_group_rows(x, q, sz, gs, n); },
-        "linear_int4_rows of several weights (no bias) that read one x, in one parallel region");
+        "linear_int4_rows of several weights (no bias) that read one x, side by side, in one parallel region");
   m.def("register_linear_kernel", &tinyserve_native::register_linear_kernel,
         "make linear_rows, linear_int4_rows and their grouped forms the CPU kernels of tinyserve::linear, linear_int4, "
         "linear_group and linear_int4_group");

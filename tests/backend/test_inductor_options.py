@@ -35,15 +35,23 @@ def _check(model, compiled, ids, n=3):
 def test_cpp_wrapper_matches_eager(how):
     # "environment": cpp_wrapper on for the whole compile, as TORCHINDUCTOR_CPP_WRAPPER=1 sets it; "option":
     # through inductor_options. Both under no_grad: the C++ AutogradCPU pass-through in front of the CPU kernels
+    from torch._inductor.utils import run_and_get_code
+
     model = hf_model("llama")
     ids = prompt(PROMPT)
     if how == "environment":
         with inductor_config.patch(cpp_wrapper=True):
-            _check(model, torch.compile(model, backend="tinyserve", options=OPTS), ids)
+            _, code = run_and_get_code(_check, model, torch.compile(model, backend="tinyserve", options=OPTS), ids)
     else:
         opts = dict(OPTS, inductor_options={"cpp_wrapper": True})
-        _check(model, torch.compile(model, backend="tinyserve", options=opts), ids)
+        _, code = run_and_get_code(_check, model, torch.compile(model, backend="tinyserve", options=opts), ids)
     assert inductor_config.cpp_wrapper is False  # the option changed nothing outside the compile
+    # every tinyserve op is called from C++ (the dispatcher), none through a callback into Python: the grouped
+    # linears return one tensor, not a list, for that
+    code = "\n".join(code)
+    assert "PyObject_CallObject" not in code
+    if native_unavailable_reason() is None:
+        assert 'findSchemaOrThrow("tinyserve::linear_group"' in code
 
 
 @pytest.mark.skipif(native_unavailable_reason() is not None, reason="the native CPU kernels are not in use")

@@ -93,17 +93,18 @@ def test_group_equals_one_linear_per_weight(rows, K, Ns, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 1, K, generator=g).to(dtype)
     ws = [torch.randn(n, K, generator=g).to(dtype) for n in Ns]
-    out = linear_group(x, ws)
-    assert len(out) == len(ws)
-    for o, w in zip(out, ws):
-        assert o.shape == (rows, 1, w.shape[0]) and o.dtype == dtype
+    out = linear_group(x, ws)  # [rows, 1, sum N]: the outputs side by side
+    assert out.shape == (rows, 1, sum(Ns)) and out.dtype == dtype
+    for o, w in zip(out.split(Ns, -1), ws):
         assert torch.equal(o, linear(x, w, None))
 
 
 def test_group_above_the_gemv_rows_is_aten_linear():
     x = torch.randn(GEMV_MAX_ROWS + 1, 32)
     ws = [torch.randn(20, 32), torch.randn(7, 32)]
-    for o, w in zip(linear_group(x, ws), ws):
+    out = linear_group(x, ws)
+    assert out.shape == (GEMV_MAX_ROWS + 1, 27)
+    for o, w in zip(out.split([20, 7], -1), ws):
         assert torch.equal(o, F.linear(x, w))
 
 
@@ -114,7 +115,7 @@ def test_group_opcheck_and_fake():
     xb, wb = x.to(torch.bfloat16), [w.to(torch.bfloat16) for w in ws]
     with FakeTensorMode() as mode:
         out = linear_group(mode.from_tensor(xb), [mode.from_tensor(w) for w in wb])
-    assert [o.shape for o in out] == [(2, 1, 20), (2, 1, 12)] and out[0].dtype == torch.bfloat16
+    assert out.shape == (2, 1, 32) and out.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -124,5 +125,5 @@ def test_group_with_long_rows_equals_one_linear_per_weight(dtype):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(rows, 1100, generator=g).to(dtype)
     ws = [torch.randn(n, 1100, generator=g).to(dtype) for n in (41, 24, 7)]
-    for o, w in zip(linear_group(x, ws), ws):
+    for o, w in zip(linear_group(x, ws).split([41, 24, 7], -1), ws):
         assert torch.equal(o, linear(x, w, None))

@@ -91,10 +91,11 @@ def test_int4_group_equals_one_linear_per_weight(rows, groups, blocks, seed):
     K = groups * gs
     weights = [_weight(K, 64 * nb, gs, seed + i) for i, nb in enumerate(blocks)]
     x = torch.randn(rows, 1, K, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    out = linear_int4_group(x, [q for q, _ in weights], [sz for _, sz in weights], gs, [64 * nb for nb in blocks])
-    for o, (q, sz), nb in zip(out, weights, blocks):
-        assert o.shape == (rows, 1, 64 * nb) and o.dtype == torch.bfloat16
-        assert torch.equal(o, linear_int4(x, q, sz, gs, 64 * nb))
+    Ns = [64 * nb for nb in blocks]
+    out = linear_int4_group(x, [q for q, _ in weights], [sz for _, sz in weights], gs, Ns)  # [rows, 1, sum N]
+    assert out.shape == (rows, 1, sum(Ns)) and out.dtype == torch.bfloat16
+    for o, (q, sz), n in zip(out.split(Ns, -1), weights, Ns):
+        assert torch.equal(o, linear_int4(x, q, sz, gs, n))
 
 
 def test_int4_group_opcheck_fake_and_bad_lists():
@@ -104,6 +105,6 @@ def test_int4_group_opcheck_fake_and_bad_lists():
     torch.library.opcheck(torch.ops.tinyserve.linear_int4_group.default, (x, [q1, q2], [s1, s2], gs, [128, 64]))
     with FakeTensorMode() as mode:
         out = linear_int4_group(mode.from_tensor(x), [mode.from_tensor(q1)], [mode.from_tensor(s1)], gs, [128])
-    assert out[0].shape == (2, 1, 128)
+    assert out.shape == (2, 1, 128)
     with pytest.raises(RuntimeError, match="one entry per weight"):
         linear_int4_group(x, [q1, q2], [s1], gs, [128, 64])
