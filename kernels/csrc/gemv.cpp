@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <type_traits>
 
@@ -234,12 +235,15 @@ at::Tensor linear_group_rows(const at::Tensor& x, at::TensorList weights) {
   const int64_t K = x.size(-1), M = x.numel() / K;
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();  // [M, K] fp32, widened once for the group
   std::vector<int64_t> N;
+  for (const auto& w : weights) N.push_back(w.size(0));
+  // [M, sum N_i] fp32; the kernels write rows of N_i, so one activation row goes straight to each weight's
+  // columns, and more rows to a buffer per weight, put side by side after
+  at::Tensor y = at::empty({M, std::accumulate(N.begin(), N.end(), int64_t(0))}, x.options().dtype(at::kFloat));
   std::vector<at::Tensor> ys;
   std::vector<float*> yp;
-  for (const auto& w : weights) {
-    N.push_back(w.size(0));
-    ys.push_back(at::empty({M, w.size(0)}, x.options().dtype(at::kFloat)));  // [M, N_i] fp32
-    yp.push_back(ys.back().data_ptr<float>());
+  for (size_t i = 0, col = 0; i < N.size(); col += N[i], ++i) {
+    if (M > 1) ys.push_back(at::empty({M, N[i]}, y.options()));  // [M, N_i] fp32
+    yp.push_back(M > 1 ? ys.back().data_ptr<float>() : y.data_ptr<float>() + col);
   }
   if (weights[0].scalar_type() == at::kFloat) {
     std::vector<const float*> wp;
@@ -250,9 +254,10 @@ at::Tensor linear_group_rows(const at::Tensor& x, at::TensorList weights) {
     for (const auto& w : weights) wp.push_back(w.data_ptr<c10::BFloat16>());
     gemv_group<c10::BFloat16>(xf.data_ptr<float>(), wp, N, yp, M, K);
   }
+  if (M > 1) at::cat_out(y, ys, 1);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = -1;
-  return at::cat(ys, 1).to(x.scalar_type()).view(shape);  // [..., sum N_i] in x's dtype
+  return y.to(x.scalar_type()).view(shape);  // [..., sum N_i] in x's dtype
 }
 
 void register_linear_kernel() {

@@ -280,9 +280,14 @@ at::Tensor linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at:
   const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
   const std::vector<float> xsum = group_sums(xbp, M, K, gs);
   std::vector<int64_t> start(n + 1, 0);  // weight i holds blocks [start[i], start[i + 1]) of the union
+  for (size_t i = 0; i < n; ++i) start[i + 1] = start[i] + out_features[i] / BLOCK_N;
+  // [M, sum N_i] bf16; the kernels write rows of N_i, so one activation row goes straight to each weight's
+  // columns, and more rows to a buffer per weight, put side by side after
+  at::Tensor y = at::empty({M, start[n] * BLOCK_N}, x.options());
+  std::vector<c10::BFloat16*> yp;
   for (size_t i = 0; i < n; ++i) {
-    start[i + 1] = start[i] + out_features[i] / BLOCK_N;
-    out.push_back(at::empty({M, out_features[i]}, x.options()));  // [M, N_i] bf16
+    if (M > 1) out.push_back(at::empty({M, out_features[i]}, x.options()));  // [M, N_i] bf16
+    yp.push_back(M > 1 ? out.back().data_ptr<c10::BFloat16>() : y.data_ptr<c10::BFloat16>() + start[i] * BLOCK_N);
   }
   // ---- stage 2: blocks of 64 output rows of every weight, one parallel region
   const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
@@ -299,19 +304,19 @@ at::Tensor linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at:
       if (lo >= hi) continue;
       const uint8_t* qp = qdata[i].data_ptr<uint8_t>();
       const c10::BFloat16* zp = scale_and_zero[i].data_ptr<c10::BFloat16>();
-      c10::BFloat16* yp = out[i].data_ptr<c10::BFloat16>();
 #if defined(TS_INT4_BF16_DOT)
       if (dot) {
-        int4_blocks_bf16(xbp, xsum.data(), qp, zp, nullptr, yp, M, K, out_features[i], gs, lo, hi);
+        int4_blocks_bf16(xbp, xsum.data(), qp, zp, nullptr, yp[i], M, K, out_features[i], gs, lo, hi);
         continue;
       }
 #endif
-      int4_blocks(xf.data_ptr<float>(), xsum.data(), qp, zp, nullptr, yp, M, K, out_features[i], gs, lo, hi);
+      int4_blocks(xf.data_ptr<float>(), xsum.data(), qp, zp, nullptr, yp[i], M, K, out_features[i], gs, lo, hi);
     }
   });
+  if (M > 1) at::cat_out(y, out, 1);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = -1;
-  return at::cat(out, 1).view(shape);  // [..., sum N_i] bf16
+  return y.view(shape);  // [..., sum N_i] bf16
 }
 
 at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scale_and_zero,
