@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <numeric>
 #include <optional>
 #include <type_traits>
 
@@ -236,15 +235,9 @@ at::Tensor linear_group_rows(const at::Tensor& x, at::TensorList weights) {
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();  // [M, K] fp32, widened once for the group
   std::vector<int64_t> N;
   for (const auto& w : weights) N.push_back(w.size(0));
-  // [M, sum N_i] fp32; the kernels write rows of N_i, so one activation row goes straight to each weight's
-  // columns, and more rows to a buffer per weight, put side by side after
-  at::Tensor y = at::empty({M, std::accumulate(N.begin(), N.end(), int64_t(0))}, x.options().dtype(at::kFloat));
   std::vector<at::Tensor> ys;
   std::vector<float*> yp;
-  for (size_t i = 0, col = 0; i < N.size(); col += N[i], ++i) {
-    if (M > 1) ys.push_back(at::empty({M, N[i]}, y.options()));  // [M, N_i] fp32
-    yp.push_back(M > 1 ? ys.back().data_ptr<float>() : y.data_ptr<float>() + col);
-  }
+  at::Tensor y = side_by_side(M, N, x.options().dtype(at::kFloat), ys, yp);  // [M, sum N_i] fp32
   if (weights[0].scalar_type() == at::kFloat) {
     std::vector<const float*> wp;
     for (const auto& w : weights) wp.push_back(w.data_ptr<float>());

@@ -22,6 +22,23 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std:
 // several weights [N_i, K] of x's dtype, no bias, that read one x -> [..., sum N_i] (the outputs side by side, in
 // the weights' order), in one parallel region (one ATen linear per weight where linear_rows would call at::linear)
 at::Tensor linear_group_rows(const at::Tensor& x, at::TensorList weights);
+// The result of several weights' outputs side by side, y [M, sum N_i] of `opt`, and where each weight's kernel
+// writes its rows of N_i (ptrs[i]): y's own columns for one activation row (the row stride does not matter),
+// else a buffer per weight (bufs) that the caller puts into y after, at::cat_out(y, bufs, 1)
+template <typename T>
+at::Tensor side_by_side(int64_t M, at::IntArrayRef N, const at::TensorOptions& opt, std::vector<at::Tensor>& bufs,
+                        std::vector<T*>& ptrs) {
+  int64_t total = 0;
+  for (const int64_t n : N) total += n;
+  at::Tensor y = at::empty({M, total}, opt);
+  int64_t col = 0;
+  for (const int64_t n : N) {
+    if (M > 1) bufs.push_back(at::empty({M, n}, opt));
+    ptrs.push_back(M > 1 ? bufs.back().data_ptr<T>() : y.data_ptr<T>() + col);
+    col += n;
+  }
+  return y;
+}
 // make linear_rows the CPU kernel of tinyserve::linear (once per process)
 void register_linear_kernel();
 

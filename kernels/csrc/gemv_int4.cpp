@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 
+#include "gemv.h"
 #include "gemv_int4.h"
 
 namespace tinyserve_native {
@@ -281,14 +282,8 @@ at::Tensor linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at:
   const std::vector<float> xsum = group_sums(xbp, M, K, gs);
   std::vector<int64_t> start(n + 1, 0);  // weight i holds blocks [start[i], start[i + 1]) of the union
   for (size_t i = 0; i < n; ++i) start[i + 1] = start[i] + out_features[i] / BLOCK_N;
-  // [M, sum N_i] bf16; the kernels write rows of N_i, so one activation row goes straight to each weight's
-  // columns, and more rows to a buffer per weight, put side by side after
-  at::Tensor y = at::empty({M, start[n] * BLOCK_N}, x.options());
   std::vector<c10::BFloat16*> yp;
-  for (size_t i = 0; i < n; ++i) {
-    if (M > 1) out.push_back(at::empty({M, out_features[i]}, x.options()));  // [M, N_i] bf16
-    yp.push_back(M > 1 ? out.back().data_ptr<c10::BFloat16>() : y.data_ptr<c10::BFloat16>() + start[i] * BLOCK_N);
-  }
+  at::Tensor y = side_by_side(M, out_features, x.options(), out, yp);  // [M, sum N_i] bf16
   // ---- stage 2: blocks of 64 output rows of every weight, one parallel region
   const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
   at::Tensor xf;
