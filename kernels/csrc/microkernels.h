@@ -124,39 +124,56 @@ void v_accum_rows(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv
 }
 
 // Bound scores of a block of VS pages from int8 bound codes read in place (rows of D = NV * VS codes, page j's
-// at M + j * D and m + j * D), decoded in registers as code * step(kab[j]), for G query heads at once:
-// r[g * VS + j] = relu(qp_g).M_j + min(q_g, 0).m_j for j < n (lanes past n are 0). Each row is decoded once for
-// all heads; the FMA order is bound_block's on the decoded rows (bit-identical). tmp: G * VS * VS floats.
-template <int NV>
-void bound_block_i8(const int8_t* M, const int8_t* m, const float* kab, int n, const float* qp, const float* qn,
-                    int64_t G, float* tmp, float* r) {
+// at M + j * D and m + j * D), for G query heads at once: r[g * VS + j] = step_j * (relu(qp_g).cM_j +
+// min(q_g, 0).cm_j) for j < n (lanes past n are 0), with step_j = int8_step(kab[j]) and cM/cm the codes. The step
+// is applied once per page after the sum (the same value as summing decoded rows code * step, up to rounding,
+// which the score's slack covers); each row is converted once for all heads, and the two halves of the sum run
+// as independent FMA chains. tmp: G * VS * VS floats.
+template <int NV, int GC>
+inline void bound_block_i8_g(const int8_t* M, const int8_t* m, const float* kab, int n, const float* qp,
+                             const float* qn, int64_t G_rt, float* tmp, float* r) {
   constexpr int64_t D = NV * VS;
-  for (int j = 0; j < VS; ++j) {
-    if (j >= n) {
-      for (int64_t g = 0; g < G; ++g) Vec(0.f).store(tmp + (g * VS + j) * VS);
-      continue;
-    }
-    const Vec step(int8_step(kab[j]));
+  const int64_t G = GC > 0 ? GC : G_rt;  // GC > 0: the group size is a constant, so the heads' chains interleave
+  for (int j = 0; j < n; ++j) {
+    // ---- page j's codes as fp32 (exact), shared by the G heads
     Vec hi[NV], lo[NV];
     for (int i = 0; i < NV; ++i) {
-      hi[i] = load_i8(M + j * D + i * VS) * step;
-      lo[i] = load_i8(m + j * D + i * VS) * step;
+      hi[i] = load_i8(M + j * D + i * VS);
+      lo[i] = load_i8(m + j * D + i * VS);
     }
+    // ---- per head: relu(q).cM and min(q,0).cm as two chains, one partial-sum row per page
     for (int64_t g = 0; g < G; ++g) {
       const float* a = qp + g * D;
       const float* z = qn + g * D;
-      Vec acc(0.f);
-      for (int i = 0; i < NV; ++i) {
-        acc = at::vec::fmadd(Vec::loadu(a + i * VS), hi[i], acc);
-        acc = at::vec::fmadd(Vec::loadu(z + i * VS), lo[i], acc);
+      Vec s0 = Vec::loadu(a) * hi[0];
+      Vec s1 = Vec::loadu(z) * lo[0];
+      for (int i = 1; i < NV; ++i) {
+        s0 = at::vec::fmadd(Vec::loadu(a + i * VS), hi[i], s0);
+        s1 = at::vec::fmadd(Vec::loadu(z + i * VS), lo[i], s1);
       }
-      acc.store(tmp + (g * VS + j) * VS);
+      (s0 + s1).store(tmp + (g * VS + j) * VS);
     }
   }
+  for (int j = n; j < VS; ++j)
+    for (int64_t g = 0; g < G; ++g) Vec(0.f).store(tmp + (g * VS + j) * VS);
+  // ---- the VS page steps (rows past n are 0), then per head the rows reduced to one lane per page, times the step
+  const Vec step = at::vec::maximum(Vec::loadu(kab, n) / Vec(126.f), Vec(std::numeric_limits<float>::min()));
   for (int64_t g = 0; g < G; ++g) {
     Vec rows[VS];
     for (int j = 0; j < VS; ++j) rows[j] = Vec::loadu(tmp + (g * VS + j) * VS);
-    reduce_rows(rows).store(r + g * VS);
+    (reduce_rows(rows) * step).store(r + g * VS);
+  }
+}
+
+template <int NV>
+void bound_block_i8(const int8_t* M, const int8_t* m, const float* kab, int n, const float* qp, const float* qn,
+                    int64_t G, float* tmp, float* r) {
+  switch (G) {
+    case 1: return bound_block_i8_g<NV, 1>(M, m, kab, n, qp, qn, G, tmp, r);
+    case 2: return bound_block_i8_g<NV, 2>(M, m, kab, n, qp, qn, G, tmp, r);
+    case 3: return bound_block_i8_g<NV, 3>(M, m, kab, n, qp, qn, G, tmp, r);
+    case 4: return bound_block_i8_g<NV, 4>(M, m, kab, n, qp, qn, G, tmp, r);
+    default: return bound_block_i8_g<NV, 0>(M, m, kab, n, qp, qn, G, tmp, r);
   }
 }
 
