@@ -24,7 +24,7 @@ PRESENT = [c for c, (module, _) in cli.COMMANDS.items() if (ROOT / "bench" / f"{
 
 def test_commands_are_the_documented_ones():
     assert list(cli.COMMANDS) == ["op", "linear", "decode", "onnx", "gpu", "accuracy", "study", "coverage", "clients",
-                                  "serve", "serve-http", "paged-op", "ab", "report"]
+                                  "serve", "serve-http", "paged-op", "ceilings", "ab", "report"]
     res = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert res.returncode == 0, res.stderr
