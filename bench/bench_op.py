@@ -13,7 +13,11 @@ Providers, timed in one interleaved loop (rotating order, median of ``--reps``):
 ``sparse`` = the native kernel, ``torch.ops.tinyserve.sparse_decode(..., "native")`` (the CPU
 default; the PyTorch path if the native kernel cannot be built, said in the output),
 ``torch`` = the PyTorch path ``torch.ops.tinyserve.sparse_decode(..., "torch")``
-(a variant column; ``--no-torch`` skips it). By default every timed call starts
+(a variant column; ``--no-torch`` skips it),
+``sparse_huge`` (with ``--huge-pages``) = the same native call on a copy of the cache and bounds placed on
+transparent huge pages (``madvise`` before the first write, :func:`bench.ceilings.huge_buffer`; what
+``THP_MEM_ALLOC_ENABLE=1`` gives every large PyTorch allocation), an A/B of the OS page size in one process.
+By default every timed call starts
 from a cold cache (a 64 MB buffer is read before it, untimed), as in a real decode
 step where the other layers' weights and caches pass through; ``--warm`` skips that.
 
@@ -106,8 +110,19 @@ class _Flush:
         self.buf[::16].add_(1.0)
 
 
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in a buffer advised for transparent huge pages before its first write."""
+    try:
+        from .ceilings import huge_buffer
+    except ImportError:
+        from ceilings import huge_buffer
+    nbytes = -(-t.numel() * t.element_size() // 4) * 4  # whole fp32 words
+    raw = huge_buffer(max(nbytes, 4), huge=True).view(torch.uint8)[:t.numel() * t.element_size()]
+    return raw.view(t.dtype).view(t.shape).copy_(t)
+
+
 def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool, with_torch: bool = True,
-              cold: bool = True, warmup: int = 3, seed: int = 0) -> dict:
+              cold: bool = True, warmup: int = 3, seed: int = 0, huge: bool = False) -> dict:
     """Time dense SDPA, the sparse kernel and (optionally) the PyTorch path, interleaved, on one point."""
     s = SETTINGS[setting]
     gen = torch.Generator().manual_seed(seed)
@@ -135,6 +150,14 @@ def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool,
     fns = {"dense": dense, "sparse": sparse}
     if with_torch:
         fns["torch"] = torch_path
+    if huge:
+        kh, vh = on_huge_pages(k), on_huge_pages(v)
+        bh = type(bounds)(*(on_huge_pages(b) for b in bounds))
+
+        def sparse_huge():
+            return torch.ops.tinyserve.sparse_decode(q, kh, vh, *bh, vl, None, scale, spec, kernel, None)
+
+        fns["sparse_huge"] = sparse_huge
     for _ in range(warmup):
         for f in fns.values():
             f()
@@ -167,6 +190,8 @@ def bench_one(L: int, dtype: torch.dtype, setting: str, reps: int, native: bool,
         torch_ms=round(ms["torch"], 4) if with_torch else None,
         ratio=round(ms["dense"] / ms["sparse"], 2),
         torch_ratio=round(ms["dense"] / ms["torch"], 2) if with_torch else None,
+        sparse_huge_ms=round(ms["sparse_huge"], 4) if huge else None,
+        huge_speedup=round(ms["sparse"] / ms["sparse_huge"], 3) if huge else None,
         bytes=nbytes,
         gbps=round(nbytes / (ms["sparse"] * 1e-3) / 1e9, 2),
         cold=cold,
@@ -180,15 +205,17 @@ def fmt_ctx(L: int) -> str:
 
 
 def print_table(rows) -> str:
+    huge = any(r.get("sparse_huge_ms") is not None for r in rows)
     head = ("context", "dtype", "setting", "SDPA ms", "sparse ms", "ratio", "torch-path ms", "MB read", "GB/s",
-            "% of stream")
+            "% of stream") + (("on huge pages ms",) if huge else ())
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tp = f"{r['torch_ms']:.3f} ({r['torch_ratio']:.1f}x)" if r["torch_ms"] is not None else "-"
+        hp = f" {r['sparse_huge_ms']:.3f} ({r['huge_speedup']:.2f}x) |" if huge else ""
         lines.append(
             f"| {fmt_ctx(r['context'])} | {r['dtype']} | {r['setting']} | {r['dense_ms']:.3f} | {r['sparse_ms']:.3f} | "
             f"{r['ratio']:.1f}x | {tp} | {r['bytes'] / 1e6:.1f} | {r['gbps']:.1f} | "
-            f"{100 * r['gbps'] / r['stream_gbps']:.0f}% |"
+            f"{100 * r['gbps'] / r['stream_gbps']:.0f}% |{hp}"
         )
     text = "\n".join(lines)
     print(text)
@@ -250,6 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--paper", action="store_true", help="only the paper's selection")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch-path column")
     ap.add_argument("--warm", action="store_true", help="do not evict the caches before each timed call")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="also time the native op on a copy of the cache on transparent huge pages (sparse_huge)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--json", default=None, help="write records here (+ .csv and .png with the same stem)")
     ap.add_argument("--out-dir", default=None, help="write bench_op.json/.csv/.png into this folder")
@@ -286,12 +315,15 @@ def main(argv=None) -> int:
     for L in contexts:
         for name in args.dtypes.split(","):
             for s in settings:
-                r = bench_one(L, DTYPES[name], s, reps, native, with_torch=not args.no_torch, cold=not args.warm)
+                r = bench_one(L, DTYPES[name], s, reps, native, with_torch=not args.no_torch, cold=not args.warm,
+                              huge=args.huge_pages)
                 r["stream_gbps"] = round(bw, 2)
                 r["bound_ms"] = round(r["bytes"] / (bw * 1e9) * 1e3, 4)
                 rows.append(r)
                 print(f"  {fmt_ctx(L)} {name} {s}: SDPA {r['dense_ms']:.3f} ms, sparse {r['sparse_ms']:.3f} ms "
-                      f"({r['ratio']:.1f}x), {r['gbps']:.1f} GB/s", flush=True)
+                      f"({r['ratio']:.1f}x), {r['gbps']:.1f} GB/s" + (
+                          f"; on huge pages {r['sparse_huge_ms']:.3f} ms ({r['huge_speedup']:.2f}x)"
+                          if args.huge_pages else ""), flush=True)
     print()
     print_table(rows)
     json_path = args.json or (os.path.join(args.out_dir, "bench_op.json") if args.out_dir else None)

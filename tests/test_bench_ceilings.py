@@ -66,3 +66,26 @@ def test_cli_names_the_bad_argument(argv, name, capsys):
         ceilings.main(argv)
     assert e.value.code == 2
     assert name in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (1, 3, 40, 64)), (torch.bfloat16, (1, 3, 33, 64)),
+                                         (torch.int8, (1, 3, 5, 64)), (torch.float32, (1, 3, 5))])
+def test_op_bench_huge_page_copy_is_equal(dtype, shape):
+    from bench.bench_op import on_huge_pages
+
+    t = (torch.randn(shape) * 20).to(dtype)
+    h = on_huge_pages(t)
+    assert h.dtype == t.dtype and h.shape == t.shape and h.is_contiguous()
+    assert h.data_ptr() != t.data_ptr() and torch.equal(h, t)
+
+
+def test_op_bench_times_the_huge_page_copy_beside_the_op():
+    from bench.bench_op import bench_one
+    from tinyserve_compile.kernels.native import load_native
+
+    r = bench_one(512, torch.float32, "defaults", reps=1, native=load_native(), with_torch=False, cold=False,
+                  warmup=1, huge=True)
+    assert r["sparse_huge_ms"] > 0 and r["huge_speedup"] > 0
+    r = bench_one(512, torch.float32, "defaults", reps=1, native=load_native(), with_torch=False, cold=False,
+                  warmup=1)
+    assert r["sparse_huge_ms"] is None and r["huge_speedup"] is None
