@@ -13,6 +13,9 @@ Switches:
                  ``GROUP_SHARED_INPUTS``; off: one call per linear)
 ``cpp-wrapper``  Inductor's C++ wrapper (``inductor_options={"cpp_wrapper": True, "cpp_wrapper_build_separate":
                  True}``; off: the Python wrapper)
+``huge-pages``   the static cache's keys and values on transparent huge pages (on: a copy of the filled cache in
+                 buffers advised for huge pages before their first write, :func:`bench.ceilings.huge_buffer`;
+                 off: the cache as allocated); not a backend change, a property of the memory it reads
 
 The model is the random-init Llama of SmolLM2's shape (``--model tiny``: a 4-layer toy, for tests), its cache
 filled with random keys and values; ``--weights`` as in ``python -m bench decode``. Prints a table; ``--json PATH``
@@ -30,7 +33,7 @@ from typing import Dict, List
 
 import torch
 
-SWITCHES = ("mask", "group", "cpp-wrapper")
+SWITCHES = ("mask", "group", "cpp-wrapper", "huge-pages")
 CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
@@ -82,13 +85,25 @@ def run(switch: str, ctx: int, weights: str = "fp32", batch: int = 1, steps: int
         model(input_ids=torch.zeros(batch, 1, dtype=torch.long), cache=cache, use_cache=True)
         fill_cache(cache, base, name, lens, "random", "")
 
-    def rollback():
-        for layer in cache.layers:
+    caches = {"on": cache, "off": cache}
+    if switch == "huge-pages":
+        from bench.bench_op import on_huge_pages
+
+        huge = StaticCache(config=model.config, max_cache_len=ctx + n_pos)
+        with torch.no_grad():
+            model(input_ids=torch.zeros(batch, 1, dtype=torch.long), cache=huge, use_cache=True)
+        for dst, src in zip(huge.layers, cache.layers):
+            dst.keys, dst.values = on_huge_pages(src.keys), on_huge_pages(src.values)
+        caches["on"] = huge
+
+    def rollback(variant):
+        for layer in caches[variant].layers:
             layer.cumulative_length.fill_(ctx)
 
-    def step(fn, i):
+    def step(variant, i):
         kw = {} if mask is None else {"attention_mask": mask}
-        fn(input_ids=toks, position_ids=torch.full((batch, 1), ctx + i), cache=cache, use_cache=True, **kw)
+        fns[variant](input_ids=toks, position_ids=torch.full((batch, 1), ctx + i), cache=caches[variant],
+                     use_cache=True, **kw)
 
     fns, compile_s = {}, {}
     with torch.no_grad():
@@ -100,20 +115,20 @@ def run(switch: str, ctx: int, weights: str = "fp32", batch: int = 1, steps: int
                 opts = {"inductor_options": CPP_WRAPPER} if switch == "cpp-wrapper" else {}
             fns[variant] = _compile(model, "tinyserve", opts)
             with switched(switch, on):
-                rollback()
+                rollback(variant)
                 t0 = time.perf_counter()
-                step(fns[variant], 0)
+                step(variant, 0)
                 compile_s[variant] = time.perf_counter() - t0
             log(f"# compiled {switch} {variant}: {compile_s[variant]:.1f} s")
         gbps = read_bandwidth_gbs(torch.device("cpu"))
         times: Dict[str, List[float]] = {"on": [], "off": []}
         for r in range(rounds):
             for variant in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                rollback()
-                step(fns[variant], 0)  # untimed
+                rollback(variant)
+                step(variant, 0)  # untimed
                 for i in range(1, steps + 1):
                     t0 = time.perf_counter()
-                    step(fns[variant], i)
+                    step(variant, i)
                     times[variant].append(time.perf_counter() - t0)
     torch._dynamo.reset()
     med = {v: statistics.median(t) * 1e3 for v, t in times.items()}

@@ -48,3 +48,27 @@ def test_group_switch_compiles_both_variants(tmp_path, monkeypatch):
 def test_unknown_switch_is_named():
     with pytest.raises(ValueError, match="switch"):
         ab.run("fast", 256, model_kind="tiny")
+
+
+def test_huge_pages_switch_runs_the_on_variant_on_the_copy(monkeypatch):
+    import torch
+
+    from bench import bench_op
+
+    copies = []
+    real = bench_op.on_huge_pages
+
+    def spy(t):
+        h = real(t)
+        copies.append((t, h))
+        return h
+
+    monkeypatch.setattr(bench_op, "on_huge_pages", spy)
+    rows = ab.run("huge-pages", 256, steps=2, rounds=2, model_kind="tiny", log=lambda *a: None)
+    assert [r["variant"] for r in rows] == ["on", "off"]
+    assert all(r["ms_per_token"] > 0 and r["switch"] == "huge-pages" for r in rows)
+    assert len(copies) == 2 * 4  # keys and values of the tiny model's 4 layers
+    for src, huge in copies:  # [1, Hkv, 256 + 4, D]: the filled context copied, then the on variant's own steps
+        assert huge.data_ptr() != src.data_ptr() and huge.is_contiguous()
+        assert torch.equal(huge[:, :, :256], src[:, :, :256])
+        assert bool(huge[:, :, 256:258].abs().sum() > 0), "the on variant did not write its steps into the copy"
