@@ -16,7 +16,7 @@ what it reads:
 each cold (a 64 MB buffer is read before every timed call), with one thread and with all threads, without
 and with software prefetch into L2 a few chunks ahead (as the op does), over 4 KB pages and over transparent
 huge pages (``madvise(MADV_HUGEPAGE)`` on the buffer before it is first written; the granted huge-page MB are
-recorded). ``stream_gbps`` is the same read as ``bench op``'s (one ``sum`` over 256 MB).
+recorded). ``stream_gbps`` is ``bench op``'s read bandwidth (one ``sum`` over 256 MB).
 
 Usage::
 
@@ -39,8 +39,10 @@ from typing import Dict, List, Optional
 import torch
 
 try:
+    from .bench_op import read_bandwidth_gbs
     from .output import bar_png, write_rows
 except ImportError:  # run as a script
+    from bench_op import read_bandwidth_gbs
     from output import bar_png, write_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,18 +95,6 @@ def huge_buffer(nbytes: int, huge: bool) -> torch.Tensor:
     return f
 
 
-def stream_gbps(mb: int = 256, reps: int = 7) -> float:
-    """The read bandwidth ``bench op`` states: the median of one ``sum`` over ``mb`` MB of fp32."""
-    x = torch.ones(mb * 2**20 // 4)
-    x.sum()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        ts.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(ts) / 1e9
-
-
 def offsets(kind: str, n_bytes: int, buf_bytes: int, page_bytes: int, row_bytes: int,
             gen: torch.Generator) -> (torch.Tensor, int):
     """Byte offsets (ascending, int64) and chunk size of one pattern reading ``n_bytes``."""
@@ -140,7 +130,7 @@ def run(pages: int = 1152, page_bytes: int = 2048, row_bytes: int = 256, buf_mb:
     probe = load_probe()
     all_threads = torch.get_num_threads()
     threads = threads or sorted({1, all_threads})
-    stream = stream_gbps()
+    stream = read_bandwidth_gbs()  # the read bandwidth bench op states
     n_bytes = pages * page_bytes
     flush = torch.ones(64 * 2**20 // 4)
     rows = []
