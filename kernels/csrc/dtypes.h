@@ -31,5 +31,9 @@ inline void dispatch_bt(at::ScalarType t, const char* name, const F& f) {
 // grid step of int8 bounds (reference.int8_bounds_step): one fp32 division, then the floor at the smallest normal
 // number (NaN propagates, as torch.clamp_min)
 inline float int8_step(float kabs) { return std::max(kabs / 126.f, std::numeric_limits<float>::min()); }
+// the same step for VS pages at once (NaN kabs give NaN, as std::max(NaN, x) does above)
+inline Vec int8_step(const Vec& kabs) {
+  return at::vec::maximum(kabs / Vec(126.f), Vec(std::numeric_limits<float>::min()));
+}
 
 }  // namespace tinyserve_native

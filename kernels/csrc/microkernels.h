@@ -157,7 +157,7 @@ inline void bound_block_i8_g(const int8_t* M, const int8_t* m, const float* kab,
   for (int j = n; j < VS; ++j)
     for (int64_t g = 0; g < G; ++g) Vec(0.f).store(tmp + (g * VS + j) * VS);
   // ---- the VS page steps (rows past n are 0), then per head the rows reduced to one lane per page, times the step
-  const Vec step = at::vec::maximum(Vec::loadu(kab, n) / Vec(126.f), Vec(std::numeric_limits<float>::min()));
+  const Vec step = int8_step(Vec::loadu(kab, n));
   for (int64_t g = 0; g < G; ++g) {
     Vec rows[VS];
     for (int j = 0; j < VS; ++j) rows[j] = Vec::loadu(tmp + (g * VS + j) * VS);
