@@ -55,14 +55,12 @@ def load_probe():
     """The probe's extension module, built once per source and flags (the native kernels' compiler flags)."""
     from torch.utils import cpp_extension
 
-    from tinyserve_compile.kernels.native import _cpu_flags, _flags, _isa
+    from tinyserve_compile.kernels.native import _cpu_flags, _flags, _isa, cache_root
 
     cflags, ldflags = _flags(_isa(_cpu_flags()))
     src = open(SOURCE, "rb").read()
     key = hashlib.sha256(src + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()[:12]
-    root = os.environ.get("TINYSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                 "tinyserve_compile")
-    build = os.path.join(root, f"gather-probe-{key}")
+    build = os.path.join(cache_root(), f"gather-probe-{key}")
     os.makedirs(build, exist_ok=True)
     return cpp_extension.load(name=f"tinyserve_gather_probe_{key}", sources=[SOURCE], extra_cflags=cflags,
                               extra_ldflags=ldflags, build_directory=build, verbose=False)

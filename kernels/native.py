@@ -98,6 +98,11 @@ def _flags(isa: str):
     return cflags, ["-fopenmp"]
 
 
+def cache_root() -> str:
+    """Where native builds live: ``TINYSERVE_CACHE_DIR``, else ``~/.cache/tinyserve_compile``."""
+    return os.environ.get("TINYSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tinyserve_compile")
+
+
 def native_module():
     """The loaded extension module (call :func:`load_native` first; None when it is not loaded)."""
     return _state["module"] if _state["loaded"] else None
@@ -231,7 +236,7 @@ def _load(verbose: bool) -> bool:
         h.update(part)
         h.update(b"\0")
     key = h.hexdigest()[:16]
-    root = os.environ.get("TINYSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tinyserve_compile")
+    root = cache_root()
     build_dir = os.path.join(root, f"native-{key}")
     os.makedirs(build_dir, exist_ok=True)
     clear_stale_lock(build_dir)
