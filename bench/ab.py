@@ -13,6 +13,9 @@ Switches:
                  ``GROUP_SHARED_INPUTS``; off: one call per linear)
 ``cpp-wrapper``  Inductor's C++ wrapper (``inductor_options={"cpp_wrapper": True, "cpp_wrapper_build_separate":
                  True}``; off: the Python wrapper)
+``size-asserts`` the backend's Inductor defaults (``config.INDUCTOR_DEFAULTS``: no re-check of the graph's input
+                 sizes, strides and alignment in the wrapper); off: ``inductor_options={"size_asserts": True,
+                 "alignment_asserts": True}``, Inductor's own defaults
 ``huge-pages``   the static cache's keys and values on transparent huge pages (on: a copy of the filled cache in
                  buffers advised for huge pages before their first write, :func:`bench.ceilings.huge_buffer`;
                  off: the cache as allocated); not a backend change, a property of the memory it reads
@@ -33,7 +36,7 @@ from typing import Dict, List
 
 import torch
 
-SWITCHES = ("mask", "group", "cpp-wrapper", "huge-pages")
+SWITCHES = ("mask", "group", "cpp-wrapper", "huge-pages", "size-asserts")
 CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
@@ -109,7 +112,9 @@ def run(switch: str, ctx: int, weights: str = "fp32", batch: int = 1, steps: int
     with torch.no_grad():
         for variant, on in (("on", True), ("off", False)):
             # a different options dict per variant: Dynamo compiles each anew instead of reusing the other's code
-            if not on:
+            if switch == "size-asserts" and not on:
+                opts = {"inductor_options": {"size_asserts": True, "alignment_asserts": True}}
+            elif not on:
                 opts = {"token_budget": DEFAULT_TOKEN_BUDGET}  # the default, spelled out
             else:
                 opts = {"inductor_options": CPP_WRAPPER} if switch == "cpp-wrapper" else {}

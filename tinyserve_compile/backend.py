@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from . import runtime
-from .config import TinyServeConfig
+from .config import INDUCTOR_DEFAULTS, TinyServeConfig
 from .explain import record_graph
 
 __all__ = ["tinyserve_backend", "register"]
@@ -31,8 +31,8 @@ def _lower(gm: torch.fx.GraphModule, example_inputs: List[Any], config: TinyServ
         import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        # the caller's Inductor settings, for this compile only
-        with inductor_config.patch(dict(config.inductor_options or {})):
+        # the backend's Inductor defaults under the caller's settings, for this compile only
+        with inductor_config.patch({**INDUCTOR_DEFAULTS, **(config.inductor_options or {})}):
             return compile_fx(gm, example_inputs)
     # "tensorrt": Torch-TensorRT's torch.compile backend, with our ops left to PyTorch.
     try:

@@ -80,6 +80,21 @@ def test_cpp_wrapper_sparse_decode_under_inference_mode():
     assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), worst(got, want)
 
 
+@pytest.mark.parametrize("given, asserts", [(None, False), ({"size_asserts": True}, True)])
+def test_size_asserts_off_by_default(given, asserts):
+    # INDUCTOR_DEFAULTS: the decode graph's wrapper re-checks no input's size and stride (Dynamo's guards did),
+    # unless inductor_options turns the asserts back on; the answers match eager either way
+    from torch._inductor.utils import run_and_get_code
+
+    model = hf_model("llama")
+    opts = OPTS if given is None else dict(OPTS, inductor_options=given)
+    _, code = run_and_get_code(_check, model, torch.compile(model, backend="tinyserve", options=opts), prompt(PROMPT))
+    code = "\n".join(code)
+    assert "def call(" in code  # the Python wrapper was generated (and read here)
+    assert ("assert_size_stride(arg" in code) is asserts
+    assert inductor_config.size_asserts is True  # nothing changed outside the compile
+
+
 def test_freezing_matches_eager():
     model = hf_model("llama")
     ids = prompt(PROMPT)
