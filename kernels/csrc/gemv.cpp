@@ -34,34 +34,51 @@ constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
 
 
 // Output rows [n0, n1) of y (fp32, [M, N]) in groups of R weight rows: each weight vector is loaded once and
-// meets all M activation rows (M * R accumulators live in registers).
-template <typename W, int M, int R>
+// meets all M activation rows (M * R accumulators live in registers). A > 1 splits K over A accumulators per
+// (weight row, activation row), A vectors apart: more independent FMA chains while the weight is read as one
+// sequential stream (R = 1).
+template <typename W, int M, int R, int A = 1>
 void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n0,
                int64_t n1) {
   const int64_t kv = K - K % FVS;  // vectorised part of K; the rest is a scalar tail
+  const int64_t ka = K - K % (A * FVS);  // the part of it in whole steps of A vectors
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
-    // ---- stage 1: fp32 partial sums, one vector per (weight row, activation row)
-    FVec acc[R][M];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = FVec(0.f);
-    for (int64_t k = 0; k < kv; k += FVS) {
+    // ---- stage 1: fp32 partial sums, A vectors per (weight row, activation row), folded into acc[0]
+    FVec acc[A][R][M];
+    for (int a = 0; a < A; ++a)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) acc[a][r][m] = FVec(0.f);
+    for (int64_t k = 0; k < ka; k += A * FVS) {
+      for (int a = 0; a < A; ++a) {
+        FVec xv[M];
+        for (int m = 0; m < M; ++m) xv[m] = FVec::loadu(x + m * K + k + a * FVS);
+        for (int r = 0; r < R; ++r) {
+          const FVec wv = loadf(w + (n + r) * K + k + a * FVS);
+          for (int m = 0; m < M; ++m) acc[a][r][m] = at::vec::fmadd(wv, xv[m], acc[a][r][m]);
+        }
+      }
+    }
+    for (int64_t k = ka; k < kv; k += FVS) {
       FVec xv[M];
       for (int m = 0; m < M; ++m) xv[m] = FVec::loadu(x + m * K + k);
       for (int r = 0; r < R; ++r) {
         const FVec wv = loadf(w + (n + r) * K + k);
-        for (int m = 0; m < M; ++m) acc[r][m] = at::vec::fmadd(wv, xv[m], acc[r][m]);
+        for (int m = 0; m < M; ++m) acc[0][r][m] = at::vec::fmadd(wv, xv[m], acc[0][r][m]);
       }
     }
+    for (int a = 1; a < A; ++a)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) acc[0][r][m] = acc[0][r][m] + acc[a][r][m];
     // ---- stage 2: lane sums, the scalar tail of K, the bias
     alignas(64) float sums[R * M > FVS ? R * M : FVS];  // sums[r * M + m]: lanes of acc[r][m] added
     bool summed = false;
 #if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (R * M <= FVS) {
+    if constexpr (R * M <= FVS && R * M >= 4) {
       // all R * M lane sums in one transpose-and-add (reduce_rows), not one horizontal sum each
       FVec red[FVS];
       for (int r = 0; r < R; ++r)
-        for (int m = 0; m < M; ++m) red[r * M + m] = acc[r][m];
+        for (int m = 0; m < M; ++m) red[r * M + m] = acc[0][r][m];
       for (int i = R * M; i < FVS; ++i) red[i] = FVec(0.f);
       reduce_rows(red).store(sums);
       summed = true;
@@ -70,7 +87,7 @@ void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t 
     if (!summed) {
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m)
-          sums[r * M + m] = at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return a + b; }, acc[r][m]);
+          sums[r * M + m] = at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return a + b; }, acc[0][r][m]);
     }
     for (int r = 0; r < R; ++r) {
       for (int m = 0; m < M; ++m) {
@@ -80,20 +97,27 @@ void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t 
       }
     }
   }
-  if (n < n1) gemv_rows<W, M, 1>(x, w, bias, y, K, N, n, n1);  // leftover rows, one at a time
+  if (n < n1) gemv_rows<W, M, 1, A>(x, w, bias, y, K, N, n, n1);  // leftover rows, one at a time
 }
 
-// weight rows per group: more when few activation rows leave registers free (more independent FMA chains)
+// One weight row at a time: each thread reads its weight rows as one sequential stream. Groups of 4 rows (at 1-2
+// activation rows) and 2 (at 3-4), interleaved streams one weight row apart, were slower on weights read from
+// memory, as in a decode step (SmolLM2's shapes, 2 threads, both builds side by side in one process, two runs):
+// one row at a time was 1.08-1.48x faster at 1 fp32 row (one 0.91x), 1.29-1.99x at 1 bf16 row, 1.0-1.9x at 2-4
+// rows, except K = 1536 at 2-4 bf16 rows (0.78-0.99x). The FMA chains the groups gave come from A accumulators
+// along K per (weight row, activation row): 4 independent chains at 1 and 2 activation rows.
 template <int M>
-constexpr int rows_per_group() {
-  return M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+constexpr int k_accumulators() {
+  return M == 1 ? 4 : (M == 2 ? 2 : 1);
 }
 
 template <typename W, int M, int R>
 void gemv_split(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N) {
   // one contiguous range of weight rows per thread, each at least MIN_TASK_BYTES of weights
   const int64_t grain = std::max<int64_t>(R, MIN_TASK_BYTES / std::max<int64_t>(1, K * int64_t(sizeof(W))));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemv_rows<W, M, R>(x, w, bias, y, K, N, n0, n1); });
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    gemv_rows<W, M, R, k_accumulators<M>()>(x, w, bias, y, K, N, n0, n1);
+  });
 }
 
 // 5-8 activation rows over a weight streamed from memory (an output head) or rows of x too long for L1 (K over
@@ -114,7 +138,7 @@ void gemv_m(const float* x, const W* w, const float* bias, float* y, int64_t K, 
   if constexpr (M > 4) {
     if (two_weight_rows<W, M>(K, N)) return gemv_split<W, M, 2>(x, w, bias, y, K, N);
   }
-  gemv_split<W, M, rows_per_group<M>()>(x, w, bias, y, K, N);
+  gemv_split<W, M, 1>(x, w, bias, y, K, N);
 }
 
 // f(std::integral_constant<int, M>) for M = 1..8 activation rows (more rows never reach the GEMV)
@@ -142,7 +166,7 @@ void gemv(const float* x, const W* w, const float* bias, float* y, int64_t M, in
 template <typename W, int M>
 void gemv_group_m(const float* x, const std::vector<const W*>& w, const std::vector<int64_t>& N,
                   const std::vector<float*>& y, int64_t K) {
-  constexpr int R = rows_per_group<M>();
+  constexpr int R = 1;
   std::vector<int64_t> start(N.size() + 1, 0);  // weight i holds rows [start[i], start[i + 1]) of the union
   for (size_t i = 0; i < N.size(); ++i) start[i + 1] = start[i] + N[i];
   const int64_t grain = std::max<int64_t>(2 * R, MIN_TASK_BYTES / std::max<int64_t>(1, K * int64_t(sizeof(W))));
@@ -156,7 +180,7 @@ void gemv_group_m(const float* x, const std::vector<const W*>& w, const std::vec
           continue;
         }
       }
-      gemv_rows<W, M, R>(x, w[i], nullptr, y[i], K, N[i], lo, hi);
+      gemv_rows<W, M, R, k_accumulators<M>()>(x, w[i], nullptr, y[i], K, N[i], lo, hi);
     }
   });
 }
