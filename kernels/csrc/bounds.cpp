@@ -133,6 +133,28 @@ void check_bounds_args(const at::Tensor& k, const at::Tensor& kmax, const at::Te
               "tinyserve (native): kabs must be contiguous float32 [B, Hkv, P]");
 }
 
+// k_cache[:, :, pos[i]] = src[:, :, i] row by row when src is [B, Hkv, n, D] of the cache's dtype with a unit
+// stride on D (a decode step's write; ATen's index_copy_ costs several microseconds more per call); false (nothing
+// written) for any other src, which index_copy_ then takes. pos: int64, every entry inside the cache (checked).
+bool copy_rows(const at::Tensor& k, const at::Tensor& pos, const at::Tensor& src) {
+  const int64_t B = k.size(0), H = k.size(1), D = k.size(3), n = pos.numel();
+  if (src.scalar_type() != k.scalar_type() || src.dim() != 4 || !src.device().is_cpu() || src.size(0) != B ||
+      src.size(1) != H || src.size(2) != n || src.size(3) != D || (D > 1 && src.stride(3) != 1) ||
+      !pos.is_contiguous())
+    return false;
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t bytes = D * k.element_size();
+  char* kd = static_cast<char*>(k.data_ptr());
+  const char* sd = static_cast<const char*>(src.data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(kd + (b * k.stride(0) + h * k.stride(1) + pp[i] * k.stride(2)) * es,
+                    sd + (b * src.stride(0) + h * src.stride(1) + i * src.stride(2)) * es, bytes);
+  return true;
+}
+
 // pages: ascending page list, or nullptr for every page
 void bounds_for_pages(const at::Tensor& k, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                       int64_t S, const std::vector<int64_t>* pages) {
@@ -193,9 +215,17 @@ void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Te
                     "tinyserve.cache_write: argument 'positions' must be an integer tensor, got ",
                     positions.scalar_type());
   // ---- the write itself (positions: 0-d, [1] or [n], any integer dtype)
-  at::Tensor pos = positions.reshape({-1}).to(at::kLong);
-  at::Tensor kc = k_cache;
-  kc.index_copy_(2, pos, src);
+  at::Tensor pos = positions.reshape({-1}).to(at::kLong).contiguous();
+  {  // every position inside the cache before anything is written (index_copy_ may write some, then raise)
+    const int64_t L = k_cache.size(2), *pp = pos.data_ptr<int64_t>();
+    for (int64_t i = 0; i < pos.numel(); ++i)
+      TORCH_CHECK_INDEX(pp[i] >= 0 && pp[i] < L, "tinyserve.cache_write: argument 'positions' holds ", pp[i],
+                        ", outside the cache's ", L, " slots");
+  }
+  if (!copy_rows(k_cache, pos, src)) {
+    at::Tensor kc = k_cache;
+    kc.index_copy_(2, pos, src);
+  }
   // ---- bounds: everything when flagged stale, else the touched pages
   int32_t* flag = ctrl.data_ptr<int32_t>();
   if (flag[0] != 0) {

@@ -132,6 +132,26 @@ def test_int8_bounds_extreme_scales_bit_exact(dtype):
     _assert_bits(b, k, S, torch.int8, f"cache_write int8 extreme scales {dtype}")
 
 
+def test_cache_write_row_copy_and_index_copy_agree():
+    """The keys are copied row by row for a ``[B, Hkv, n, D]`` source of the cache's dtype, by ``index_copy_`` for
+    any other source (here a view with a stride on D): both write what ``index_copy_`` writes, and a position
+    outside the cache raises ``IndexError`` before anything is written."""
+    S, L, D = 4, 16, 8
+    gen = make_gen(9)
+    op = native_module().cache_write
+    for src in (randn((1, 2, 2, D), gen), randn((1, 2, 2, 2 * D), gen)[..., ::2]):
+        k = torch.zeros(1, 2, L, D)
+        b = _alloc(k, S, torch.float32)
+        ctrl = torch.tensor([0, 0], dtype=torch.int32)
+        op(k, *b, ctrl, torch.tensor([5, 11]), src, S)
+        assert torch.equal(k, torch.zeros(1, 2, L, D).index_copy_(2, torch.tensor([5, 11]), src))
+        _assert_bits(b, k, S, torch.float32, f"row copy, source strides {src.stride()}")
+        for bad in (L, -1):
+            with pytest.raises(IndexError, match="positions"):
+                op(k, *b, ctrl, torch.tensor([3, bad]), src, S)
+            assert not bool(k[:, :, 3].any()), "a bad position must leave the cache alone"
+
+
 @pytest.mark.parametrize("bdt", BOUNDS)
 def test_cache_write_stale_flag_rebuilds_every_page(bdt):
     """``ctrl[0] != 0`` (the cache was written behind our back): every page is rebuilt, and the flag is cleared;
