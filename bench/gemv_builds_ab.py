@@ -1,8 +1,9 @@
 """The native GEMV (``linear_rows``) of two native builds side by side in one process:
-``python bench/gemv_builds_ab.py OLD_KEY NEW_KEY`` with the keys of two folders ``native-<key>`` under
+``python bench/gemv_builds_ab.py OLD_KEY NEW_KEY [ROWS]`` with the keys of two folders ``native-<key>`` under
 ``tinyserve_compile.kernels.native.cache_root()`` (each build of a changed source tree gets its own).
 
-SmolLM2-135M's linear shapes, fp32 and bf16, 1, 2 and 4 activation rows, two threads. Each call reads its weight
+SmolLM2-135M's linear shapes, fp32 and bf16 (bf16 only up to 4 rows, where its GEMV stops), activation rows
+``ROWS`` (comma-separated, default 1,2,4), two threads. Each call reads its weight
 from memory, as in a decode step: the calls cycle through up to 40 copies of the weight (256 MB at most), after
 a 64 MB write that evicts the caches; 6 rounds, the order of the builds flipped every round, medians per call.
 """
@@ -13,10 +14,13 @@ def load(key):
     spec = importlib.util.spec_from_file_location(f"tinyserve_native_{key}", p)
     m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
 old, new = load(sys.argv[1]), load(sys.argv[2])
+rows = [int(r) for r in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 2, 4]
 flush = torch.empty(64 << 20, dtype=torch.uint8)
 shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 for dt in (torch.float32, torch.bfloat16):
-    for M in (1, 2, 4):
+    for M in rows:
+        if dt == torch.bfloat16 and M > 4:
+            continue
         for N, K in shapes:
             # many distinct weights so that each call reads from memory, as in a decode step
             n_w = max(1, (256 << 20) // (N * K * dt.itemsize))
