@@ -68,7 +68,7 @@ void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t 
         }
       }
     }
-    for (int64_t k = ka; k < kv; k += FVS) {
+    for (int64_t k = ka; k < kv; k += FVS) {  // the vectors of K past the last whole step of A (into acc[0])
       FVec xv[M];
       for (int m = 0; m < M; ++m) xv[m] = FVec::loadu(x + m * K + k);
       for (int r = 0; r < R; ++r) {
@@ -84,7 +84,8 @@ void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t 
     bool summed = false;
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (R * M <= FVS && R * M >= 4) {
-      // all R * M lane sums in one transpose-and-add (reduce_rows), not one horizontal sum each
+      // all R * M lane sums in one transpose-and-add (reduce_rows), not one horizontal sum each (below 4 sums the
+      // horizontal sums cost less than the 16-vector transpose)
       FVec red[FVS];
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) red[r * M + m] = acc[0][r][m];
