@@ -7,10 +7,12 @@ SmolLM2-135M's linear shapes, fp32 and bf16 (bf16 only up to 4 rows, where its G
 from memory, as in a decode step: the calls cycle through up to 40 copies of the weight (256 MB at most), after
 a 64 MB write that evicts the caches; 6 rounds, the order of the builds flipped every round, medians per call.
 """
-import importlib.util, sys, time, torch
+import importlib.util, os, sys, time, torch
+
+from tinyserve_compile.kernels.native import cache_root
 torch.set_num_threads(2)
 def load(key):
-    p = f"/root/.cache/tinyserve_compile/native-{key}/tinyserve_native_{key}.so"
+    p = os.path.join(cache_root(), f"native-{key}", f"tinyserve_native_{key}.so")
     spec = importlib.util.spec_from_file_location(f"tinyserve_native_{key}", p)
     m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
 old, new = load(sys.argv[1]), load(sys.argv[2])
