@@ -35,12 +35,12 @@ constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 
-// Output rows [n0, n1) of y (fp32, [M, N]) in groups of R weight rows: each weight vector is loaded once and
-// meets all M activation rows (M * R accumulators live in registers). A > 1 splits K over A accumulators per
+// Output rows [n0, n1) of y (the weight's dtype, M rows ldy apart) in groups of R weight rows: each weight vector is
+// loaded once and meets all M activation rows (M * R accumulators live in registers). A > 1 splits K over A accumulators per
 // (weight row, activation row), A vectors apart: more independent FMA chains while the weight is read as one
 // sequential stream (R = 1).
 template <typename W, int M, int R, int A = 1>
-void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n0,
+void gemv_rows(const float* x, const W* w, const float* bias, W* y, int64_t K, int64_t ldy, int64_t n0,
                int64_t n1) {
   const int64_t kv = K - K % FVS;  // vectorised part of K; the rest is a scalar tail
   const int64_t ka = K - K % (A * FVS);  // the part of it in whole steps of A vectors
@@ -103,11 +103,11 @@ void gemv_rows(const float* x, const W* w, const float* bias, float* y, int64_t 
       for (int m = 0; m < M; ++m) {
         float s = sums[r * M + m];
         for (int64_t k = kv; k < K; ++k) s += static_cast<float>(w[(n + r) * K + k]) * x[m * K + k];
-        y[m * N + n + r] = s + (bias ? bias[n + r] : 0.f);
+        y[m * ldy + n + r] = static_cast<W>(s + (bias ? bias[n + r] : 0.f));  // fp32 sum, rounded once
       }
     }
   }
-  if (n < n1) gemv_rows<W, M, 1, A>(x, w, bias, y, K, N, n, n1);  // leftover rows, one at a time
+  if (n < n1) gemv_rows<W, M, 1, A>(x, w, bias, y, K, ldy, n, n1);  // leftover rows, one at a time
 }
 
 // One weight row at a time: each thread reads its weight rows as one sequential stream. Groups of 4 rows (at 1-2
@@ -122,7 +122,7 @@ constexpr int k_accumulators() {
 }
 
 template <typename W, int M, int R>
-void gemv_split(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N) {
+void gemv_split(const float* x, const W* w, const float* bias, W* y, int64_t K, int64_t N) {
   // one contiguous range of weight rows per thread, each at least MIN_TASK_BYTES of weights
   const int64_t grain = std::max<int64_t>(R, MIN_TASK_BYTES / std::max<int64_t>(1, K * int64_t(sizeof(W))));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -144,7 +144,7 @@ constexpr bool two_weight_rows(int64_t K, int64_t N) {
 }
 
 template <typename W, int M>
-void gemv_m(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N) {
+void gemv_m(const float* x, const W* w, const float* bias, W* y, int64_t K, int64_t N) {
   if constexpr (M > 4) {
     if (two_weight_rows<W, M>(K, N)) return gemv_split<W, M, 2>(x, w, bias, y, K, N);
   }
@@ -167,15 +167,16 @@ void with_rows(int64_t M, const F& f) {
 }
 
 template <typename W>
-void gemv(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
+void gemv(const float* x, const W* w, const float* bias, W* y, int64_t M, int64_t K, int64_t N) {
   with_rows(M, [&](auto m) { gemv_m<W, decltype(m)::value>(x, w, bias, y, K, N); });
 }
 
 // ---- several weights [N_i, K] that read one x: one parallel region over all their rows, so that a layer's q, k
-// and v (or gate and up) projections cost one call and one fork/join instead of one each
+// and v (or gate and up) projections cost one call and one fork/join instead of one each; weight i writes columns
+// [start[i], start[i + 1]) of y [M, ldy]
 template <typename W, int M>
-void gemv_group_m(const float* x, const std::vector<const W*>& w, const std::vector<int64_t>& N,
-                  const std::vector<float*>& y, int64_t K) {
+void gemv_group_m(const float* x, const std::vector<const W*>& w, const std::vector<int64_t>& N, W* y, int64_t ldy,
+                  int64_t K) {
   constexpr int R = 1;
   std::vector<int64_t> start(N.size() + 1, 0);  // weight i holds rows [start[i], start[i + 1]) of the union
   for (size_t i = 0; i < N.size(); ++i) start[i + 1] = start[i] + N[i];
@@ -186,19 +187,19 @@ void gemv_group_m(const float* x, const std::vector<const W*>& w, const std::vec
       if (lo >= hi) continue;
       if constexpr (M > 4) {  // the weight rows per group gemv_m takes for this weight alone
         if (two_weight_rows<W, M>(K, N[i])) {
-          gemv_rows<W, M, 2>(x, w[i], nullptr, y[i], K, N[i], lo, hi);
+          gemv_rows<W, M, 2>(x, w[i], nullptr, y + start[i], K, ldy, lo, hi);
           continue;
         }
       }
-      gemv_rows<W, M, R, k_accumulators<M>()>(x, w[i], nullptr, y[i], K, N[i], lo, hi);
+      gemv_rows<W, M, R, k_accumulators<M>()>(x, w[i], nullptr, y + start[i], K, ldy, lo, hi);
     }
   });
 }
 
 template <typename W>
-void gemv_group(const float* x, const std::vector<const W*>& w, const std::vector<int64_t>& N,
-                const std::vector<float*>& y, int64_t M, int64_t K) {
-  with_rows(M, [&](auto m) { gemv_group_m<W, decltype(m)::value>(x, w, N, y, K); });
+void gemv_group(const float* x, const std::vector<const W*>& w, const std::vector<int64_t>& N, W* y, int64_t ldy,
+                int64_t M, int64_t K) {
+  with_rows(M, [&](auto m) { gemv_group_m<W, decltype(m)::value>(x, w, N, y, ldy, K); });
 }
 
 std::unique_ptr<torch::Library> linear_library;
@@ -236,23 +237,49 @@ bool gemv_applies(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return true;
 }
 
+namespace {
+
+// x's M rows of K as fp32, without a tensor op on the way (a .to() or .contiguous() costs 2-4 us of dispatch, and a
+// decode step makes ~120 of these calls): x's own data when it is fp32 and contiguous, else widened into a
+// thread-local buffer (bf16 activations are a few KB); `keep` holds a contiguous copy of a strided x
+const float* rows_f32(const at::Tensor& x, int64_t M, int64_t K, at::Tensor& keep) {
+  const at::Tensor& xc = x.is_contiguous() ? x : (keep = x.contiguous());
+  if (xc.scalar_type() == at::kFloat) return xc.data_ptr<float>();
+  const c10::BFloat16* src = xc.data_ptr<c10::BFloat16>();
+  float* dst = scratch_f<22>(M * K);  // read by the parallel region's threads, which the call outlives
+  const int64_t n = M * K, nv = n - n % FVS;
+  for (int64_t i = 0; i < nv; i += FVS) loadf(src + i).store(dst + i);
+  for (int64_t i = nv; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  return dst;
+}
+
+// x's shape with the last dimension n: the result's
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return shape;
+}
+
+}  // namespace
+
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   if (!gemv_applies(x, weight, bias)) return at::linear(x, weight, bias);  // any other shape: ATen's linear
   const int64_t K = weight.size(1), N = weight.size(0), M = x.numel() / K;
-  // x: [M, K] fp32 (bf16 activations are widened once; they are a few KB)
-  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  std::optional<at::Tensor> bf;
-  if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
-  const float* bp = bf ? bf->data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));  // [M, N] fp32
-  if (weight.scalar_type() == at::kFloat) {
-    gemv<float>(xf.data_ptr<float>(), weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N);
-  } else {
-    gemv<c10::BFloat16>(xf.data_ptr<float>(), weight.data_ptr<c10::BFloat16>(), bp, y.data_ptr<float>(), M, K, N);
+  at::Tensor keep;
+  const float* xf = rows_f32(x, M, K, keep);  // [M, K] fp32
+  at::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.to(x.scalar_type()).view(shape);  // [..., N] in x's dtype
+  at::Tensor y = at::empty(out_shape(x, N), x.options());  // [..., N] in x's dtype, written by the kernel
+  if (weight.scalar_type() == at::kFloat) {
+    gemv<float>(xf, weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N);
+  } else {
+    gemv<c10::BFloat16>(xf, weight.data_ptr<c10::BFloat16>(), bp, y.data_ptr<c10::BFloat16>(), M, K, N);
+  }
+  return y;
 }
 
 at::Tensor linear_group_rows(const at::Tensor& x, at::TensorList weights) {
@@ -266,25 +293,25 @@ at::Tensor linear_group_rows(const at::Tensor& x, at::TensorList weights) {
     return at::cat(out, -1);
   }
   const int64_t K = x.size(-1), M = x.numel() / K;
-  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();  // [M, K] fp32, widened once for the group
+  at::Tensor keep;
+  const float* xf = rows_f32(x, M, K, keep);  // [M, K] fp32, widened once for the group
   std::vector<int64_t> N;
-  for (const auto& w : weights) N.push_back(w.size(0));
-  std::vector<at::Tensor> ys;
-  std::vector<float*> yp;
-  at::Tensor y = side_by_side(M, N, x.options().dtype(at::kFloat), ys, yp);  // [M, sum N_i] fp32
+  int64_t total = 0;
+  for (const auto& w : weights) {
+    N.push_back(w.size(0));
+    total += w.size(0);
+  }
+  at::Tensor y = at::empty(out_shape(x, total), x.options());  // [..., sum N_i] in x's dtype, weight i's columns
   if (weights[0].scalar_type() == at::kFloat) {
     std::vector<const float*> wp;
     for (const auto& w : weights) wp.push_back(w.data_ptr<float>());
-    gemv_group<float>(xf.data_ptr<float>(), wp, N, yp, M, K);
+    gemv_group<float>(xf, wp, N, y.data_ptr<float>(), total, M, K);
   } else {
     std::vector<const c10::BFloat16*> wp;
     for (const auto& w : weights) wp.push_back(w.data_ptr<c10::BFloat16>());
-    gemv_group<c10::BFloat16>(xf.data_ptr<float>(), wp, N, yp, M, K);
+    gemv_group<c10::BFloat16>(xf, wp, N, y.data_ptr<c10::BFloat16>(), total, M, K);
   }
-  if (M > 1) at::cat_out(y, ys, 1);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = -1;
-  return y.to(x.scalar_type()).view(shape);  // [..., sum N_i] in x's dtype
+  return y;
 }
 
 void register_linear_kernel() {

@@ -69,6 +69,20 @@ def test_non_contiguous_weight_runs_aten_linear():
     assert torch.equal(linear(x, wt), F.linear(x, wt))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_activations_equal_contiguous_ones(dtype):
+    # the kernel reads x's data in place or widens it into a buffer; a strided x is copied first, never misread
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(3, 2 * 40, generator=g).to(dtype)
+    x = wide[:, ::2]  # [3, 40], row stride 80, column stride 2
+    w = torch.randn(24, 40, generator=g).to(dtype)
+    ws = [w, torch.randn(8, 40, generator=g).to(dtype)]
+    assert not x.is_contiguous()
+    assert torch.equal(linear(x, w), linear(x.contiguous(), w))
+    assert torch.equal(linear_group(x, ws), linear_group(x.contiguous(), ws))
+    assert torch.equal(linear_group(x.contiguous(), ws), torch.cat([linear(x.contiguous(), v) for v in ws], -1))
+
+
 def test_mixed_dtypes_fail_like_linear():
     x, w, _ = _args((1,), 16, 8, torch.float32, False, 5)
     with pytest.raises(RuntimeError):
