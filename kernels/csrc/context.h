@@ -99,6 +99,9 @@ struct Ctx {
   const float* kabs;
   MaskView mask;
   const float* qs;    // [B*Hkv, G, Dp] q * scale
+  // [B*Hkv, G, D] q * scale as bf16 in channel order, set where bf16 keys' logits take AVX512-BF16 dot products
+  // (bf16 keys and q * scale exact in bf16: a bf16 q and a power-of-two scale), else null
+  const c10::BFloat16* qs16 = nullptr;
   const float* qp;    // [B*Hkv, G, Dp] max(q, 0)
   const float* qn;    // [B*Hkv, G, Dp] min(q, 0)
   const float* qabs;  // [B*Hkv, G] |q|_1
@@ -119,6 +122,8 @@ struct Ctx {
   // first row of (batch, KV head) bh; token t is at + t * ksl (resp. vsl)
   inline const T* kbase(int64_t bh) const { return k + (bh / Hkv) * ksb + (bh % Hkv) * ksh; }
   inline const T* vbase(int64_t bh) const { return v + (bh / Hkv) * vsb + (bh % Hkv) * vsh; }
+  // q * scale in bf16 of (batch, KV head) bh's G query heads, [G, D], or null
+  inline const c10::BFloat16* q16_of(int64_t bh) const { return qs16 ? qs16 + bh * G * D : nullptr; }
   inline bool direct() const { return std::is_same_v<T, float> && Dp == D; }
 };
 

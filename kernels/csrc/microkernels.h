@@ -240,10 +240,82 @@ void dot_rows_bf16(const c10::BFloat16* const* rows, int n, const float* q, int6
   }
 }
 
+// v_accum_rows_bf16 for GC heads at once: each row is widened once for the group (not once per head), and every
+// head's accumulator sees the same FMAs in the same order as one head at a time (the same bits)
+#if defined(CPU_CAPABILITY_AVX512)
+template <int NC, int GC>
+void v_accum_rows_bf16_g(float* acc, const float* p, int64_t ldp, const c10::BFloat16* const* rows, int n) {
+  constexpr int64_t D = NC * 2 * VS;
+  constexpr int NA = GC * 2 * NC;
+  // raw vectors: GCC keeps an array of at::vec::Vectorized this size in memory, storing it every row
+  __m512 a[NA];  // a[g * 2 * NC + i]: head g's channels [i * VS, (i + 1) * VS) in pair order
+  // (unrolled here: as a loop GCC makes it a memcpy into a stack array, and the array then stays in memory)
+#pragma GCC unroll 32
+  for (int i = 0; i < NA; ++i) a[i] = _mm512_loadu_ps(acc + i * VS);
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int j = 0; j < n; ++j) {
+    __m512 pj[GC];
+    for (int g = 0; g < GC; ++g) pj[g] = _mm512_set1_ps(p[g * ldp + j]);
+    for (int cc = 0; cc < NC; ++cc) {
+      const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + cc * 2 * VS));
+      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));  // as bf16_pairs
+      const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+      for (int g = 0; g < GC; ++g) {
+        a[g * 2 * NC + 2 * cc] = _mm512_fmadd_ps(pj[g], e, a[g * 2 * NC + 2 * cc]);
+        a[g * 2 * NC + 2 * cc + 1] = _mm512_fmadd_ps(pj[g], o, a[g * 2 * NC + 2 * cc + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 32
+  for (int i = 0; i < NA; ++i) _mm512_storeu_ps(acc + i * VS, a[i]);
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define TS_DPBF16 1
+// Logits of VS bf16 key rows (D = NC * 2 * VS channels, read in place) for G heads from q in bf16, channel order:
+// out[g * ld + j] for j < n. vdpbf16ps multiplies channel pairs exactly in fp32 and adds them to the fp32
+// accumulators, so where q * scale is exact in bf16 the logits are the fp32 dot products up to the order of the
+// additions, with no widening of the keys (the pair kernel widens every row once per head).
+template <int NC>
+void dot_rows_dpbf16(const c10::BFloat16* const* rows, int n, const c10::BFloat16* q, int64_t G, int64_t nc_rt,
+                     float* out, int64_t ld) {
+  const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[VS];
+#pragma GCC unroll 16
+    for (int j = 0; j < VS; ++j) acc[j] = _mm512_setzero_ps();
+    const c10::BFloat16* qg = q + g * D;
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(qg + c * 2 * VS));
+#pragma GCC unroll 16
+      for (int j = 0; j < VS; ++j)
+        acc[j] = _mm512_dpbf16_ps(
+            acc[j], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + c * 2 * VS)), qv);
+    }
+    Vec red[VS];
+#pragma GCC unroll 16
+    for (int j = 0; j < VS; ++j) red[j] = Vec(acc[j]);
+    reduce_rows(red).store(out + g * ld, n);
+  }
+}
+#endif
+
 // acc[g] += sum_{j < n} p[g * ldp + j] * rows[j]
 template <int NC>
 void v_accum_rows_bf16(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nc_rt,
                        const c10::BFloat16* const* rows, int n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (NC > 0 && NC <= 4) {  // the whole group's accumulators in registers (at most 24 of 32)
+    switch (G) {
+      case 1: return v_accum_rows_bf16_g<NC, 1>(acc, p, ldp, rows, n);
+      case 2: return v_accum_rows_bf16_g<NC, 2>(acc, p, ldp, rows, n);
+      case 3: if constexpr (3 * 2 * NC <= 24) return v_accum_rows_bf16_g<NC, 3>(acc, p, ldp, rows, n); break;
+      case 4: if constexpr (4 * 2 * NC <= 24) return v_accum_rows_bf16_g<NC, 4>(acc, p, ldp, rows, n); break;
+      default: break;
+    }
+  }
+#endif
   const int64_t nc = NC > 0 ? NC : nc_rt, D = nc * 2 * VS;
   for (int64_t g = 0; g < G; ++g) {
     const float* pg = p + g * ldp;
@@ -306,6 +378,10 @@ struct Kern {
   decltype(&dot_rows_bf16<0>) dot16p = nullptr;
   decltype(&v_accum_rows_bf16<0>) vacc16p = nullptr;
 #endif
+#if TS_DPBF16
+  // logits of bf16 keys from q in bf16 (AVX512-BF16), set when D is a multiple of 2 * VS
+  decltype(&dot_rows_dpbf16<0>) dotbf = nullptr;
+#endif
   static Kern pick(int64_t nv) {
     Kern k;
     switch (nv) {
@@ -350,6 +426,14 @@ struct Kern {
         break;
     }
 #endif
+#if TS_DPBF16
+    switch (nv) {
+      case 2: k.dotbf = &dot_rows_dpbf16<1>; break;
+      case 4: k.dotbf = &dot_rows_dpbf16<2>; break;
+      case 8: k.dotbf = &dot_rows_dpbf16<4>; break;
+      default: if (nv % 2 == 0) k.dotbf = &dot_rows_dpbf16<0>; break;
+    }
+#endif
     return k;
   }
 };
@@ -381,10 +465,12 @@ inline const float* token_block(const T* base, int64_t stride, const int64_t* to
 }
 
 // Logits of a block of n <= VS tokens (rows at base + tok[j] * stride) for G heads: out[g * ld + j].
-// bf16 rows are read in place as even/odd pairs when `pairs` (q in pair order), else through fp32 rows.
+// bf16 rows are read in place as even/odd pairs when `pairs` (q in pair order), else through fp32 rows; with
+// `q16` (q * scale in bf16, channel order, [G, D]) in place by AVX512-BF16 dot products.
 template <typename T>
 inline void key_dots(const Kern& kern, const T* base, int64_t stride, const int64_t* tok, int n, int64_t D,
-                     int64_t Dp, float* scr, const float* q, int64_t G, float* out, int64_t ld, bool pairs) {
+                     int64_t Dp, float* scr, const float* q, int64_t G, float* out, int64_t ld, bool pairs,
+                     const c10::BFloat16* q16 = nullptr) {
 #if TS_BF16_PAIRS
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (pairs) {  // rows read in place (a lane past n reads row 0 again; it is not stored)
@@ -392,6 +478,12 @@ inline void key_dots(const Kern& kern, const T* base, int64_t stride, const int6
       const c10::BFloat16* src[VS];
       for (int j = 0; j < n; ++j) src[j] = base + tok[j] * stride;
       for (int j = n; j < VS; ++j) src[j] = src[0];
+#if TS_DPBF16
+      if (q16 != nullptr && kern.dotbf != nullptr) {  // q * scale in bf16 (exact): dot products of channel pairs
+        kern.dotbf(src, n, q16, G, Dp / (2 * VS), out, ld);
+        return;
+      }
+#endif
       kern.dot16p(src, n, q, G, Dp / (2 * VS), out, ld);
       return;
     }

@@ -172,7 +172,7 @@ void attend_tokens(const Ctx<T, BT>& c, const Kern& kern, int64_t bh, const int6
       const int64_t tp = t0 + PF_BLOCKS * VS;
       for (int64_t t = tp; t < std::min(T_, tp + VS); ++t) prefetch_row(kb + tok[t] * ksl, row_bytes, PF_LOCALITY);
       for (int j = 0; j < n; ++j) prefetch_row(vb + tok[t0 + j] * vsl, row_bytes, 1);
-      key_dots<T>(kern, kb, ksl, tok + t0, n, D, Dp, scr, qs, G, lg + t0, ldl, pairs);
+      key_dots<T>(kern, kb, ksl, tok + t0, n, D, Dp, scr, qs, G, lg + t0, ldl, pairs, c.q16_of(bh));
     }
     if (c.mask.kind != 0) {
       for (int64_t g = 0; g < G; ++g) {
@@ -304,6 +304,22 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
       }
       qa[b * c.Hq + hq] = s;
     }
+#if TS_DPBF16
+  // ---- q * scale in bf16 for the dot-product logits, where every value is exact (else the pair kernel)
+  c.qs16 = nullptr;
+  if (kv_pairs_used<T>(D)) {
+    thread_local std::vector<c10::BFloat16> qbuf16;  // read during this call only
+    qbuf16.resize(BH * G * D);
+    bool exact = true;
+    for (int64_t r = 0; r < BH * G && exact; ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        const c10::BFloat16 h(qs[r * Dp + d]);
+        exact = exact && static_cast<float>(h) == qs[r * Dp + d];
+        qbuf16[r * D + d] = h;
+      }
+    if (exact) c.qs16 = qbuf16.data();
+  }
+#endif
   if (kv_pairs_used<T>(D))
     for (int64_t r = 0; r < BH * G; ++r) permute_pairs(qs + r * Dp, D);
   if (bf16_pairs_used<BT>(D)) {
@@ -599,11 +615,11 @@ struct Pipeline {
       int nvld = 0;
       while (nvld < n && tok[s1 + nvld] >= 0) ++nvld;  // invalid slots only at the end (newest page)
       if (nvld == n) {
-        key_dots<T>(kern, kb, c.ksl, tok + s1, n, D, Dp, scr, qs, G, xb + s1, ld_lgc, pairs);
+        key_dots<T>(kern, kb, c.ksl, tok + s1, n, D, Dp, scr, qs, G, xb + s1, ld_lgc, pairs, c.q16_of(bh));
       } else {
         for (int j = 0; j < nvld; ++j) tk[j] = tok[s1 + j];
         // rows past nvld are zero (padding): their logits are set to -inf below
-        key_dots<T>(kern, kb, c.ksl, tk, nvld, D, Dp, scr, qs, G, xb + s1, ld_lgc, pairs);
+        key_dots<T>(kern, kb, c.ksl, tk, nvld, D, Dp, scr, qs, G, xb + s1, ld_lgc, pairs, c.q16_of(bh));
       }
     }
     for (int64_t g = 0; g < G; ++g) {

@@ -185,6 +185,23 @@ def test_group_sizes(dt, G):
         _check_case(DT[dt], 1, 2, G, 300, D, 8, 64, 1, 2, torch.int8, [290], "bool_per_head", seed=G * D + 1)
 
 
+@pytest.mark.parametrize("scale", [0.125, 0.1])
+@pytest.mark.parametrize("G", [1, 3, 5])
+@pytest.mark.parametrize("qmul", [1, 8])
+def test_bf16_logits_round_like_fp64_attention(scale, G, qmul):
+    """bf16 keys at D = 64: with a power-of-two scale q * scale is exact in bf16 and the logits are AVX512-BF16 dot
+    products of channel pairs (where the CPU has them); with 0.1 they go through the widened pairs. Either way the
+    logits are fp32 dot products, so the bf16 output is fp64 attention rounded to bf16 but for the odd element on a
+    rounding boundary (a logit error of 0.3% already changes a quarter to a half of the elements)."""
+    q, k, v, vl, _, b = _build(torch.bfloat16, 2, 2, G, 200, 64, 8, torch.int8, [200, 131], None, seed=40 + G)
+    q = q * qmul  # exact in bf16 (a power of two); 8: logits of tens, a sharp softmax
+    out = _nat_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, None, scale, 8, 256, 1, 1, None)  # a dense fit
+    want = dense_sdpa(q.double(), k.double(), v.double(), vl, None, scale).to(torch.bfloat16)
+    differ = float((out != want).float().mean())
+    assert differ <= 0.02, differ
+    assert_close_report(out, want, 2 ** -9, 2 ** -7, "native bf16 vs fp64 attention rounded to bf16")
+
+
 @pytest.mark.parametrize("page", [1, 2, 4, 5, 16, 32])
 def test_page_sizes(page):
     """Pages smaller and larger than a vector, and not a power of two."""
