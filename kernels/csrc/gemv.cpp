@@ -31,7 +31,9 @@ constexpr int64_t FVS = FVec::size();
 // the least weight bytes per task of parallel_for: a smaller weight runs on the calling thread alone (a parallel
 // region costs microseconds, and on a busy machine a descheduled worker stalls the call for a time slice)
 constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
-// software prefetch distance of the weight stream at 5-8 activation rows (1-4 rows: none; it made 1 row slower)
+// software prefetch distance of the weight stream, prefetched into L2 at every row count (side by side, weights read
+// from memory: 1.09-1.45x at 8 rows, 1.0-1.5x at 4, 0.96-1.14x at 1 fp32 row; into L1, at 5-8 rows only, as before,
+// 1 row had been slower)
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 
@@ -52,13 +54,12 @@ void gemv_rows(const float* x, const W* w, const float* bias, W* y, int64_t K, i
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) acc[a][r][m] = FVec(0.f);
     for (int64_t k = 0; k < ka; k += A * FVS) {
-      if constexpr (M > 4) {
-        // 5-8 activation rows: 5-8 FMAs per weight vector, too slow a reader for the hardware prefetcher to hide
-        // the memory latency; fetch the line PREFETCH_BYTES ahead (8 rows, weights read from memory, 2 threads,
-        // a prototype side by side: 1.23-1.38x)
-        for (int r = 0; r < R; ++r)
-          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + r) * K + k) + PREFETCH_BYTES, 0, 3);
-      }
+      // ---- software prefetch of the weight PREFETCH_BYTES ahead into L2, one per 64-byte line of this step: with
+      // several FMAs per weight vector the loop reads too slowly for the hardware prefetcher to hide the memory
+      // latency, and into L2 (not L1) more lines can be in flight
+      for (int r = 0; r < R; ++r)
+        for (int64_t off = 0; off < A * FVS * int64_t(sizeof(W)); off += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(w + (n + r) * K + k) + off + PREFETCH_BYTES, 0, 2);
       for (int a = 0; a < A; ++a) {
         FVec xv[M];
         for (int m = 0; m < M; ++m) xv[m] = FVec::loadu(x + m * K + k + a * FVS);
