@@ -255,13 +255,6 @@ const float* rows_f32(const at::Tensor& x, int64_t M, int64_t K, at::Tensor& kee
   return dst;
 }
 
-// x's shape with the last dimension n: the result's
-std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return shape;
-}
-
 }  // namespace
 
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {

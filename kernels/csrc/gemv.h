@@ -39,6 +39,12 @@ at::Tensor side_by_side(int64_t M, at::IntArrayRef N, const at::TensorOptions& o
   }
   return y;
 }
+// x's shape with the last dimension n: the shape of a linear's result
+inline std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return shape;
+}
 // make linear_rows the CPU kernel of tinyserve::linear (once per process)
 void register_linear_kernel();
 

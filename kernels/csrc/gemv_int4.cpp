@@ -226,9 +226,7 @@ at::Tensor int4_aten(const at::Tensor& x, const at::Tensor& qdata, const at::Ten
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, K}).contiguous(), qdata, gs, sz);
   y = y.narrow(1, 0, N);
   if (bias.has_value() && bias->defined()) y = y + *bias;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.to(x.scalar_type()).reshape(shape);
+  return y.to(x.scalar_type()).reshape(out_shape(x, N));
 }
 
 }  // namespace
@@ -309,9 +307,7 @@ at::Tensor linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at:
     }
   });
   if (M > 1) at::cat_out(y, out, 1);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = -1;
-  return y.view(shape);  // [..., sum N_i] bf16
+  return y.view(out_shape(x, -1));  // [..., sum N_i] bf16
 }
 
 at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& scale_and_zero,
@@ -331,9 +327,7 @@ at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const 
   at::Tensor bc;
   if (has_bias) bc = bias->contiguous();
   const c10::BFloat16* bp = has_bias ? bc.data_ptr<c10::BFloat16>() : nullptr;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options());  // [..., N] bf16
+  at::Tensor y = at::empty(out_shape(x, N), x.options());  // [..., N] bf16
   const float* sp = xsum.data();
   const uint8_t* qp = qdata.data_ptr<uint8_t>();
   const c10::BFloat16* zp = scale_and_zero.data_ptr<c10::BFloat16>();
