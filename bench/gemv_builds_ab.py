@@ -7,15 +7,11 @@ SmolLM2-135M's linear shapes, fp32 and bf16 (bf16 only up to 4 rows, where its G
 from memory, as in a decode step: the calls cycle through up to 40 copies of the weight (256 MB at most), after
 a 64 MB write that evicts the caches; 6 rounds, the order of the builds flipped every round, medians per call.
 """
-import importlib.util, os, sys, time, torch
+import sys, time, torch
 
-from tinyserve_compile.kernels.native import cache_root
+from native_builds import load_build
 torch.set_num_threads(2)
-def load(key):
-    p = os.path.join(cache_root(), f"native-{key}", f"tinyserve_native_{key}.so")
-    spec = importlib.util.spec_from_file_location(f"tinyserve_native_{key}", p)
-    m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
-old, new = load(sys.argv[1]), load(sys.argv[2])
+old, new = load_build(sys.argv[1]), load_build(sys.argv[2])
 rows = [int(r) for r in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 2, 4]
 flush = torch.empty(64 << 20, dtype=torch.uint8)
 shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]

@@ -10,7 +10,6 @@ cold caches (a 64 MB read before it, untimed) unless ``WARM=1``; ``REPS`` rounds
 the builds rotated every round; ``NT`` threads (default 2). Prints the median per build and its speed-up over the
 first.
 """
-import importlib.util
 import os
 import statistics
 import sys
@@ -19,21 +18,14 @@ import time
 import torch
 
 from tinyserve_compile.kernels.bounds import allocate_bounds, rebuild_bounds_
-from tinyserve_compile.kernels.native import cache_root
+from native_builds import load_build
 
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 
 
-def load(key):
-    p = os.path.join(cache_root(), f"native-{key}", f"tinyserve_native_{key}.so")
-    spec = importlib.util.spec_from_file_location(f"tinyserve_native_{key}", p)
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
-
 
 keys = sys.argv[1].split(",")
-mods = [load(k) for k in keys]
+mods = [load_build(k) for k in keys]
 points = sys.argv[2] if len(sys.argv) > 2 else "16384:float32,65536:float32"
 pts = [(int(a.split(":")[0]), getattr(torch, a.split(":")[1])) for a in points.split(",")]
 buf = torch.ones(64 * 2**20 // 4)
