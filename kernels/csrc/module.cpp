@@ -8,6 +8,7 @@
 #include "paged.h"
 #include "pipeline.h"
 #include "pool.h"
+#include "radix_select.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_decode", &tinyserve_native::sparse_decode, "query-aware paged sparse decode attention");
@@ -27,6 +28,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_bounds_rebuild", &tinyserve_native::paged_bounds_rebuild, "bounds of listed pages of a paged buffer");
   m.def("register_paged_cpu_kernel", &tinyserve_native::register_paged_cpu_kernel,
         "make the native kernel the CPU kernel of tinyserve::paged_sparse_decode");
+  m.def(
+      "select_top",
+      [](const at::Tensor& w, int64_t n_keep, bool sampled) {
+        TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.device().is_cpu(),
+                    "select_top: argument 'w' must be a contiguous 1-D float32 CPU tensor");
+        TORCH_CHECK(n_keep >= 0, "select_top: argument 'n_keep' must be >= 0, got ", n_keep);
+        const int64_t n = w.numel();
+        std::vector<uint32_t> keys(2 * n + 1);
+        at::Tensor out = at::empty({std::min(n, n_keep)}, w.options().dtype(at::kInt));
+        const int64_t cnt =
+            tinyserve_native::select_top(w.data_ptr<float>(), n, n_keep, keys.data(), out.data_ptr<int32_t>(), sampled);
+        return out.narrow(0, 0, cnt).clone();
+      },
+      "indices of the n_keep largest of w, ascending, -inf left out, ties to the lowest indices (the op's selection; "
+      "sampled = False: its radix path only)");
   m.def("linear_rows", &tinyserve_native::linear_rows, "x @ W^T (+ b) as a GEMV for at most 8 rows, else at::linear");
   m.def("linear_int4_rows", &tinyserve_native::linear_int4_rows,
         "x @ W^T (+ b) for int4pack weights as a GEMV for at most 8 rows, else _weight_int4pack_mm_for_cpu");

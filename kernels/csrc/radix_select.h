@@ -36,19 +36,91 @@ inline void digit_hist(const uint32_t* keys, int64_t n, int sh, uint32_t nb, uin
   for (uint32_t d = 0; d < nb; ++d) hist[0][d] += hist[1][d] + hist[2][d] + hist[3][d];
 }
 
+constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // fkey(-inf)
+
+// The keys of keys[0, n) at or above lo, in index order, to sk (keys) and si (indices), while at most cap of them;
+// returns their count, or -1 past cap. sk and si hold cap + VS entries (whole vectors are stored).
+inline int64_t keys_at_least(const uint32_t* keys, int64_t n, uint32_t lo, int64_t cap, uint32_t* sk, int32_t* si) {
+  int64_t m = 0, p = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  // compress in registers, then a whole-vector store (a compress straight to memory is slow on some cores)
+  const __m512i lov = _mm512_set1_epi32(static_cast<int>(lo));
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; p + 16 <= n; p += 16, idx = _mm512_add_epi32(idx, step)) {
+    const __m512i k = _mm512_loadu_si512(reinterpret_cast<const void*>(keys + p));
+    const __mmask16 hit = _mm512_cmpge_epu32_mask(k, lov);
+    if (hit == 0) continue;
+    _mm512_storeu_si512(reinterpret_cast<void*>(sk + m), _mm512_maskz_compress_epi32(hit, k));
+    _mm512_storeu_si512(reinterpret_cast<void*>(si + m), _mm512_maskz_compress_epi32(hit, idx));
+    m += __builtin_popcount(static_cast<unsigned>(hit));
+    if (m > cap) return -1;
+  }
+#endif
+  for (; p < n; ++p)
+    if (keys[p] >= lo) {
+      if (m == cap) return -1;
+      sk[m] = keys[p];
+      si[m++] = static_cast<int32_t>(p);
+    }
+  return m;
+}
+
+// select_top when the kept share is small: a lower threshold from a strided sample of the keys, the keys at or above
+// it (in index order), and the exact threshold among those; -1 (nothing written) when the sample's threshold keeps
+// fewer than n_keep keys or more than about n / 3. The result is select_top's: every key at or above the exact
+// threshold is at or above the sample's, in the same order.
+inline int64_t select_top_sampled(const uint32_t* keys, int64_t n, int64_t n_keep, uint32_t* scratch, int32_t* out) {
+  constexpr int NS = 256;
+  const int64_t cap = n / 3 - VS;
+  uint32_t samp[NS];
+  for (int i = 0; i < NS; ++i) samp[i] = keys[static_cast<int64_t>(i) * n / NS];
+  // the sample's rank of the kept share, with a margin of 30% + 8 (the fallback covers a miss)
+  const int rs = static_cast<int>(std::min<int64_t>(NS - 1, (n_keep * NS * 13 + n * 10 - 1) / (n * 10) + 8));
+  std::nth_element(samp, samp + rs, samp + NS, std::greater<uint32_t>());
+  uint32_t* sk = scratch;
+  int32_t* si = reinterpret_cast<int32_t*>(scratch + cap + VS);
+  const int64_t m = keys_at_least(keys, n, samp[rs], cap, sk, si);
+  if (m < n_keep) return -1;
+  // ---- the n_keep-th largest of the m keys, then the keys above it and the first `need` equal to it
+  uint32_t* tk = scratch + 2 * (cap + VS);
+  std::memcpy(tk, sk, m * sizeof(uint32_t));
+  std::nth_element(tk, tk + (n_keep - 1), tk + m, std::greater<uint32_t>());
+  const uint32_t thr = tk[n_keep - 1];
+  int64_t need = n_keep;
+  for (int64_t i = 0; i < m; ++i) need -= sk[i] > thr;
+  int64_t cnt = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    const uint32_t k = sk[i];
+    if (k > thr || (k == thr && need-- > 0)) {
+      if (k > NEG_INF_KEY) out[cnt++] = si[i];
+    }
+  }
+  return cnt;
+}
+
 // Writes the indices of the n_keep largest of w[0, n) to out, ascending, leaving out -inf; ties at the threshold
-// go to the lowest indices. Radix select on the float keys (digits of 11/11/10 bits; after the first digit only
-// the keys sharing it are scanned), no sort. keys: scratch of 2n. Returns the count.
-inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* keys, int32_t* out) {
-  constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // fkey(-inf)
+// go to the lowest indices. Where at most a fifth is kept, select_top_sampled; else (or when its sample misses)
+// radix select on the float keys (digits of 11/11/10 bits; after the first digit only the keys sharing it are
+// scanned), no sort. keys: scratch of 2n. Returns the count. sampled = false: radix select only (for tests).
+inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* keys, int32_t* out,
+                          bool sampled = true) {
+  if (n_keep <= 0) return 0;
   if (n_keep >= n) {
     int64_t cnt = 0;
     for (int64_t p = 0; p < n; ++p)
       if (fkey(w[p]) > NEG_INF_KEY) out[cnt++] = static_cast<int32_t>(p);
     return cnt;
   }
-  uint32_t hist[4][2048];
   for (int64_t p = 0; p < n; ++p) keys[p] = fkey(w[p]);
+#ifdef TS_RADIX_ONLY
+  sampled = false;
+#endif
+  if (sampled && n >= 1024 && n_keep * 5 <= n) {
+    const int64_t cnt = select_top_sampled(keys, n, n_keep, keys + n, out);
+    if (cnt >= 0) return cnt;
+  }
+  uint32_t hist[4][2048];
   // ---- first digit over every key
   digit_hist(keys, n, 21, 2048, 0, 0, hist);
   int64_t need = n_keep;
