@@ -99,9 +99,56 @@ inline int64_t select_top_sampled(const uint32_t* keys, int64_t n, int64_t n_kee
   return cnt;
 }
 
+// The ascending output of select_top once its threshold key thr (the n_keep-th largest) is known: every key above
+// it, then the first of those equal to it until n_keep are out, -inf left out. Returns the count.
+inline int64_t emit_top(const uint32_t* keys, int64_t n, int64_t n_keep, uint32_t thr, int32_t* out) {
+  int64_t need = n_keep;
+  for (int64_t p = 0; p < n; ++p) need -= keys[p] > thr;
+  int64_t cnt = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const uint32_t k = keys[p];
+    if (k > thr || (k == thr && need-- > 0)) {
+      if (k > NEG_INF_KEY) out[cnt++] = static_cast<int32_t>(p);
+    }
+  }
+  return cnt;
+}
+
+// select_top when all but a few (d = n - n_keep <= 64) are kept: the threshold is the (d + 1)-th smallest key,
+// found with a max-heap of the d + 1 smallest (a key at or above its top is passed over, VS keys at a time).
+inline int64_t select_top_all_but_few(const uint32_t* keys, int64_t n, int64_t n_keep, int32_t* out) {
+  const int64_t h = n - n_keep + 1;
+  uint32_t heap[65];
+  for (int64_t p = 0; p < h; ++p) heap[p] = keys[p];
+  std::make_heap(heap, heap + h);
+  int64_t p = h;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; p + 16 <= n; p += 16) {
+    const __m512i k = _mm512_loadu_si512(reinterpret_cast<const void*>(keys + p));
+    __mmask16 lt = _mm512_cmplt_epu32_mask(k, _mm512_set1_epi32(static_cast<int>(heap[0])));
+    while (lt) {
+      const int i = __builtin_ctz(static_cast<unsigned>(lt));
+      lt &= static_cast<__mmask16>(lt - 1);
+      if (keys[p + i] < heap[0]) {  // the top may have dropped since the compare
+        std::pop_heap(heap, heap + h);
+        heap[h - 1] = keys[p + i];
+        std::push_heap(heap, heap + h);
+      }
+    }
+  }
+#endif
+  for (; p < n; ++p)
+    if (keys[p] < heap[0]) {
+      std::pop_heap(heap, heap + h);
+      heap[h - 1] = keys[p];
+      std::push_heap(heap, heap + h);
+    }
+  return emit_top(keys, n, n_keep, heap[0], out);
+}
+
 // Writes the indices of the n_keep largest of w[0, n) to out, ascending, leaving out -inf; ties at the threshold
-// go to the lowest indices. Where at most a fifth is kept, select_top_sampled; else (or when its sample misses)
-// radix select on the float keys (digits of 11/11/10 bits; after the first digit only the keys sharing it are
+// go to the lowest indices. Where at most a fifth is kept, select_top_sampled; where all but at most 64 are kept,
+// select_top_all_but_few; else (or when the sample misses) radix select on the float keys (digits of 11/11/10 bits; after the first digit only the keys sharing it are
 // scanned), no sort. keys: scratch of 2n. Returns the count. sampled = false: radix select only (for tests).
 inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* keys, int32_t* out,
                           bool sampled = true) {
@@ -120,6 +167,7 @@ inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* k
     const int64_t cnt = select_top_sampled(keys, n, n_keep, keys + n, out);
     if (cnt >= 0) return cnt;
   }
+  if (sampled && n - n_keep <= 64) return select_top_all_but_few(keys, n, n_keep, out);
   uint32_t hist[4][2048];
   // ---- first digit over every key
   digit_hist(keys, n, 21, 2048, 0, 0, hist);
@@ -151,16 +199,8 @@ inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* k
     prefix |= e << sh;
     pmask |= (nb - 1) << sh;
   }
-  const uint32_t thr = prefix;
   // ---- ascending output: every key above the threshold, the first `need` equal to it
-  int64_t cnt = 0;
-  for (int64_t p = 0; p < n; ++p) {
-    const uint32_t k = keys[p];
-    if (k > thr || (k == thr && need-- > 0)) {
-      if (k > NEG_INF_KEY) out[cnt++] = static_cast<int32_t>(p);
-    }
-  }
-  return cnt;
+  return emit_top(keys, n, n_keep, prefix, out);
 }
 
 }  // namespace tinyserve_native

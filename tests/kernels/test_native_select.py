@@ -1,7 +1,7 @@
 """The native op's partial selection (``select_top`` in kernels/csrc/radix_select.h) against a sort.
 
-Two paths give one result: a sampled threshold where at most a fifth is kept (n >= 1024), radix select otherwise or
-when the sample misses. Both are checked against a stable sort on the same float order (NaN above +inf, -0.0 below
+Three paths give one result: a sampled threshold where at most a fifth is kept (n >= 1024), a heap of the few left
+out where all but at most 64 are kept, radix select otherwise or when the sample misses. Each is checked against a stable sort on the same float order (NaN above +inf, -0.0 below
 +0.0, ties to the lowest index, -inf never kept), and the op's kept pages at a context long enough for the sampled
 path against the reference selection.
 """
@@ -85,6 +85,27 @@ def test_select_top_sampled_path_and_its_fallbacks(name):
     assert radix == want
     assert sampled == want
     assert len(want) == min(n_keep, int((w != float("-inf")).sum()))
+
+
+@pytest.mark.parametrize("n", [70, 2056, 5000])
+@pytest.mark.parametrize("d", [1, 8, 64, 65])
+@pytest.mark.parametrize("kind", ["normal", "tied", "special", "descending"])
+def test_select_top_all_but_a_few(n, d, kind):
+    """All but d kept (the heap path for d <= 64, radix select above): ties, infinities and NaN among the few."""
+    g = torch.Generator().manual_seed(n * 100 + d)
+    w = {
+        "normal": lambda: torch.randn(n, generator=g),
+        "tied": lambda: torch.randint(0, 4, (n,), generator=g).float(),
+        "special": lambda: torch.randn(n, generator=g).index_put_(
+            (torch.randint(0, n, (3 * d,), generator=g),),
+            torch.tensor([float("-inf"), float("nan"), float("inf")]).repeat(d)),
+        "descending": lambda: -torch.arange(n, dtype=torch.float32),
+    }[kind]()
+    n_keep = n - d
+    want = _sorted_top(w, n_keep)
+    sampled, radix = _both(w, n_keep)
+    assert radix == want
+    assert sampled == want
 
 
 def test_select_top_names_bad_arguments():
