@@ -30,19 +30,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "make the native kernel the CPU kernel of tinyserve::paged_sparse_decode");
   m.def(
       "select_top",
-      [](const at::Tensor& w, int64_t n_keep, bool sampled) {
+      [](const at::Tensor& w, int64_t n_keep, bool radix_only) {
         TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.device().is_cpu(),
                     "select_top: argument 'w' must be a contiguous 1-D float32 CPU tensor");
         TORCH_CHECK(n_keep >= 0, "select_top: argument 'n_keep' must be >= 0, got ", n_keep);
         const int64_t n = w.numel();
         std::vector<uint32_t> keys(2 * n + 1);
         at::Tensor out = at::empty({std::min(n, n_keep)}, w.options().dtype(at::kInt));
-        const int64_t cnt =
-            tinyserve_native::select_top(w.data_ptr<float>(), n, n_keep, keys.data(), out.data_ptr<int32_t>(), sampled);
+        const int64_t cnt = tinyserve_native::select_top(w.data_ptr<float>(), n, n_keep, keys.data(),
+                                                         out.data_ptr<int32_t>(), radix_only);
         return out.narrow(0, 0, cnt).clone();
       },
       "indices of the n_keep largest of w, ascending, -inf left out, ties to the lowest indices (the op's selection; "
-      "sampled = False: its radix path only)");
+      "radix_only: its radix select path whatever the sizes)");
   m.def("linear_rows", &tinyserve_native::linear_rows, "x @ W^T (+ b) as a GEMV for at most 8 rows, else at::linear");
   m.def("linear_int4_rows", &tinyserve_native::linear_int4_rows,
         "x @ W^T (+ b) for int4pack weights as a GEMV for at most 8 rows, else _weight_int4pack_mm_for_cpu");

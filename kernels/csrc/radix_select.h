@@ -38,6 +38,23 @@ inline void digit_hist(const uint32_t* keys, int64_t n, int sh, uint32_t nb, uin
 
 constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // fkey(-inf)
 
+// The ascending output of select_top once its threshold key thr (the n_keep-th largest) is known: the index of
+// every key above it, then of the first keys equal to it until n_keep are out, -inf left out. keys[p] is the key
+// of index idx[p] (idx ascending), or of index p when idx is null. Returns the count.
+inline int64_t emit_top(const uint32_t* keys, int64_t n, int64_t n_keep, uint32_t thr, int32_t* out,
+                        const int32_t* idx = nullptr) {
+  int64_t need = n_keep;
+  for (int64_t p = 0; p < n; ++p) need -= keys[p] > thr;
+  int64_t cnt = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const uint32_t k = keys[p];
+    if (k > thr || (k == thr && need-- > 0)) {
+      if (k > NEG_INF_KEY) out[cnt++] = idx ? idx[p] : static_cast<int32_t>(p);
+    }
+  }
+  return cnt;
+}
+
 // The keys of keys[0, n) at or above lo, in index order, to sk (keys) and si (indices), while at most cap of them;
 // returns their count, or -1 past cap. sk and si hold cap + VS entries (whole vectors are stored).
 inline int64_t keys_at_least(const uint32_t* keys, int64_t n, uint32_t lo, int64_t cap, uint32_t* sk, int32_t* si) {
@@ -82,36 +99,11 @@ inline int64_t select_top_sampled(const uint32_t* keys, int64_t n, int64_t n_kee
   int32_t* si = reinterpret_cast<int32_t*>(scratch + cap + VS);
   const int64_t m = keys_at_least(keys, n, samp[rs], cap, sk, si);
   if (m < n_keep) return -1;
-  // ---- the n_keep-th largest of the m keys, then the keys above it and the first `need` equal to it
+  // ---- the n_keep-th largest of the m keys, then the output among them
   uint32_t* tk = scratch + 2 * (cap + VS);
   std::memcpy(tk, sk, m * sizeof(uint32_t));
   std::nth_element(tk, tk + (n_keep - 1), tk + m, std::greater<uint32_t>());
-  const uint32_t thr = tk[n_keep - 1];
-  int64_t need = n_keep;
-  for (int64_t i = 0; i < m; ++i) need -= sk[i] > thr;
-  int64_t cnt = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    const uint32_t k = sk[i];
-    if (k > thr || (k == thr && need-- > 0)) {
-      if (k > NEG_INF_KEY) out[cnt++] = si[i];
-    }
-  }
-  return cnt;
-}
-
-// The ascending output of select_top once its threshold key thr (the n_keep-th largest) is known: every key above
-// it, then the first of those equal to it until n_keep are out, -inf left out. Returns the count.
-inline int64_t emit_top(const uint32_t* keys, int64_t n, int64_t n_keep, uint32_t thr, int32_t* out) {
-  int64_t need = n_keep;
-  for (int64_t p = 0; p < n; ++p) need -= keys[p] > thr;
-  int64_t cnt = 0;
-  for (int64_t p = 0; p < n; ++p) {
-    const uint32_t k = keys[p];
-    if (k > thr || (k == thr && need-- > 0)) {
-      if (k > NEG_INF_KEY) out[cnt++] = static_cast<int32_t>(p);
-    }
-  }
-  return cnt;
+  return emit_top(sk, m, n_keep, tk[n_keep - 1], out, si);
 }
 
 // select_top when all but a few (d = n - n_keep <= 64) are kept: the threshold is the (d + 1)-th smallest key,
@@ -148,10 +140,11 @@ inline int64_t select_top_all_but_few(const uint32_t* keys, int64_t n, int64_t n
 
 // Writes the indices of the n_keep largest of w[0, n) to out, ascending, leaving out -inf; ties at the threshold
 // go to the lowest indices. Where at most a fifth is kept, select_top_sampled; where all but at most 64 are kept,
-// select_top_all_but_few; else (or when the sample misses) radix select on the float keys (digits of 11/11/10 bits; after the first digit only the keys sharing it are
-// scanned), no sort. keys: scratch of 2n. Returns the count. sampled = false: radix select only (for tests).
+// select_top_all_but_few; else (or when the sample misses) radix select on the float keys (digits of 11/11/10
+// bits; after the first digit only the keys sharing it are scanned), no sort. keys: scratch of 2n. Returns the
+// count. radix_only: the radix select whatever n and n_keep (tests compare the paths).
 inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* keys, int32_t* out,
-                          bool sampled = true) {
+                          bool radix_only = false) {
   if (n_keep <= 0) return 0;
   if (n_keep >= n) {
     int64_t cnt = 0;
@@ -161,13 +154,13 @@ inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* k
   }
   for (int64_t p = 0; p < n; ++p) keys[p] = fkey(w[p]);
 #ifdef TS_RADIX_ONLY
-  sampled = false;
+  radix_only = true;
 #endif
-  if (sampled && n >= 1024 && n_keep * 5 <= n) {
+  if (!radix_only && n >= 1024 && n_keep * 5 <= n) {
     const int64_t cnt = select_top_sampled(keys, n, n_keep, keys + n, out);
     if (cnt >= 0) return cnt;
   }
-  if (sampled && n - n_keep <= 64) return select_top_all_but_few(keys, n, n_keep, out);
+  if (!radix_only && n - n_keep <= 64) return select_top_all_but_few(keys, n, n_keep, out);
   uint32_t hist[4][2048];
   // ---- first digit over every key
   digit_hist(keys, n, 21, 2048, 0, 0, hist);
