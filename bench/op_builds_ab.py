@@ -22,8 +22,6 @@ from native_builds import load_build
 
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 
-
-
 keys = sys.argv[1].split(",")
 mods = [load_build(k) for k in keys]
 points = sys.argv[2] if len(sys.argv) > 2 else "16384:float32,65536:float32"

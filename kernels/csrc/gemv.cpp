@@ -54,10 +54,10 @@ void gemv_rows(const float* x, const W* w, const float* bias, W* y, int64_t K, i
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) acc[a][r][m] = FVec(0.f);
     for (int64_t k = 0; k < ka; k += A * FVS) {
-      // ---- software prefetch of the weight PREFETCH_BYTES ahead into L2, one per 64 bytes of this step (at least one a
-      // step, so a 32-byte bf16 step prefetches each line twice): with
-      // several FMAs per weight vector the loop reads too slowly for the hardware prefetcher to hide the memory
-      // latency, and into L2 (not L1) more lines can be in flight
+      // ---- software prefetch of the weight PREFETCH_BYTES ahead into L2, one per 64 bytes of this step (at least
+      // one a step, so a 32-byte bf16 step prefetches each line twice): with several FMAs per weight vector the loop
+      // reads too slowly for the hardware prefetcher to hide the memory latency, and into L2 (not L1) more lines can
+      // be in flight
       for (int r = 0; r < R; ++r)
         for (int64_t off = 0; off < A * FVS * int64_t(sizeof(W)); off += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(w + (n + r) * K + k) + off + PREFETCH_BYTES, 0, 2);

@@ -1,9 +1,9 @@
 """The native op's partial selection (``select_top`` in kernels/csrc/radix_select.h) against a sort.
 
 Three paths give one result: a sampled threshold where at most a fifth is kept (n >= 1024), a heap of the few left
-out where all but at most 64 are kept, radix select otherwise or when the sample misses. Each is checked against a stable sort on the same float order (NaN above +inf, -0.0 below
-+0.0, ties to the lowest index, -inf never kept), and the op's kept pages at a context long enough for the sampled
-path against the reference selection.
+out where all but at most 64 are kept, radix select otherwise or when the sample misses. Each is checked against a
+stable sort on the same float order (NaN above +inf, -0.0 below +0.0, ties to the lowest index, -inf never kept),
+and the op's kept pages at a context long enough for the sampled path against the reference selection.
 """
 from __future__ import annotations
 
