@@ -43,10 +43,36 @@ constexpr uint32_t NEG_INF_KEY = 0x007FFFFFu;  // fkey(-inf)
 // of index idx[p] (idx ascending), or of index p when idx is null. Returns the count.
 inline int64_t emit_top(const uint32_t* keys, int64_t n, int64_t n_keep, uint32_t thr, int32_t* out,
                         const int32_t* idx = nullptr) {
-  int64_t need = n_keep;
-  for (int64_t p = 0; p < n; ++p) need -= keys[p] > thr;
-  int64_t cnt = 0;
-  for (int64_t p = 0; p < n; ++p) {
+  int64_t need = n_keep, cnt = 0, p = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  // ---- VS keys at a time: the kept lanes (above thr, or among the first `need` equal to it; -inf never) compressed
+  // in registers and stored under a mask of their count (a compress straight to memory is slow on some cores)
+  const __m512i tv = _mm512_set1_epi32(static_cast<int>(thr)), ninf = _mm512_set1_epi32(NEG_INF_KEY);
+  for (; p + 16 <= n; p += 16)
+    need -= __builtin_popcount(_mm512_cmpgt_epu32_mask(_mm512_loadu_si512(keys + p), tv));
+  for (int64_t i = p; i < n; ++i) need -= keys[i] > thr;
+  __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (p = 0; p + 16 <= n; p += 16, iv = _mm512_add_epi32(iv, step)) {
+    const __m512i k = _mm512_loadu_si512(keys + p);
+    uint32_t eq = _mm512_cmpeq_epu32_mask(k, tv);
+    if (eq) {  // the first `need` ties in index order
+      uint32_t keep = 0;
+      for (uint32_t e = eq; e && need > 0; e &= e - 1, --need) keep |= e & (0u - e);
+      eq = keep;
+    }
+    const __mmask16 take =
+        static_cast<__mmask16>((_mm512_cmpgt_epu32_mask(k, tv) | eq) & _mm512_cmpgt_epu32_mask(k, ninf));
+    if (take == 0) continue;
+    const __m512i ix = idx ? _mm512_loadu_si512(idx + p) : iv;
+    const int c = __builtin_popcount(static_cast<unsigned>(take));
+    _mm512_mask_storeu_epi32(out + cnt, static_cast<__mmask16>((1u << c) - 1), _mm512_maskz_compress_epi32(take, ix));
+    cnt += c;
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) need -= keys[i] > thr;
+#endif
+  for (; p < n; ++p) {
     const uint32_t k = keys[p];
     if (k > thr || (k == thr && need-- > 0)) {
       if (k > NEG_INF_KEY) out[cnt++] = idx ? idx[p] : static_cast<int32_t>(p);
@@ -106,6 +132,59 @@ inline int64_t select_top_sampled(const uint32_t* keys, int64_t n, int64_t n_kee
   return emit_top(sk, m, n_keep, tk[n_keep - 1], out, si);
 }
 
+// select_top for mid-sized selections: a bracket [lo, hi] around the threshold from a strided sample of the keys,
+// one pass that counts the keys above hi and gathers those in the bracket (in index order), and the exact threshold
+// among the gathered ones; -1 (nothing written) when the threshold is outside the bracket or more than about n / 3
+// keys fall in it. The result is select_top's: the same threshold, then the same output pass.
+inline int64_t select_top_bracket(const uint32_t* keys, int64_t n, int64_t n_keep, uint32_t* scratch, int32_t* out) {
+  constexpr int NS = 256;
+  const int64_t cap = n / 3 - VS;
+  uint32_t samp[NS];
+  for (int i = 0; i < NS; ++i) samp[i] = keys[static_cast<int64_t>(i) * n / NS];
+  // ---- the sample's rank of the threshold, +- 3.5 standard deviations of a binomial count and 4
+  const double f = static_cast<double>(n_keep) / static_cast<double>(n);
+  const int rs = static_cast<int>(f * NS), mg = static_cast<int>(3.5 * std::sqrt(NS * f * (1.0 - f))) + 4;
+  const int ihi = rs - mg, ilo = rs + mg;  // descending ranks; outside [0, NS): no bound on that side
+  uint32_t lo = 0, hi = 0xFFFFFFFFu;
+  if (ilo < NS) {
+    std::nth_element(samp, samp + ilo, samp + NS, std::greater<uint32_t>());
+    lo = samp[ilo];
+  }
+  if (ihi >= 0) {
+    std::nth_element(samp, samp + ihi, samp + std::min(ilo, NS), std::greater<uint32_t>());
+    hi = samp[ihi];
+  }
+  // ---- keys above hi counted, keys in [lo, hi] gathered
+  uint32_t* sk = scratch;
+  int64_t above = 0, m = 0, p = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i lov = _mm512_set1_epi32(static_cast<int>(lo)), hiv = _mm512_set1_epi32(static_cast<int>(hi));
+  for (; p + 16 <= n; p += 16) {
+    const __m512i k = _mm512_loadu_si512(keys + p);
+    const __mmask16 up = _mm512_cmpgt_epu32_mask(k, hiv);
+    const __mmask16 in = _mm512_mask_cmpge_epu32_mask(static_cast<__mmask16>(~up), k, lov);
+    above += __builtin_popcount(static_cast<unsigned>(up));
+    if (in == 0) continue;
+    _mm512_storeu_si512(sk + m, _mm512_maskz_compress_epi32(in, k));
+    m += __builtin_popcount(static_cast<unsigned>(in));
+    if (m > cap) return -1;
+  }
+#endif
+  for (; p < n; ++p) {
+    if (keys[p] > hi) {
+      ++above;
+    } else if (keys[p] >= lo) {
+      if (m == cap) return -1;
+      sk[m++] = keys[p];
+    }
+  }
+  if (above >= n_keep || above + m < n_keep) return -1;
+  // ---- the (n_keep - above)-th largest of the gathered keys is the threshold
+  const int64_t r = n_keep - above;
+  std::nth_element(sk, sk + (r - 1), sk + m, std::greater<uint32_t>());
+  return emit_top(keys, n, n_keep, sk[r - 1], out);
+}
+
 // select_top when all but a few (d = n - n_keep <= 64) are kept: the threshold is the (d + 1)-th smallest key,
 // found with a max-heap of the d + 1 smallest (a key at or above its top is passed over, VS keys at a time).
 inline int64_t select_top_all_but_few(const uint32_t* keys, int64_t n, int64_t n_keep, int32_t* out) {
@@ -139,10 +218,11 @@ inline int64_t select_top_all_but_few(const uint32_t* keys, int64_t n, int64_t n
 }
 
 // Writes the indices of the n_keep largest of w[0, n) to out, ascending, leaving out -inf; ties at the threshold
-// go to the lowest indices. Where at most a fifth is kept, select_top_sampled; where all but at most 64 are kept,
-// select_top_all_but_few; else (or when the sample misses) radix select on the float keys (digits of 11/11/10
-// bits; after the first digit only the keys sharing it are scanned), no sort. keys: scratch of 2n. Returns the
-// count. radix_only: the radix select whatever n and n_keep (tests compare the paths).
+// go to the lowest indices. From n = 4096 where at most a fifth is kept, select_top_sampled; else from n = 512,
+// select_top_bracket; where all but at most 64 are kept, select_top_all_but_few; else (or when a sample misses)
+// radix select on the float keys (digits of 11/11/10 bits; after the first digit only the keys sharing it are
+// scanned), no sort. keys: scratch of 2n. Returns the count. radix_only: the radix select whatever n and n_keep
+// (tests compare the paths).
 inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* keys, int32_t* out,
                           bool radix_only = false) {
   if (n_keep <= 0) return 0;
@@ -156,8 +236,12 @@ inline int64_t select_top(const float* w, int64_t n, int64_t n_keep, uint32_t* k
 #ifdef TS_RADIX_ONLY
   radix_only = true;
 #endif
-  if (!radix_only && n >= 1024 && n_keep * 5 <= n) {
+  if (!radix_only && n >= 4096 && n_keep * 5 <= n) {
     const int64_t cnt = select_top_sampled(keys, n, n_keep, keys + n, out);
+    if (cnt >= 0) return cnt;
+  }
+  if (!radix_only && n >= 512) {
+    const int64_t cnt = select_top_bracket(keys, n, n_keep, keys + n, out);
     if (cnt >= 0) return cnt;
   }
   if (!radix_only && n - n_keep <= 64) return select_top_all_but_few(keys, n, n_keep, out);

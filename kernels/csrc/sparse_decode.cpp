@@ -726,6 +726,7 @@ struct Pipeline {
     for (int64_t j = 0; j < kc; ++j) {
       const int64_t p = cd[j];
       const bool forced = p == r.newest || p < c.sinks;
+      if (!forced && (p + 1) * S <= r.ntok) continue;  // a whole page, not forced: nothing to set
       float* sj = share + j * S;
       for (int64_t u = 0; u < S; ++u) {
         if (p * S + u >= r.ntok)

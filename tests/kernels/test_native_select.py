@@ -1,9 +1,10 @@
 """The native op's partial selection (``select_top`` in kernels/csrc/radix_select.h) against a sort.
 
-Three paths give one result: a sampled threshold where at most a fifth is kept (n >= 1024), a heap of the few left
-out where all but at most 64 are kept, radix select otherwise or when the sample misses. Each is checked against a
-stable sort on the same float order (NaN above +inf, -0.0 below +0.0, ties to the lowest index, -inf never kept),
-and the op's kept pages at a context long enough for the sampled path against the reference selection.
+Four paths give one result: a sampled threshold where at most a fifth is kept (n >= 4096), a sampled bracket around
+the threshold (n >= 512), a heap of the few left out where all but at most 64 are kept, radix select otherwise or when
+a sample misses. Each is checked against a stable sort on the same float order (NaN above +inf, -0.0 below +0.0, ties
+to the lowest index, -inf never kept), and the op's kept pages at a context long enough for the sampled path against
+the reference selection.
 """
 from __future__ import annotations
 
@@ -60,17 +61,18 @@ def test_select_top_is_a_stable_sort(n, frac, levels, n_special, seed, special):
     want = _sorted_top(w, n_keep)
     fast, radix = _both(w, n_keep)
     assert radix == want, f"radix path: n={n} n_keep={n_keep}"
-    assert fast == want, f"sampled or heap path: n={n} n_keep={n_keep}"
+    assert fast == want, f"sampled, bracket or heap path: n={n} n_keep={n_keep}"
 
 
 @pytest.mark.parametrize(
     "name",
     ["normal", "ascending", "descending", "all_tied", "sample_positions_high", "mostly_neg_inf", "peaks"],
 )
-def test_select_top_sampled_path_and_its_fallbacks(name):
-    """Shapes of the sampled path (n >= 1024, a fifth or less kept), including samples that miss: every key tied
-    (too many at the sample's threshold), and high keys exactly at the sampled positions (too few)."""
-    n, n_keep = 8192, 384
+@pytest.mark.parametrize("n, n_keep", [(8192, 384), (3072, 2048), (1024, 384), (2100, 2048)])
+def test_select_top_sampled_paths_and_their_fallbacks(name, n, n_keep):
+    """Shapes of the sampled path (8192 keys, a fifth or less kept) and of the bracket (3072, 1024 and 2100 keys),
+    including samples that miss: every key tied (too many at the sample's threshold, or in the bracket), and high
+    keys exactly at the sampled positions (too few)."""
     g = torch.Generator().manual_seed(7)
     w = {
         "normal": lambda: torch.randn(n, generator=g),
@@ -92,7 +94,8 @@ def test_select_top_sampled_path_and_its_fallbacks(name):
 @pytest.mark.parametrize("d", [1, 8, 64, 65])
 @pytest.mark.parametrize("kind", ["normal", "tied", "special", "descending"])
 def test_select_top_all_but_a_few(n, d, kind):
-    """All but d kept (the heap path for d <= 64, radix select above): ties, infinities and NaN among the few."""
+    """All but d kept (the heap path for d <= 64 below 512 keys, or where the bracket misses; the bracket or radix
+    select otherwise): ties, infinities and NaN among the few."""
     g = torch.Generator().manual_seed(n * 100 + d)
     w = {
         "normal": lambda: torch.randn(n, generator=g),
