@@ -7,8 +7,8 @@ The shape of ``python -m bench op`` (B=1, 9 query / 3 KV heads, D=64, the defaul
 2048, one sink page, candidates of the budget + 1024 tokens, kept tokens, int8 bounds), at the points given
 (default ``16384:float32,65536:float32``). The builds must give equal outputs (checked first). Each call starts from
 cold caches (a 64 MB read before it, untimed) unless ``WARM=1``; ``REPS`` rounds (default 400) with the order of
-the builds rotated every round; ``NT`` threads (default 2). Prints the median per build and its speed-up over the
-first.
+the builds rotated every round; ``NT`` threads (default 2); ``BATCH`` rows of the same length (default 1). Prints
+the median per build and its speed-up over the first.
 """
 import os
 import statistics
@@ -28,13 +28,14 @@ points = sys.argv[2] if len(sys.argv) > 2 else "16384:float32,65536:float32"
 pts = [(int(a.split(":")[0]), getattr(torch, a.split(":")[1])) for a in points.split(",")]
 buf = torch.ones(64 * 2**20 // 4)
 cold = os.environ.get("WARM") is None
+B = int(os.environ.get("BATCH", "1"))
 for L, dt in pts:
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 9, 1, 64, generator=gen).to(dt)  # [1, 9, 1, 64]
-    k = torch.randn(1, 3, L, 64, generator=gen).to(dt)  # [1, 3, L, 64]
-    v = torch.randn(1, 3, L, 64, generator=gen).to(dt)
+    q = torch.randn(B, 9, 1, 64, generator=gen).to(dt)  # [B, 9, 1, 64]
+    k = torch.randn(B, 3, L, 64, generator=gen).to(dt)  # [B, 3, L, 64]
+    v = torch.randn(B, 3, L, 64, generator=gen).to(dt)
     kmax, kmin, kabs = rebuild_bounds_(k, allocate_bounds(k, 8, torch.int8), 8)
-    vl = torch.tensor([L])
+    vl = torch.full((B,), L)
     args = (q, k, v, kmax, kmin, kabs, vl, None, 0.125, 8, 2048, 1, 1, None, 1024, True)
     outs = [m.sparse_decode(*args) for m in mods]
     for o in outs[1:]:
@@ -49,5 +50,5 @@ for L, dt in pts:
             mods[i].sparse_decode(*args)
             ts[i].append(time.perf_counter() - t0)
     med = [statistics.median(t) * 1e6 for t in ts]
-    print(f"L={L} {str(dt)[6:]}: " + "  ".join(f"{k[:6]} {m:7.1f}us ({med[0] / m:.2f}x)" for k, m in zip(keys, med)),
-          flush=True)
+    name = f"L={L} {str(dt)[6:]}" + (f" B={B}" if B > 1 else "")
+    print(f"{name}: " + "  ".join(f"{k[:6]} {m:7.1f}us ({med[0] / m:.2f}x)" for k, m in zip(keys, med)), flush=True)
