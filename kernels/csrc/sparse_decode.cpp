@@ -427,9 +427,10 @@ struct Pipeline {
 
   // ---- the task list and buffers; with_attend = false stops after the selection (kept_pages)
   void plan(bool with_attend) {
-    pl.sel.assign(BH * std::max<int64_t>(N1, 1), 0);
+    // entries past a row's selcnt / keptcnt are never read: no clearing (196 KB a call at batch 8)
+    pl.sel.resize(BH * std::max<int64_t>(N1, 1));
     pl.selcnt.assign(BH, 0);
-    pl.kept.assign(BH * std::max<int64_t>(KT, 1), 0);
+    pl.kept.resize(BH * std::max<int64_t>(KT, 1));
     pl.keptcnt.assign(BH, 0);
     if (pl.sync_size < 5 * BH) {
       pl.sync.reset(new std::atomic<int64_t>[5 * BH]);
