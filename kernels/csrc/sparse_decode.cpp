@@ -760,9 +760,18 @@ struct Pipeline {
       // ---- kept slots (ascending): token cd[slot / S] * S + slot % S, logits reused from the candidates
       const int32_t* ks = pl.kept.data() + bh * KT;
       const int32_t* cd = pl.sel.data() + bh * N1;
+      const int64_t b = bh / c.Hkv;
+      // slot sl is token sl - base of candidate page ci (base = ci * S); the slots ascend, so ci only moves forward
+      // (no division per token)
+      int64_t ci = ks[j0] / S, base = ci * S, row = c.page_row(b, cd[ci]);
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t sl = ks[j];
-        tok[nt] = c.page_row(bh / c.Hkv, cd[sl / S]) + sl % S;
+        if (sl >= base + S) {
+          ci = sl / S;
+          base = ci * S;
+          row = c.page_row(b, cd[ci]);
+        }
+        tok[nt] = row + (sl - base);
         for (int64_t g = 0; g < G; ++g) lg[g * ldl + nt] = lgc[(bh * G + g) * ld_lgc + sl];
         ++nt;
       }
