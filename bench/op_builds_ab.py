@@ -7,8 +7,9 @@ The shape of ``python -m bench op`` (B=1, 9 query / 3 KV heads, D=64, the defaul
 2048, one sink page, candidates of the budget + 1024 tokens, kept tokens, int8 bounds), at the points given
 (default ``16384:float32,65536:float32``). The builds must give equal outputs (checked first). Each call starts from
 cold caches (a 64 MB read before it, untimed) unless ``WARM=1``; ``REPS`` rounds (default 400) with the order of
-the builds rotated every round; ``NT`` threads (default 2); ``BATCH`` rows of the same length (default 1). Prints
-the median per build and its speed-up over the first.
+the builds rotated every round; ``NT`` threads (default 2); ``BATCH`` rows of the same length (default 1); ``MASK=1``
+a bool padding mask [B, 1, 1, L] that hides the first r * (L // (2 * B)) tokens of row r (``bench decode``'s batch
+rows). Prints the median per build and its speed-up over the first.
 """
 import os
 import statistics
@@ -36,7 +37,12 @@ for L, dt in pts:
     v = torch.randn(B, 3, L, 64, generator=gen).to(dt)
     kmax, kmin, kabs = rebuild_bounds_(k, allocate_bounds(k, 8, torch.int8), 8)
     vl = torch.full((B,), L)
-    args = (q, k, v, kmax, kmin, kabs, vl, None, 0.125, 8, 2048, 1, 1, None, 1024, True)
+    mask = None
+    if os.environ.get("MASK"):
+        mask = torch.ones(B, 1, 1, L, dtype=torch.bool)  # [B, 1, 1, L]
+        for r in range(B):
+            mask[r, ..., : r * (L // (2 * B))] = False
+    args = (q, k, v, kmax, kmin, kabs, vl, mask, 0.125, 8, 2048, 1, 1, None, 1024, True)
     outs = [m.sparse_decode(*args) for m in mods]
     for o in outs[1:]:
         assert torch.equal(o, outs[0]), float((o.float() - outs[0].float()).abs().max())
@@ -50,5 +56,5 @@ for L, dt in pts:
             mods[i].sparse_decode(*args)
             ts[i].append(time.perf_counter() - t0)
     med = [statistics.median(t) * 1e6 for t in ts]
-    name = f"L={L} {str(dt)[6:]}" + (f" B={B}" if B > 1 else "")
+    name = f"L={L} {str(dt)[6:]}" + (f" B={B}" if B > 1 else "") + (" masked" if mask is not None else "")
     print(f"{name}: " + "  ".join(f"{k[:6]} {m:7.1f}us ({med[0] / m:.2f}x)" for k, m in zip(keys, med)), flush=True)
