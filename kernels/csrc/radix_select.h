@@ -50,10 +50,13 @@ inline int64_t emit_top(const uint32_t* keys, int64_t n, int64_t n_keep, uint32_
   const __m512i tv = _mm512_set1_epi32(static_cast<int>(thr)), ninf = _mm512_set1_epi32(NEG_INF_KEY);
   for (; p + 16 <= n; p += 16)
     need -= __builtin_popcount(_mm512_cmpgt_epu32_mask(_mm512_loadu_si512(keys + p), tv));
+#endif
   for (int64_t i = p; i < n; ++i) need -= keys[i] > thr;
+  p = 0;
+#if defined(CPU_CAPABILITY_AVX512)
   __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step = _mm512_set1_epi32(16);
-  for (p = 0; p + 16 <= n; p += 16, iv = _mm512_add_epi32(iv, step)) {
+  for (; p + 16 <= n; p += 16, iv = _mm512_add_epi32(iv, step)) {
     const __m512i k = _mm512_loadu_si512(keys + p);
     uint32_t eq = _mm512_cmpeq_epu32_mask(k, tv);
     if (eq) {  // the first `need` ties in index order
@@ -69,8 +72,6 @@ inline int64_t emit_top(const uint32_t* keys, int64_t n, int64_t n_keep, uint32_
     _mm512_mask_storeu_epi32(out + cnt, static_cast<__mmask16>((1u << c) - 1), _mm512_maskz_compress_epi32(take, ix));
     cnt += c;
   }
-#else
-  for (int64_t i = 0; i < n; ++i) need -= keys[i] > thr;
 #endif
   for (; p < n; ++p) {
     const uint32_t k = keys[p];

@@ -284,10 +284,10 @@ def test_keep_tokens_at_scale(bdt):
 @pytest.mark.parametrize("mask_kind", [None, "bool_shared", "float_per_head"])
 @pytest.mark.parametrize("valid_len", [[70, 128], [65, 97], [128, 200], [200, 71]])
 def test_every_page_a_candidate_with_few_tokens_left_out(dt, mask_kind, valid_len):
-    """Two-stage with every valid page a candidate and at most 64 valid tokens left out (the 2K decode point of
-    the defaults: 2056 token slots, 2048 kept; the ranking takes the heap of the few left out): kept tokens and
-    output against the reference, rows of the batch on that path and beside it (200 tokens: 25 pages, past the 16
-    candidates)."""
+    """Two-stage with every valid page a candidate and at most 64 valid tokens left out (the shape of the 2K
+    decode point of the defaults, 2056 token slots and 2048 kept, in small: below 512 slots the ranking takes the
+    heap of the few left out): kept tokens and output against the reference, rows of the batch on that path and
+    beside it (200 tokens: 25 pages, past the 16 candidates)."""
     # S=8, budget 64 (K = 8 pages, 64 kept tokens), extra 64 (16 candidate pages)
     _check_case(DT[dt], 2, 2, 3, 200, 32, 8, 64, 1, 1, torch.int8, valid_len, mask_kind, seed=sum(valid_len),
                 extra=64, keep_tokens=True)
