@@ -122,7 +122,11 @@ def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, exp
     total = warmup + steps * rounds + 1
     L = -(-(ctx + total) // S) * S  # room for every timed step, whole pages
     ts_name, ort_ts_name = _names(budget)
-    sparse_opts, dense_opts = {"token_budget": budget}, {"policy": "full"}
+    # the defaults' extra candidates (1024 at budget 2048) scale with the budget, so that a small budget on a short
+    # context stays two-stage (a row of at most max(K, N1) pages attends densely)
+    d = TinyServeConfig()
+    sparse_opts = {"token_budget": budget, "candidate_extra": d.candidate_extra * budget // d.token_budget}
+    dense_opts = {"policy": "full"}
     paths, export_s = {}, {}
     for p, opts in ((ORT_DENSE, dense_opts), (ort_ts_name, sparse_opts)):
         if only is None or p in only:

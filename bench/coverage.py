@@ -39,7 +39,7 @@ QUICK = ("llama", "gpt2", "cohere2", "deepseek_v3")
 PROMPT, STEPS, MAX_CACHE = 40, 4, 96
 MAX_PARAMS = 20_000_000
 #: the sweep's sparse configuration: 3 pages of 8 out of 40+ tokens, so the selection matters
-OPTIONS = {"token_budget": 24, "page_size": 8, "dense_layers": 0, "lower": "eager"}
+OPTIONS = {"token_budget": 24, "page_size": 8, "candidate_extra": 16, "dense_layers": 0, "lower": "eager"}
 ATOL = RTOL = 1e-4
 
 #: tiny sizes, applied to every config attribute of that name that the default config has

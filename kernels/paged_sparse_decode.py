@@ -12,7 +12,8 @@ give back. Here each decode row ``r`` is described by its page table:
 
 Selection is exactly the static path's, per row: the bound ``r_j = sum_i max(q_i*M_ji, q_i*m_ji)`` of
 :func:`reference.page_scores`, the newest page and the sink pages forced, dense when every page of the row fits in
-the budget, and the two-stage candidates of :func:`reference.candidate_pages` ranked by exact logits
+the budget or is a candidate (:attr:`.spec.SelectionSpec.n_dense_pages`), and the two-stage
+candidates of :func:`reference.candidate_pages` ranked by exact logits
 (:func:`reference.rank_candidates` / :func:`reference.rank_candidate_tokens`). The reference
 (:func:`paged_sparse_decode_reference`) copies each row's history into a contiguous cache and calls
 :func:`reference.sparse_decode_reference`; the fast path (:func:`paged_sparse_decode`) reads only the bounds of the

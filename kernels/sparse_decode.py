@@ -387,10 +387,11 @@ def _sparse_decode_torch(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_
     K = spec.n_pages
     n_first = spec.n_candidates
     two = n_first > K
+    n_dense = spec.n_dense_pages  # a row of at most this many valid pages attends densely
     n, attn_mask = _uniform_len(valid_len, attn_mask, B)  # one host sync; n None when rows differ
     if n is not None and attn_mask is None and 0 < n:
         n = min(n, L)
-        if (n + page_size - 1) // page_size <= K:  # ---- dense fit: plain SDPA over the n valid tokens
+        if (n + page_size - 1) // page_size <= n_dense:  # ---- dense: plain SDPA over the n valid tokens
             return _attend_grouped(q, k_cache[:, :, :n], v_cache[:, :, :n], scale)
         full_pages_only = L % page_size == 0 or n <= (L // page_size) * page_size  # newest page inside the cache
         if full_pages_only and k_cache.is_contiguous() and v_cache.is_contiguous():
@@ -400,25 +401,23 @@ def _sparse_decode_torch(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_
                                    n_first, keep_tokens)
     vl = _as_valid_len(valid_len, B, q.device)
     qg = q.float().reshape(B, Hkv, G, D)
-    n_valid = (vl + page_size - 1) // page_size
-    if int(n_valid.max()) <= K:  # ---- dense: every valid page fits in the budget
+    n_valid = ((vl + page_size - 1) // page_size).clamp(max=-(-L // page_size))  # [B]
+    if int(n_valid.max()) <= n_dense:  # ---- dense: every row's valid pages fit in the budget or are all candidates
         return attend_selection(q, k_cache, v_cache, None, vl, attn_mask, scale, page_size)
     # ---- stage 1: bound scan and top-k (or top-cK candidates)
     bounds = PageBounds(kmax, kmin, kabs)
     scores = page_scores(q, bounds, scale, mask_page_max(attn_mask, B, Hq, L, page_size))  # [B,Hkv,P]
-    sel = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=n_first)
-    if sel is None:  # candidates cover every valid page
-        P = scores.shape[-1]
-        idx = torch.arange(P, device=q.device).expand(B, Hkv, P).contiguous()
-        sel = Selection(idx, idx < n_valid.reshape(B, 1, 1))
-    if two:
-        # ---- stage 2: exact logits over the candidates' keys pick K pages (or K*S tokens) by mass
-        tok, tok_ok = _selected_tokens(sel, page_size, L, vl)  # [B,Hkv,T]
-        kg = _gather_pages(k_cache, sel.idx, page_size)  # [B,Hkv,T,D]
-        logits = (qg @ kg.transpose(-1, -2)) * scale
-        logits = (logits + _gathered_mask(attn_mask, tok, B, Hq, L)).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
-        if keep_tokens:
-            return _attend_kept_tokens(q, v_cache, logits, sel, vl.clamp(max=L), page_size, K, sink_pages)
+    sel = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=n_first)  # some row has more pages
+    if not two:
+        return attend_selection(q, k_cache, v_cache, sel, vl, attn_mask, scale, page_size)
+    # ---- stage 2: exact logits over the candidates' keys pick K pages (or K*S tokens) by mass
+    tok, tok_ok = _selected_tokens(sel, page_size, L, vl)  # [B,Hkv,T]
+    kg = _gather_pages(k_cache, sel.idx, page_size)  # [B,Hkv,T,D]
+    logits = (qg @ kg.transpose(-1, -2)) * scale
+    logits = (logits + _gathered_mask(attn_mask, tok, B, Hq, L)).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+    if keep_tokens:
+        out = _attend_kept_tokens(q, v_cache, logits, sel, vl.clamp(max=L), page_size, K, sink_pages)
+    else:
         final, slots = rank_candidates(logits, sel, vl, page_size, K, sink_pages)
         Kc = sel.idx.shape[-1]
         lp = logits.reshape(B, Hkv, G, Kc, page_size)
@@ -426,9 +425,15 @@ def _sparse_decode_torch(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_
         keep = final.ok.repeat_interleave(page_size, -1)[:, :, None]
         logits = lp.reshape(B, Hkv, G, -1).masked_fill(~keep, float("-inf"))
         vg = _gather_pages(v_cache, final.idx, page_size)
-        out = softmax_attend(logits, vg)
-        return out.reshape(B, Hq, 1, D).to(q.dtype)
-    return attend_selection(q, k_cache, v_cache, sel, vl, attn_mask, scale, page_size)
+        out = softmax_attend(logits, vg).reshape(B, Hq, 1, D).to(q.dtype)
+    dense_rows = (n_valid <= n_first).nonzero().flatten()  # every valid page a candidate: dense
+    if dense_rows.numel():
+        m = attn_mask
+        if m is not None:  # broadcastable to [B, Hq, 1, L]: the dense rows' batch entries
+            m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).expand(B, -1, -1, -1)[dense_rows]
+        out[dense_rows] = attend_selection(q[dense_rows], k_cache[dense_rows], v_cache[dense_rows], None,
+                                           vl[dense_rows], m, scale, page_size)
+    return out
 
 
 def attend_selection(

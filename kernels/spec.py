@@ -111,6 +111,20 @@ class SelectionSpec:
     def two_stage(self) -> bool:
         return self.n_candidates > self.n_pages
 
+    @property
+    def n_dense_pages(self) -> int:
+        """A row of at most this many valid pages attends densely: ``max(K, n_candidates)``.
+
+        Up to ``K`` pages every page fits in the budget; two-stage, up to ``n_candidates`` pages every valid page
+        is a candidate, so the exact stage would read every key anyway, and attending every valid token is both
+        exact and cheaper than ranking them."""
+        return max(self.n_pages, self.n_candidates)
+
+    def dense_cache(self, cache_pages: int) -> bool:
+        """Whether a cache of ``cache_pages`` pages (``ceil(L / page_size)``) is attended densely whatever the
+        valid lengths: every row has at most :attr:`n_dense_pages` valid pages. Decided from the shapes alone."""
+        return cache_pages <= self.n_dense_pages
+
     # ---- checks --------------------------------------------------------------------------------------
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""

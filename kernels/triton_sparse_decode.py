@@ -27,8 +27,9 @@ grid-wide barrier. So the work is split at that reduction:
    No host synchronisation: when every valid page fits in the budget, the top-K
    holds every page with a finite score, and pages scored ``-inf`` contribute
    nothing, so the sparse path equals dense attention without a branch on data
-   (the reference's "dense when it fits" rule). When ``P <= K`` is known from the
-   shapes the scan is skipped and the attention kernel walks pages directly.
+   (the reference's "dense when it fits" rule). When the shapes alone make it dense
+   (``P <= K``, or every page a candidate: ``SelectionSpec.dense_cache``) the scan is
+   skipped and the attention kernel walks pages directly.
 3. :func:`_sparse_attn_splitk_kernel` (grid ``B*Hkv x n_splits``): flash-decoding.
    Each program owns a slice of one KV head's selected pages, loads the group's
    ``G`` query heads once, gathers whole pages straight from the ``[B, Hkv, L, D]``
@@ -330,7 +331,7 @@ if _HAS_TRITON:
 
     @triton.jit
     def _token_attn_splitk_kernel(
-        v_ptr, tok_ptr, logit_ptr, acc_ptr, m_ptr, l_ptr,
+        v_ptr, tok_ptr, logit_ptr, cnt_ptr, acc_ptr, m_ptr, l_ptr,
         stride_vb_, stride_vh, stride_vl_, stride_vd,
         stride_tb, stride_th,
         Hkv, n_tok, tok_per_split, n_splits,
@@ -340,8 +341,8 @@ if _HAS_TRITON:
         """One split of flash-decoding over a list of kept tokens of one KV head, all G query heads.
 
         The logits come from the candidate stage (``logit[b, kvh, g, t]`` fp32, masked and scaled); only
-        ``V`` rows are read here. ``tok[b, kvh, t]`` int64 is the token's position, -1 for an empty slot.
-        Writes the unnormalised partial ``acc[b, h, split, :]`` fp32 with its running max ``m`` and
+        ``V`` rows are read here. ``tok[b, kvh, t]`` int64 is the token's position, -1 for an empty slot;
+        slots from ``cnt[b]`` (int64) on are empty and not visited. Writes the unnormalised partial ``acc[b, h, split, :]`` fp32 with its running max ``m`` and
         denominator ``l``, as :func:`_sparse_attn_splitk_kernel`.
         """
         pid_bh = tl.program_id(0)
@@ -361,7 +362,7 @@ if _HAS_TRITON:
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
 
         start = pid_s * tok_per_split
-        end = tl.minimum(start + tok_per_split, n_tok)
+        end = tl.minimum(tl.minimum(start + tok_per_split, n_tok), tl.load(cnt_ptr + b))
         v_base = v_ptr + b * stride_vb_ + kvh * stride_vh
         for t0 in range(start, end, BLOCK_T):
             # -- stage 1: positions and logits of BLOCK_T kept tokens
@@ -585,12 +586,18 @@ def _candidate_page_lse(q, k_cache, cand, vl, vl_stride, mask, mstr, mkind, mper
 def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: SelectionSpec):
     """What the attention kernels read, ``(idx, ok, logits)``.
 
-    * ``(None, None, None)`` when dense from the shapes (``P <= K``);
-    * pages: ``idx`` ``[B, Hkv, K]`` int64 page indices (unsorted), ``ok`` bool, False where a page scored
-      ``-inf`` (it contributes nothing), ``logits`` None;
-    * tokens (two-stage with ``keep_tokens``): ``idx`` ``[B, Hkv, n]`` int64 token positions (unsorted, -1 for
-      an empty slot), ``ok`` bool, False for an empty slot, ``logits`` ``[B, Hkv, G, n]`` fp32 their masked
-      logits from the candidate stage (-inf for an empty slot).
+    Returns ``(idx, ok, logits, count)``:
+
+    * ``(None, None, None, None)`` when dense from the shapes (:meth:`.spec.SelectionSpec.dense_cache`);
+    * pages: ``idx`` ``[B, Hkv, K]`` (two-stage: ``[B, Hkv, N1]``) int64 page indices (unsorted; page ``P``, past
+      every token, for an empty slot), ``ok`` bool, False where a page scored ``-inf`` or the slot is empty (it
+      contributes nothing), ``logits`` and ``count`` None;
+    * tokens (two-stage with ``keep_tokens``): ``idx`` ``[B, Hkv, N1*S]`` int64 token positions (unsorted, -1 for
+      an empty slot), ``ok`` bool, False for an empty slot, ``logits`` ``[B, Hkv, G, N1*S]`` fp32 their masked
+      logits from the candidate stage (-inf for an empty slot), ``count`` int64 ``[B]`` the slots to visit.
+
+    Two-stage, a row whose valid pages are all candidates keeps every candidate (it attends densely,
+    :attr:`.spec.SelectionSpec.n_dense_pages`); the other rows keep ``K`` pages (``K*S`` tokens) and empty slots.
 
     The page-score kernel applies the forced pages (:func:`.reference.forced_pages`); the two-stage ranking is
     the reference's own (:func:`.reference.rank_candidate_pages`, :func:`.reference.rank_candidate_tokens`).
@@ -601,31 +608,46 @@ def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: Sel
     P = kmax.shape[2]
     S, sink_pages = spec.page_size, spec.sink_pages
     K = spec.n_pages
-    if P <= K:  # every page fits whatever valid_len is: dense
-        return None, None, None
+    if spec.dense_cache(P):  # every page fits, or every page is a candidate, whatever valid_len is: dense
+        return None, None, None, None
     vl, vls = _valid_len_view(valid_len, B, q.device)
     mask, mstr, mkind, mper = _mask_view(attn_mask, B, Hq, L, q.device)
     scores = _page_scores(q, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, scale, S, sink_pages, L)
     n1 = spec.n_candidates
     if n1 <= K:  # one stage
         top, idx = scores.topk(K, dim=-1, sorted=False)
-        return idx, top > float("-inf"), None
+        return idx, top > float("-inf"), None, None
     # ---- two-stage: top-N1 candidates by bound (all valid pages when N1 covers them; the rest score -inf)
     ctop, cidx = scores.topk(min(n1, P), dim=-1, sorted=False)  # [B,Hkv,Kc]
     cand = Selection(cidx, ctop > float("-inf"))
+    Kc = cidx.shape[-1]
     vlb = vl.expand(B).clamp(max=L)  # [B]: valid_len past the cache counts as L
+    # rows whose valid pages are all candidates attend every candidate (dense: SelectionSpec.n_dense_pages); the
+    # other rows' selections are padded to the candidates' width with empty slots
+    every = ((vlb + S - 1) // S <= n1).reshape(B, 1, 1)  # [B,1,1]
     if not spec.keep_tokens:
         # ---- K of the candidate pages by share of exact softmax mass
         lse = _candidate_page_lse(q, k_cache, cidx, vl, vls, mask, mstr, mkind, mper, scale, S)  # [B,Hkv,G,Kc]
         sel, _ = rank_candidate_pages(lse, cand, vlb, S, K, sink_pages)  # [B,Hkv,K]
-        return sel.idx, sel.ok, None
+        pad = Kc - sel.idx.shape[-1]
+        idx = torch.cat([sel.idx, sel.idx.new_full((B, Hkv, pad), P)], -1)  # page P: past every token, never read
+        ok = torch.cat([sel.ok, sel.ok.new_zeros(B, Hkv, pad)], -1)
+        return torch.where(every, cidx, idx), torch.where(every, cand.ok, ok), None, None
     # ---- K*S of the candidate tokens by share of exact softmax mass, with their logits
     logits = _candidate_page_lse(q, k_cache, cidx, vl, vls, mask, mstr, mkind, mper, scale, S,
                                  store_logits=True)  # [B,Hkv,G,Kc*S]
     sel, slot = rank_candidate_tokens(logits, cand, vlb, S, K * S, sink_pages)  # [B,Hkv,n]
     kept_logits = logits.gather(3, slot[:, :, None, :].expand(B, Hkv, G, slot.shape[-1]))  # [B,Hkv,G,n]
     kept_logits = kept_logits.masked_fill(~sel.ok[:, :, None, :], float("-inf"))
-    return sel.idx.masked_fill(~sel.ok, -1), sel.ok, kept_logits
+    n, W = slot.shape[-1], Kc * S
+    tok_c = (cidx[..., None] * S + torch.arange(S, device=q.device)).reshape(B, Hkv, W)  # [B,Hkv,W]
+    ok_c = cand.ok.repeat_interleave(S, dim=-1) & (tok_c < vlb.reshape(B, 1, 1))
+    idx = torch.cat([sel.idx.masked_fill(~sel.ok, -1), sel.idx.new_full((B, Hkv, W - n), -1)], -1)
+    lg = torch.cat([kept_logits, kept_logits.new_full((B, Hkv, G, W - n), float("-inf"))], -1)
+    idx = torch.where(every, tok_c.masked_fill(~ok_c, -1), idx)  # [B,Hkv,W]
+    lg = torch.where(every[..., None], logits.masked_fill(~ok_c[:, :, None, :], float("-inf")), lg)  # [B,Hkv,G,W]
+    count = torch.where(every.reshape(B), W, n)  # [B]: the slots the attention visits
+    return idx, idx >= 0, lg, count
 
 
 def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale,
@@ -644,9 +666,9 @@ def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scal
         scored ``-inf``: past ``valid_len`` or fully masked, so it contributes nothing).
         Two-stage with ``keep_tokens`` (``spec.n_candidates > K``), the kept single tokens instead:
         ``idx`` ``[B, Hkv, n]`` token positions, ascending (pages of one token, as the reference's
-        ``choose`` returns with ``unit = 1``). None when ``P <= K`` (dense from the shapes alone).
+        ``choose`` returns with ``unit = 1``). None when dense from the shapes alone (:meth:`.spec.SelectionSpec.dense_cache`).
     """
-    idx, ok, _ = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
+    idx, ok, _, _ = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
     if idx is None:
         return None
     idx, order = idx.clamp(min=0).sort(-1)
@@ -702,9 +724,9 @@ def sparse_decode_triton(
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     page_size = spec.page_size
-    idx, _, tok_logits = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
+    idx, _, tok_logits, count = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
     if tok_logits is not None:
-        return _attend_tokens(q, v_cache, idx, tok_logits, n_splits)
+        return _attend_tokens(q, v_cache, idx, tok_logits, count, n_splits)
     dense = idx is None
     n_pages = kmax.shape[2] if dense else idx.shape[-1]
     vl, vls = _valid_len_view(valid_len, B, q.device)
@@ -735,10 +757,11 @@ def sparse_decode_triton(
     return out
 
 
-def _attend_tokens(q, v_cache, tok, logits, n_splits):
+def _attend_tokens(q, v_cache, tok, logits, count, n_splits):
     """Split-K attention over kept tokens with their candidate-stage logits, then the combine kernel.
 
-    ``tok`` ``[B, Hkv, n]`` int64 positions (-1: empty), ``logits`` ``[B, Hkv, G, n]`` fp32 contiguous.
+    ``tok`` ``[B, Hkv, n]`` int64 positions (-1: empty), ``logits`` ``[B, Hkv, G, n]`` fp32 contiguous, ``count``
+    int64 ``[B]``: row ``b``'s slots past ``count[b]`` are empty and skipped.
     """
     B, Hq, _, D = q.shape
     Hkv = v_cache.shape[1]
@@ -751,7 +774,7 @@ def _attend_tokens(q, v_cache, tok, logits, n_splits):
     l = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
     logits = logits.contiguous()
     _token_attn_splitk_kernel[(B * Hkv, ns)](
-        v_cache, tok, logits, acc, m, l,
+        v_cache, tok, logits, count.contiguous(), acc, m, l,
         *v_cache.stride(),
         tok.stride(0), tok.stride(1),
         Hkv, n, tps, ns,

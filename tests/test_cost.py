@@ -11,8 +11,12 @@ def test_sparse_site_bytes_cases():
     # one stage at 64K, page 16: bounds + kept K and V
     pages = 65536 // 16
     assert sparse_site_bytes(65536, 3, 64, 4, 16, 2048) == 3 * (pages * 64 * 8 + pages * 4) + 3 * 2048 * 64 * 2 * 4
-    # two stage, c*budget covers the context: no bounds, every key, kept values
-    assert sparse_site_bytes(8192, 3, 64, 4, 8, 2048, 4) == 3 * 8192 * 64 * 4 + 3 * 2048 * 64 * 4
+    # two stage, c*budget covers the context: dense (every page a candidate), all K and V
+    assert sparse_site_bytes(8192, 3, 64, 4, 8, 2048, 4) == 3 * 8192 * 64 * 2 * 4
+    # two stage, one page more than the candidates: bounds, the candidates' keys, kept values
+    pages = 8200 // 8
+    assert sparse_site_bytes(8200, 3, 64, 4, 8, 2048, 4) == (3 * (pages * 64 * 8 + pages * 4) + 3 * 8192 * 64 * 4
+                                                             + 3 * 2048 * 64 * 4)
 
 
 def test_kv_bytes_per_token_dense_layers_and_sparse_layers():

@@ -12,9 +12,10 @@ def sparse_site_bytes(ctx: int, n_kv_heads: int, head_dim: int, itemsize: int, p
                       candidate_factor: int = 1, bounds_itemsize: int = 4, candidate_extra: int = 0) -> int:
     """Bytes one rewritten attention site reads per decode step, all KV heads.
 
-    Dense fit (every page fits in ``token_budget // page_size``): every key and value.
+    Dense (every page fits in ``token_budget // page_size``, or every page is a candidate:
+    ``SelectionSpec.dense_cache``, ``ctx`` taken as the cache's length): every key and value.
     Otherwise the page bounds (``kmax``/``kmin`` of ``bounds_itemsize`` bytes each,
-    fp32 ``kabs``; skipped when the candidates cover every page), the candidates'
+    fp32 ``kabs``), the candidates'
     keys (two-stage: ``candidate_pages`` pages), the kept keys (one stage only;
     two-stage reuses the candidates' logits) and the kept values (``K * page_size``
     tokens, whole pages or single tokens alike).
@@ -24,12 +25,12 @@ def sparse_site_bytes(ctx: int, n_kv_heads: int, head_dim: int, itemsize: int, p
     h, d, S = n_kv_heads, head_dim, page_size
     pages = -(-ctx // S)
     K = token_budget // S
-    if pages <= K:
-        return h * ctx * d * 2 * itemsize
     n1 = candidate_pages(S, token_budget, candidate_factor, candidate_extra)
+    if pages <= max(K, n1):
+        return h * ctx * d * 2 * itemsize
     two = n1 > K
-    bounds = h * (pages * d * 2 * bounds_itemsize + pages * 4) if not (two and n1 >= pages) else 0
-    cand_keys = h * min(ctx, n1 * S) * d * itemsize if two else 0
+    bounds = h * (pages * d * 2 * bounds_itemsize + pages * 4)
+    cand_keys = h * n1 * S * d * itemsize if two else 0
     kept_keys = 0 if two else h * K * S * d * itemsize
     return bounds + cand_keys + kept_keys + h * K * S * d * itemsize
 

@@ -75,7 +75,8 @@ inline MaskView make_mask(const c10::optional<at::Tensor>& attn_mask, int64_t B,
 // per-call context
 // ------------------------------------------------------------------------------------------------------------
 
-enum RowMode : int { EMPTY = 0, DENSE = 1, ONE_STAGE = 2, TWO_ALL = 3, TWO_TOPK = 4 };
+// DENSE: at most max(K, n1) valid pages (every page fits, or is a candidate); TWO_TOPK: n1 of more valid pages
+enum RowMode : int { EMPTY = 0, DENSE = 1, ONE_STAGE = 2, TWO_TOPK = 3 };
 
 struct Row {
   int64_t ntok;    // valid tokens, min(valid_len, L)

@@ -338,6 +338,8 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
   at::Tensor vl = valid_len.scalar_type() == at::kLong ? valid_len.contiguous() : valid_len.to(at::kLong).contiguous();
   const int64_t* vlp = vl.data_ptr<int64_t>();
   c.rows.resize(c.B);
+  // a row whose valid pages all fit in the budget or are all candidates attends densely (SelectionSpec.n_dense_pages)
+  const int64_t n_dense = std::max(c.K, c.n1);
   for (int64_t b = 0; b < c.B; ++b) {
     const int64_t n = vlp[vl.numel() == 1 ? 0 : b];
     Row r;
@@ -346,12 +348,10 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
     r.newest = n > 0 && (n - 1) / S < c.P ? (n - 1) / S : -1;
     if (r.nvalid == 0 || r.ntok == 0)
       r.mode = EMPTY;
-    else if (force_dense || r.nvalid <= c.K)
+    else if (force_dense || r.nvalid <= n_dense)
       r.mode = DENSE;
     else if (c.n1 <= c.K)
       r.mode = ONE_STAGE;
-    else if (r.nvalid <= c.n1)
-      r.mode = TWO_ALL;
     else
       r.mode = TWO_TOPK;
     c.rows[b] = r;
@@ -423,7 +423,7 @@ struct Pipeline {
 
   int mode(int64_t bh) const { return c.rows[bh / c.Hkv].mode; }
   static bool scored(int m) { return m == ONE_STAGE || m == TWO_TOPK; }
-  static bool two(int m) { return m == TWO_ALL || m == TWO_TOPK; }
+  static bool two(int m) { return m == TWO_TOPK; }
 
   // ---- the task list and buffers; with_attend = false stops after the selection (kept_pages)
   void plan(bool with_attend) {
@@ -472,21 +472,11 @@ struct Pipeline {
       lgc = grow(pl.lgc, BH * G * ld_lgc);
       plse = grow(pl.plse, BH * G * N1);
       total = 0;
-      for (int64_t bh = 0; bh < BH; ++bh) {
-        const Row& r = c.rows[bh / c.Hkv];
-        if (r.mode == TWO_ALL) {  // every valid page is a candidate: no bound scan
-          for (int64_t p = 0; p < r.nvalid; ++p) pl.sel[bh * N1 + p] = static_cast<int32_t>(p);
-          pl.selcnt[bh] = r.nvalid;
-          total += r.nvalid;
-        } else if (r.mode == TWO_TOPK) {
-          total += N1;
-        }
-      }
+      for (int64_t bh = 0; bh < BH; ++bh)
+        if (two(mode(bh))) total += N1;  // a row with at most N1 valid pages is dense
       const int64_t ch = chunk_size(total, 16, VS);
-      for (int64_t bh = 0; bh < BH; ++bh) {
-        const Row& r = c.rows[bh / c.Hkv];
-        if (two(r.mode)) chunks(T_CAND, bh, r.mode == TWO_ALL ? r.nvalid : N1, ch, cand_left);
-      }
+      for (int64_t bh = 0; bh < BH; ++bh)
+        if (two(mode(bh))) chunks(T_CAND, bh, N1, ch, cand_left);
       for (int64_t bh = 0; bh < BH; ++bh)
         if (two(mode(bh))) tasks.push_back({T_RANK, bh, 0, 0, 0});
     }
@@ -878,7 +868,7 @@ at::Tensor kept_pages_typed(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t p = 0; p < r.nvalid; ++p) ob[p] = true;
     } else if (r.mode == ONE_STAGE) {
       for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[kp[j]] = true;
-    } else if (r.mode == TWO_ALL || r.mode == TWO_TOPK) {
+    } else if (r.mode == TWO_TOPK) {
       // a kept candidate slot, or with keep_tokens the page of a kept token slot
       for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[cd[keep_tokens ? kp[j] / S : kp[j]]] = true;
     }

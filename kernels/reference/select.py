@@ -435,8 +435,9 @@ def rank_candidate_tokens(logits, cand: Selection, valid_len, page_size: int, n_
 
 
 def choose_with(score_fn, q, k_cache, valid_len, attn_mask, scale, spec: SelectionSpec):
-    """Page selection around any page scorer: dense when every valid page fits in the budget (the scorer is
-    then not called), else the top pages by ``score_fn()`` (fp32 ``[B, Hkv, P]``), refined in a second stage
+    """Page selection around any page scorer: dense when every row's valid pages fit in the budget or are all
+    candidates (:attr:`~tinyserve_compile.kernels.spec.SelectionSpec.n_dense_pages`; the scorer is then not called),
+    else the top pages by ``score_fn()`` (fp32 ``[B, Hkv, P]``), refined in a second stage
     when ``spec.n_candidates`` exceeds ``K`` (:func:`refine_candidates`): whole pages or, with
     ``spec.keep_tokens``, single tokens.
 
@@ -447,21 +448,63 @@ def choose_with(score_fn, q, k_cache, valid_len, attn_mask, scale, spec: Selecti
     B, S = q.shape[0], spec.page_size
     K = spec.n_pages
     vl = _as_valid_len(valid_len, B, q.device)
-    n_valid = (vl + S - 1) // S
-    if int(n_valid.max()) <= K:
+    n_valid = ((vl + S - 1) // S).clamp(max=-(-k_cache.shape[2] // S))  # [B]: a length past the cache counts as L
+    if int(n_valid.max()) <= spec.n_dense_pages:
         return None, S
     scores = score_fn()
     n1 = spec.n_candidates
     if n1 <= K:
         return select_pages(scores, vl, S, spec.token_budget, spec.sink_pages), S
-    cand = select_pages(scores, vl, S, spec.token_budget, spec.sink_pages, n_select=n1)
-    if cand is None:  # the candidates cover every valid page: rank them all
-        P = scores.shape[-1]
-        idx = torch.arange(P, device=q.device).expand(B, scores.shape[1], P)
-        cand = Selection(idx.contiguous(), (idx < n_valid.reshape(B, 1, 1)))
+    cand = select_pages(scores, vl, S, spec.token_budget, spec.sink_pages, n_select=n1)  # some row has more pages
     keep = spec.keep_tokens
     sel = refine_candidates(q, k_cache, cand, vl, attn_mask, scale, S, K * S if keep else K, spec.sink_pages, keep)
+    all_cand = n_valid <= n1  # [B]: rows whose valid pages are all candidates attend densely
+    if bool(all_cand.any()):
+        sel = with_dense_rows(sel, cand, all_cand, vl, S, k_cache.shape[2], keep)
     return sel, 1 if keep else S
+
+
+def with_dense_rows(sel: Selection, cand: Selection, dense_rows: torch.Tensor, valid_len: torch.Tensor,
+                    page_size: int, length: int, tokens: bool) -> Selection:
+    """The two-stage selection widened to every candidate, with the rows ``dense_rows`` keeping all of them.
+
+    A row whose valid pages number at most ``N1`` has every valid page among its candidates; it attends every
+    valid token (:attr:`~tinyserve_compile.kernels.spec.SelectionSpec.n_dense_pages`), in a batch whose other
+    rows are two-stage. The other rows keep ``sel``, padded with empty slots (index 0, not ok).
+
+    Parameters
+    ----------
+    sel : Selection
+        The refined selection ``[B, Hkv, n]``: ``K`` pages, or (``tokens``) ``K*S`` single tokens.
+    cand : Selection
+        The candidate pages ``[B, Hkv, Kc]``, ascending.
+    dense_rows : torch.Tensor
+        bool ``[B]``.
+    valid_len : torch.Tensor
+        int64 ``[B]``.
+    page_size, length : int
+        ``S`` and the cache length ``L``.
+    tokens : bool
+        ``sel`` holds single tokens (then the result is ``[B, Hkv, Kc*S]`` tokens), else pages (``[B, Hkv, Kc]``).
+
+    Returns
+    -------
+    Selection
+        Ascending indices with their ok flags.
+    """
+    if tokens:
+        tok, ok = _selected_tokens(cand, page_size, length, valid_len)  # [B,Hkv,Kc*S], ascending
+        every = Selection(tok, ok)
+    else:
+        every = cand
+    B, H, W = every.idx.shape
+    pad = W - sel.idx.shape[-1]
+    idx = torch.cat([sel.idx, sel.idx.new_zeros(B, H, pad)], -1)
+    ok = torch.cat([sel.ok, sel.ok.new_zeros(B, H, pad)], -1)
+    idx, order = idx.sort(dim=-1, stable=True)
+    ok = ok.gather(-1, order)
+    d = dense_rows.reshape(B, 1, 1)
+    return Selection(torch.where(d, every.idx, idx), torch.where(d, every.ok, ok))
 
 
 def choose(q, k_cache, bounds, valid_len, attn_mask, scale, spec: SelectionSpec):

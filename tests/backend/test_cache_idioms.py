@@ -25,7 +25,8 @@ from tinyserve_compile.testing import reference_sparse_attention
 HQ, HKV, HD = 4, 2, 16
 G = HQ // HKV
 L = 64  #: cache length of the function-level cases
-SMALL = {"dense_layers": 0, "token_budget": 16, "page_size": 8, "lower": "eager"}
+#: two extra candidate pages: rows of more than 4 pages are sparse (a row of at most N1 pages attends densely)
+SMALL = {"dense_layers": 0, "token_budget": 16, "page_size": 8, "candidate_extra": 16, "lower": "eager"}
 COVER = dict(SMALL, token_budget=256)  #: every page kept: exactly dense
 
 
@@ -248,7 +249,7 @@ def test_litgpt_generate_matches_reference_and_dense(use_maxp1, lower):
     the logits match the sparse reference, and a budget covering the context equals eager."""
     torch.manual_seed(0)
     model = LitGPT().eval()
-    opts = {"token_budget": 16, "page_size": 8, "dense_layers": 1, "lower": lower}
+    opts = {"token_budget": 16, "page_size": 8, "candidate_extra": 16, "dense_layers": 1, "lower": lower}
     ref = litgpt_generate(model, None, use_maxp1=use_maxp1, reference=opts)
     compiled = torch.compile(model, backend="tinyserve", options=opts)
     got = litgpt_generate(model, compiled, use_maxp1=use_maxp1)
@@ -298,7 +299,7 @@ def test_gpt_fast_int32_input_pos(path):
     from tinyserve_compile.kernels import bounds as bounds_mod
 
     model = gpt_fast_model(seed=3)
-    opts = {"token_budget": 16, "page_size": 8, "dense_layers": 1, "lower": "eager", "kernel": path}
+    opts = {"token_budget": 16, "page_size": 8, "candidate_extra": 16, "dense_layers": 1, "lower": "eager", "kernel": path}
     ref = gpt_fast_generate(model, None, reference=opts)
     calls = []
     torch_path = bounds_mod.CACHE_WRITE_IMPLS["torch"]

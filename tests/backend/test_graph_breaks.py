@@ -9,7 +9,7 @@ from helpers import worst
 from models import gpt_fast_model
 from test_hf_models import _gpt_fast_run
 
-OPTS = {"token_budget": 32, "page_size": 16, "dense_layers": 2}
+OPTS = {"token_budget": 32, "page_size": 16, "candidate_extra": 32, "dense_layers": 2}
 N_NEW = 6
 
 

@@ -34,7 +34,7 @@ def test_budget_above_context_gives_eager_tokens(family):
 def test_small_budget_matches_sparse_reference(family):
     model = hf_model(family)
     ids = prompt(PROMPT, seed=1)
-    opts = {"token_budget": 32, "page_size": 16, "lower": "eager"}
+    opts = {"token_budget": 32, "page_size": 16, "candidate_extra": 32, "lower": "eager"}
     ref_toks, ref_logits, _ = hf_decode(model, None, ids, 5, reference=opts)
     toks, logits, cache = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 5)
     assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
@@ -81,7 +81,7 @@ def test_new_selection_options_match_reference(selection, lower):
 def test_inductor_lowering_matches_reference_without_recompiles(family):
     model = hf_model(family)
     ids = prompt(PROMPT, seed=2)
-    opts = {"token_budget": 32, "page_size": 16}  # lower="inductor" is the default
+    opts = {"token_budget": 32, "page_size": 16, "candidate_extra": 32}  # lower="inductor" is the default
     ref_toks, ref_logits, _ = hf_decode(model, None, ids, 6, reference=opts)
     toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 6)
     assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4), worst(logits, ref_logits)
@@ -117,7 +117,7 @@ def _gpt_fast_run(model, step, n_prompt=70, n_new=6, reference=None):
 @pytest.mark.parametrize("lower", ["eager", "inductor"])
 def test_gpt_fast_setitem_and_repeat_interleave(lower):
     model = gpt_fast_model()
-    opts = {"token_budget": 32, "page_size": 16, "dense_layers": 1, "lower": lower}
+    opts = {"token_budget": 32, "page_size": 16, "candidate_extra": 32, "dense_layers": 1, "lower": lower}
     ref = _gpt_fast_run(model, None, reference=opts)
     got = _gpt_fast_run(model, torch.compile(model, backend="tinyserve", options=opts))
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), worst(got, ref)
@@ -131,7 +131,7 @@ def test_gpt_fast_setitem_and_repeat_interleave(lower):
 def test_compiled_prefill_stays_dense_and_keeps_bounds(family):
     model = hf_model(family)
     ids = prompt(PROMPT, seed=4)
-    opts = {"token_budget": 32, "page_size": 16, "lower": "eager"}
+    opts = {"token_budget": 32, "page_size": 16, "candidate_extra": 32, "lower": "eager"}
     ref_toks, ref_logits, _ = hf_decode(model, None, ids, 4, reference=opts)
     from transformers import StaticCache
 
@@ -161,7 +161,7 @@ def test_policy_option_reaches_the_compiled_graph(policy):
     (h2o's state carried across steps by the runtime), and ``full`` equals dense eager."""
     model = hf_model("llama")
     ids = prompt(PROMPT, seed=8)
-    opts = {"token_budget": 32, "page_size": 16, "lower": "eager", "policy": policy}
+    opts = {"token_budget": 32, "page_size": 16, "candidate_extra": 32, "lower": "eager", "policy": policy}
     from tinyserve_compile.testing import reference_sparse_attention
 
     with reference_sparse_attention(*n_heads(model), opts, n_layers=N_LAYERS):

@@ -16,7 +16,7 @@ from tinyserve_compile.runtime import state_for
 from tinyserve_compile.testing import reference_sparse_attention
 
 DIM, HQ, HKV, HD = 64, 4, 2, 16
-OPTS = {"token_budget": 16, "page_size": 8, "dense_layers": 1}
+OPTS = {"token_budget": 16, "page_size": 8, "candidate_extra": 16, "dense_layers": 1}
 
 
 def meta_repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

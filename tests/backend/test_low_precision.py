@@ -75,7 +75,7 @@ def test_budget_covering_context_gives_eager_tokens(case):
 def test_small_budget_matches_reference_rule(case):
     model = _model(case)
     ids = prompt(PROMPT, seed=1)
-    opts = {"token_budget": 32, "page_size": 16, "lower": "eager"}
+    opts = {"token_budget": 32, "page_size": 16, "candidate_extra": 32, "lower": "eager"}
     ref_toks, ref_logits, _ = hf_decode(model, None, ids, 5, reference=opts)
     toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 5)
     assert torch.allclose(logits, ref_logits, **TOL[CASES[case][0]]), worst(logits, ref_logits)

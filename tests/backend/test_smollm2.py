@@ -8,7 +8,7 @@ import tinyserve_compile as tc
 from helpers import worst
 from tinyserve_compile.testing import reference_sparse_attention
 
-OPTS = {"token_budget": 256, "page_size": 16, "lower": "eager"}
+OPTS = {"token_budget": 256, "page_size": 16, "candidate_extra": 64, "lower": "eager"}
 N_LAYERS, HQ, HKV = 30, 9, 3
 
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 WORLD = 2
-OPTS = {"token_budget": 32, "page_size": 16, "dense_layers": 0, "lower": "eager"}
+OPTS = {"token_budget": 32, "page_size": 16, "candidate_extra": 32, "dense_layers": 0, "lower": "eager"}
 HF_PROMPT, GF_PROMPT, DT_PROMPT = 70, 70, 30
 STEPS = 3
 

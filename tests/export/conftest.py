@@ -14,8 +14,9 @@ from backend_state import _fresh_backend_state  # noqa: E402,F401 (autouse)
 
 
 L = 192  #: static cache length of the tiny-model exports
-#: K = 2 pages, 4x candidates = 8 of 12, whole pages kept (pinned: the defaults differ)
-SPARSE = {"token_budget": 32, "page_size": 16, "bounds_dtype": "float32", "candidate_factor": 4, "candidate_extra": 0,
+#: K = 2 pages, 2x candidates = 4 of 12, whole pages kept (pinned: the defaults differ); a row of at most 4 valid
+#: pages attends densely
+SPARSE = {"token_budget": 32, "page_size": 16, "bounds_dtype": "float32", "candidate_factor": 2, "candidate_extra": 0,
           "keep_tokens": False}
 EXPORTS = {
     "llama_sparse": ("llama", SPARSE, 1),

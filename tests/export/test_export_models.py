@@ -140,7 +140,7 @@ def test_ragged_batch_rows_decode_as_alone(exports):
     """Rows at different positions in one batch give each row's batch-1 result (per-row selection)."""
     one, two = exports["llama_sparse"], exports["llama_batch2"]
     model = hf_model("llama")
-    rows = [prompt(n, seed=3 + n) for n in (90, 41)]  # row 1: 3 pages <= its 4x2 candidates: dense inside a sparse batch
+    rows = [prompt(n, seed=3 + n) for n in (90, 41)]  # row 1: 3 pages <= its 2x2 candidates: dense inside a sparse batch
     prefs = [prefill(model, ids, L) for ids in rows]
     alone = []
     for (tok, cache), ids in zip(prefs, rows):

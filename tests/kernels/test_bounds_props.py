@@ -189,13 +189,18 @@ def test_newest_and_sink_pages_always_selected(c):
     elif c["mask_kind"] == "additive":
         mask = randn((B, 1, 1, L), gen, scale=5.0)
     bounds = ref.page_bounds(k, S)
-    sel = ref.choose_pages(q, k, bounds, vl, mask, 1.0, SelectionSpec(S, c["K"] * S, c["sink"], c["cf"], 0, False,
-                                                                      torch.float32))
+    spec = SelectionSpec(S, c["K"] * S, c["sink"], c["cf"], 0, False, torch.float32)
+    sel = ref.choose_pages(q, k, bounds, vl, mask, 1.0, spec)
     n_valid = (vl + S - 1) // S
     if sel is None:
-        assert int(n_valid.max()) <= c["K"], f"dense only when every valid page fits the budget: {n_valid}, {c}"
+        assert int(n_valid.max()) <= spec.n_dense_pages, \
+            f"dense only when every row's valid pages fit the budget or are all candidates: {n_valid}, {c}"
     else:
-        assert sel.idx.shape == (B, Hkv, min(c["K"], ref.num_pages(L, S))), sel.idx.shape
+        assert int(n_valid.max()) > spec.n_dense_pages, f"rows of at most max(K, N1) pages are dense: {c}"
+        # two-stage, rows whose valid pages are all candidates keep every one (dense): the lists are N1 wide
+        dense_row = (n_valid <= spec.n_candidates) & spec.two_stage  # [B]
+        width = spec.n_candidates if bool(dense_row.any()) else c["K"]
+        assert sel.idx.shape == (B, Hkv, min(width, ref.num_pages(L, S))), sel.idx.shape
         chosen = torch.zeros(B, Hkv, ref.num_pages(L, S), dtype=torch.bool)
         chosen.scatter_(2, sel.idx, sel.ok)
         for b in range(B):
@@ -208,9 +213,13 @@ def test_newest_and_sink_pages_always_selected(c):
         for b in range(B):
             assert bool(tokens[b, :, int(vl[b]) - 1].all()), f"newest token of row {b} not read"
             assert not bool(tokens[b, :, int(vl[b]):].any()), f"token past valid_len read in row {b}"
-        # indices ascending, at most K pages
+        # indices ascending; at most K pages, or every valid page of a dense row
         assert bool((sel.idx[..., 1:] >= sel.idx[..., :-1]).all()), sel.idx
-        assert int(sel.ok.sum(-1).max()) <= c["K"]
+        for b in range(B):
+            if bool(dense_row[b]):
+                assert bool(chosen[b, :, :int(n_valid[b])].all()), f"dense row {b} misses a page: {sel}, {c}"
+            else:
+                assert int(sel.ok[b].sum(-1).max()) <= c["K"], f"row {b} keeps more than K pages: {sel}, {c}"
 
 
 def test_select_pages_everything_fits_is_dense():

@@ -363,7 +363,8 @@ def test_property_exact_attention_over_valid_selection(c):
         k = k[:, :, :1].expand_as(k).contiguous()
         b = ref.page_bounds(k, c["S"], dtype=BDT[c["bdt"]])
     S, L, K = c["S"], c["L"], c["budget"] // c["S"]
-    n1 = _spec(S, c["budget"], c["sinks"], c["cf"], c["extra"]).n_candidates
+    spec = _spec(S, c["budget"], c["sinks"], c["cf"], c["extra"])
+    n1 = spec.n_candidates
     tokens = c["keep_tokens"] and n1 > K  # token-level keep applies (two-stage)
     scale = 1.0 / math.sqrt(c["D"])
     args = (b.kmax, b.kmin, b.kabs, vl, mask, scale, S, c["budget"], c["sinks"], c["cf"], None, c["extra"],
@@ -382,7 +383,7 @@ def test_property_exact_attention_over_valid_selection(c):
         assert bool(torch.isfinite(out).all()), f"non-finite output with token keep, case {c}"
     # (2) kept pages are valid; sparse rows keep at most K, the newest page and the sinks
     assert not bool((kept & ~valid[:, None, :]).any()), f"kept an invalid page, case {c}"
-    sparse_row = n_valid > K
+    sparse_row = n_valid > spec.n_dense_pages  # a row of at most max(K, N1) valid pages is dense
     if bool(sparse_row.any()):
         ks = kept[sparse_row]  # [r,Hkv,P]
         n_max = n1 if tokens else K

@@ -64,20 +64,26 @@ def _case(seed, B=2, Hq=6, Hkv=2, L=300, D=16, dtype=torch.float32):
 
 
 def test_token_keep_keeps_the_top_share_tokens_and_the_forced_ones():
-    """With every page a candidate, the kept tokens are the forced ones plus the best others by share."""
+    """Ranking candidates that are every valid page, the kept tokens are the forced ones plus the best others by
+    share; ``choose`` attends such a row densely (32 valid pages, 37 candidates)."""
     q, k, v = _case(1, B=1)
     S, budget, sinks, n = 8, 64, 1, 250
     b = ref.page_bounds(k, S)
-    sel, unit = ref.choose(q, k, b, torch.tensor([n]), None, 0.25, SelectionSpec(S, budget, sinks, 1, 4096, True,
-                                                                                 torch.float32))
-    assert unit == 1 and sel.idx.shape[-1] == budget
-    G = q.shape[1] // k.shape[1]
-    lg = (q.float().reshape(1, 2, G, 16) @ k[:, :, :n].float().transpose(-1, -2)) * 0.25  # [1,2,G,n]
-    share = (lg - lg.logsumexp(-1, keepdim=True)).amax(2)  # [1,2,n]
+    spec = SelectionSpec(S, budget, sinks, 1, 232, True, torch.float32)
+    assert spec.n_candidates == 37
+    assert ref.choose(q, k, b, torch.tensor([n]), None, 0.25, spec) == (None, S)
+    G, P = q.shape[1] // k.shape[1], -(-n // S)
+    idx = torch.arange(P).expand(1, 2, P)
+    cand = ref.Selection(idx, torch.ones(1, 2, P, dtype=torch.bool))
+    lg = (q.float().reshape(1, 2, G, 16) @ k[:, :, :P * S].float().transpose(-1, -2)) * 0.25  # [1,2,G,P*S]
+    lg = lg.masked_fill(torch.arange(P * S) >= n, float("-inf"))
+    sel, _ = ref.rank_candidate_tokens(lg, cand, torch.tensor([n]), S, budget, sinks)
+    assert sel.idx.shape[-1] == budget
+    share = (lg[..., :n] - lg[..., :n].logsumexp(-1, keepdim=True)).amax(2)  # [1,2,n]
     forced = (torch.arange(n) // S == (n - 1) // S) | (torch.arange(n) < sinks * S)
     share = share.masked_fill(forced, float("inf"))
     want = share.topk(budget, -1).indices.sort(-1).values
-    assert torch.equal(sel.idx, want)
+    assert torch.equal(sel.idx.sort(-1).values, want)
     assert bool(sel.ok.all())
 
 
@@ -110,5 +116,7 @@ def test_cost_counts_extra_candidates_and_int8_bounds():
     dense = lambda ctx: 2 * ctx * h * d * it  # noqa: E731
     assert got / dense(8192) <= 0.35
     assert sparse_site_bytes(32768, h, d, it, 8, 2048, 1, 1, 1024) / dense(32768) <= 0.12
-    # candidates covering every page: no bounds read
-    assert sparse_site_bytes(4096, h, d, it, 8, 2048, 1, 1, 4096) == h * 4096 * d * it + h * 2048 * d * it
+    # candidates covering every page: dense (SelectionSpec.dense_cache), every key and value
+    assert sparse_site_bytes(4096, h, d, it, 8, 2048, 1, 1, 4096) == 2 * h * 4096 * d * it
+    assert sparse_site_bytes(3072, h, d, it, 8, 2048, 1, 1, 1024) == 2 * h * 3072 * d * it  # the defaults' N1
+    assert sparse_site_bytes(3080, h, d, it, 8, 2048, 1, 1, 1024) < 2 * h * 3080 * d * it

@@ -29,11 +29,12 @@ def test_bench_kernel_gpu_dry_run(tmp_path):
     data = json.loads((tmp_path / "bench_kernel_gpu.json").read_text())
     (row,) = data["rows"]
     assert row["ok"] and row["pages_agree"] == 1.0, row
-    # the shipped defaults: every selection field of TinyServeConfig(), two stages keeping single tokens
+    # the shipped defaults: every selection field of TinyServeConfig(), two stages keeping single tokens; the extra
+    # candidates scaled with the dry run's budget (else its 128-token cache would be all candidates: dense)
     c = TinyServeConfig()
     assert (row["page"], row["sink_pages"], row["candidate_factor"], row["candidate_extra"], row["keep_tokens"],
-            row["bounds_dtype"]) == (c.page_size, c.sink_pages, c.candidate_factor, c.candidate_extra,
-                                     c.keep_tokens, c.bounds_dtype)
+            row["bounds_dtype"]) == (c.page_size, c.sink_pages, c.candidate_factor,
+                                     c.candidate_extra * row["budget"] // c.token_budget, c.keep_tokens, c.bounds_dtype)
     assert (row["stages"], row["kept"], row["ref_kept"]) == (2, "tokens", "tokens"), row
     assert row["sparse_ms"] > 0 and row["dense_ms"] > 0 and row["select_ms"] > 0
     assert (tmp_path / "bench_kernel_gpu.csv").stat().st_size > 0

@@ -124,13 +124,16 @@ def test_hierarchical_sketch_reduces_to_its_parts():
                                           ("tl1e512tokint8", "int8", True)])
 def test_two_level_with_fine_bounds_is_the_backend_selection(name, bq, keep):
     """Bounds on pages of one page (``coarse=1``) make the two-level prototype the backend's own two-stage
-    selection with 512 extra candidates (int8 bounds decoded as the backend decodes them)."""
+    selection with 512 extra candidates (int8 bounds decoded as the backend decodes them), on 99 valid pages
+    (more than the 72 candidates: not dense)."""
     from tinyserve_compile.kernels.reference import sparse_decode_reference
 
-    q, k, v, b = _case(3, L=400, dtype=torch.int8 if bq else torch.bfloat16)
-    vl = torch.tensor([390])
+    q, k, v, b = _case(3, L=800)  # bf16 bounds: the prototype quantizes them itself (bq)
+    vl = torch.tensor([790])
     ctx = DecodeContext(q, k, v, b, vl, None, 0.25, _spec(8, 64, 1, 1), {})
     got = get_policy(name)(ctx)
+    if bq:  # the backend stores int8 codes of the exact bounds
+        b = page_bounds(k, 8, dtype=torch.int8)
     want = sparse_decode_reference(q, k, v, vl, None, 0.25, _spec(8, 64, 1, 1, 512, keep), b)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     other = sparse_decode_reference(q, k, v, vl, None, 0.25, _spec(8, 64, 1, 1, 512, not keep), b)

@@ -13,8 +13,10 @@ The selection is :func:`tinyserve_compile.kernels.reference.choose` written
 for a static graph: ``N1 = candidate_factor * K + candidate_extra // page_size``
 candidate pages, two stages iff ``N1 > K``, and with ``keep_tokens`` the ``K * S``
 candidate tokens of highest softmax share (max over the GQA group) instead of
-``K`` whole pages. Where the reference branches on the data (``None`` = dense
-when every valid page fits, the candidates covering every valid page), the graph
+``K`` whole pages; dense when the cache has at most ``max(K, N1)`` pages
+(``SelectionSpec.dense_cache``, decided from the shapes). Where the reference
+branches on the data (``None`` = dense when every valid page fits, the candidates
+covering every valid page), the graph
 takes the sparse path with pages past ``valid_len`` scored ``-inf`` and marked
 invalid: ``TopK`` then keeps every valid page, so the attended token set is the
 one the reference attends.
@@ -284,7 +286,7 @@ def sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, spec):
         ok = op.Less(_const(np.arange(L, dtype=np.int64).reshape(1, 1, 1, L)), op.Reshape(vl, _ints(B, 1, 1, 1)))
         return op.Where(ok, logits, neg_inf)
 
-    if P <= K:  # every page fits the budget: dense over the valid tokens
+    if sp.dense_cache(P):  # every page fits the budget, or every page is a candidate: dense over the valid tokens
         return out(_softmax_attend(all_logits(), v_cache))
 
     # ---- page bookkeeping: valid pages, forced pages (newest, sinks)
@@ -313,55 +315,54 @@ def sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, spec):
         logits = op.Where(tokens_ok(idx, ok, K), logits, neg_inf)
         return out(_softmax_attend(logits, vg))
 
-    # ---- two stages: N1 candidates by the bound (or every page), then their exact logits keep K pages / K*S tokens
+    # ---- two stages: N1 < P candidates by the bound (P <= N1 is dense above), then their exact logits keep K pages
+    # or K*S tokens
     Kc = n1
-    if Kc >= P:  # the candidates are every page: no bound scan, logits over the whole cache
-        Kc = P
-        cand, cand_ok = None, op.Expand(valid, _ints(B, Hkv, P))
-        logits = all_logits()  # [B,Hkv,G,P*S]
-        forced_c = op.Expand(forced, _ints(B, Hkv, P))
-        if keep_tokens:
-            tok_ok = op.Expand(op.Less(_const(np.arange(L, dtype=np.int64).reshape(1, 1, L)), vl3), _ints(B, Hkv, L))
+    cand, cand_ok = bound_topk(Kc)  # [B,Hkv,Kc]
+    if 2 * Kc >= P:  # most pages are candidates: one pass over every key beats copying most of them
+        full = op.Reshape(all_logits(), _ints(B, Hkv, G, P, S))
+        sel_c = op.Expand(op.Reshape(cand, _ints(B, Hkv, 1, Kc, 1)), _ints(B, Hkv, G, Kc, S))
+        logits = op.Reshape(op.GatherElements(full, sel_c, axis=3), _ints(B, Hkv, G, Kc * S))
     else:
-        cand, cand_ok = bound_topk(Kc)  # [B,Hkv,Kc]
-        if 2 * Kc >= P:  # most pages are candidates: one pass over every key beats copying most of them
-            full = op.Reshape(all_logits(), _ints(B, Hkv, G, P, S))
-            sel_c = op.Expand(op.Reshape(cand, _ints(B, Hkv, 1, Kc, 1)), _ints(B, Hkv, G, Kc, S))
-            logits = op.Reshape(op.GatherElements(full, sel_c, axis=3), _ints(B, Hkv, G, Kc * S))
-        else:
-            kc = _gather_pages(k_cache, cand, [B, Hkv, L, D], S, Kc)  # [B,Hkv,Kc*S,D]
-            logits = op.Mul(op.MatMul(qg, op.Transpose(kc, perm=[0, 1, 3, 2])), _f(scale))  # [B,Hkv,G,Kc*S]
-        tok_ok = tokens_ok(cand, cand_ok, Kc)  # [B,Hkv,1,Kc*S]
-        logits = op.Where(tok_ok, logits, neg_inf)
-        tok_ok = op.Reshape(tok_ok, _ints(B, Hkv, Kc * S))
-        forced_c = op.Or(op.Equal(cand, newest), op.Less(cand, _int(sinks)))
+        kc = _gather_pages(k_cache, cand, [B, Hkv, L, D], S, Kc)  # [B,Hkv,Kc*S,D]
+        logits = op.Mul(op.MatMul(qg, op.Transpose(kc, perm=[0, 1, 3, 2])), _f(scale))  # [B,Hkv,G,Kc*S]
+    tok_ok = tokens_ok(cand, cand_ok, Kc)  # [B,Hkv,1,Kc*S]
+    logits = op.Where(tok_ok, logits, neg_inf)
+    tok_ok = op.Reshape(tok_ok, _ints(B, Hkv, Kc * S))
+    forced_c = op.Or(op.Equal(cand, newest), op.Less(cand, _int(sinks)))
+    # a row whose valid pages are all candidates keeps every candidate (dense, SelectionSpec.n_dense_pages): the
+    # kept lists are as wide as the candidates, the other rows' slots past K pages (K*S tokens) empty
+    every = op.LessOrEqual(n_valid, _int(Kc))  # [B,1,1]
     if keep_tokens:
-        return out(_keep_tokens(logits, cand, tok_ok, forced_c, v_cache, [B, Hkv, G, L, D], S, Kc, K * S))
+        return out(_keep_tokens(logits, cand, tok_ok, forced_c, every, v_cache, [B, Hkv, G, L, D], S, Kc, K * S))
     logits5 = op.Reshape(logits, _ints(B, Hkv, G, Kc, S))
     page_lse = _lse(logits5, 4)  # [B,Hkv,G,Kc]
     total = op.Unsqueeze(_lse(page_lse, 3), _ints(3))  # [B,Hkv,G,1]
     share = op.Where(op.Greater(page_lse, neg_inf), op.Sub(page_lse, total), neg_inf)
     share = op.ReduceMax(share, _ints(2), keepdims=0)  # [B,Hkv,Kc]: max over the GQA group
     share = op.Where(cand_ok, op.Where(forced_c, pos_inf, share), neg_inf)
-    top, pos = op.TopK(share, _ints(K), axis=-1, largest=1, sorted=1)  # [B,Hkv,K] candidate slots
-    ok = op.And(op.GatherElements(cand_ok, pos, axis=2), op.Greater(top, neg_inf))
-    chosen = pos if cand is None else op.GatherElements(cand, pos, axis=2)  # [B,Hkv,K] page indices
+    top, pos = op.TopK(share, _ints(Kc), axis=-1, largest=1, sorted=1)  # [B,Hkv,Kc] candidate slots by share
+    first_k = op.Or(op.Less(_const(np.arange(Kc, dtype=np.int64).reshape(1, 1, Kc)), _int(K)), every)
+    ok = op.And(op.And(op.GatherElements(cand_ok, pos, axis=2), op.Greater(top, neg_inf)), first_k)
+    chosen = op.Where(ok, op.GatherElements(cand, pos, axis=2), _int(0))  # [B,Hkv,Kc] pages (empty: page 0, cached)
     # ---- attend: the kept pages' logits are taken from the candidates' (no second key read)
-    sel = op.Expand(op.Reshape(pos, _ints(B, Hkv, 1, K, 1)), _ints(B, Hkv, G, K, S))
-    sel_logits = op.GatherElements(logits5, sel, axis=3)  # [B,Hkv,G,K,S]
-    sel_logits = op.Where(op.Reshape(ok, _ints(B, Hkv, 1, K, 1)), sel_logits, neg_inf)
-    vg = _gather_pages(v_cache, chosen, [B, Hkv, L, D], S, K)  # [B,Hkv,K*S,D]
-    return out(_softmax_attend(op.Reshape(sel_logits, _ints(B, Hkv, G, K * S)), vg))
+    sel = op.Expand(op.Reshape(pos, _ints(B, Hkv, 1, Kc, 1)), _ints(B, Hkv, G, Kc, S))
+    sel_logits = op.GatherElements(logits5, sel, axis=3)  # [B,Hkv,G,Kc,S]
+    sel_logits = op.Where(op.Reshape(ok, _ints(B, Hkv, 1, Kc, 1)), sel_logits, neg_inf)
+    vg = _gather_pages(v_cache, chosen, [B, Hkv, L, D], S, Kc)  # [B,Hkv,Kc*S,D]
+    return out(_softmax_attend(op.Reshape(sel_logits, _ints(B, Hkv, G, Kc * S)), vg))
 
 
-def _keep_tokens(logits, cand, tok_ok, forced_c, v_cache, dims, S: int, Kc: int, n: int):
-    """``reference.rank_candidate_tokens`` + attend: the ``n`` candidate tokens of highest softmax share.
+def _keep_tokens(logits, cand, tok_ok, forced_c, every, v_cache, dims, S: int, Kc: int, n: int):
+    """``reference.rank_candidate_tokens`` + attend: the ``n`` candidate tokens of highest softmax share, or every
+    candidate token in the rows ``every``.
 
     Parameters (onnxscript values)
     ------------------------------
-    logits : ``[B, Hkv, G, Kc*S]`` fp32, -inf at invalid slots; cand : ``[B, Hkv, Kc]`` int64 page indices, or None
-    when the candidates are every page (``Kc = P``); tok_ok : ``[B, Hkv, Kc*S]`` bool; forced_c : ``[B, Hkv, Kc]``
-    bool (newest page, sinks). Returns ``[B, Hkv, G, D]``.
+    logits : ``[B, Hkv, G, Kc*S]`` fp32, -inf at invalid slots; cand : ``[B, Hkv, Kc]`` int64 page indices;
+    tok_ok : ``[B, Hkv, Kc*S]`` bool; forced_c : ``[B, Hkv, Kc]``
+    bool (newest page, sinks); every : ``[B, 1, 1]`` bool, rows whose valid pages are all candidates (dense).
+    Returns ``[B, Hkv, G, D]``.
     """
     B, Hkv, G, L, D = dims
     T = Kc * S
@@ -372,18 +373,17 @@ def _keep_tokens(logits, cand, tok_ok, forced_c, v_cache, dims, S: int, Kc: int,
     share = op.ReduceMax(share, _ints(2), keepdims=0)  # [B,Hkv,T]
     forced_t = op.Reshape(op.Expand(op.Unsqueeze(forced_c, _ints(-1)), _ints(B, Hkv, Kc, S)), _ints(B, Hkv, T))
     share = op.Where(tok_ok, op.Where(forced_t, _f(_INF), share), neg_inf)
-    top, pos = op.TopK(share, _ints(n), axis=-1, largest=1, sorted=1)  # [B,Hkv,n] candidate token slots
-    ok = op.Greater(top, neg_inf)  # valid (invalid slots score -inf and are never kept)
+    top, pos = op.TopK(share, _ints(T), axis=-1, largest=1, sorted=1)  # [B,Hkv,T] candidate token slots by share
+    first_n = op.Or(op.Less(_const(np.arange(T, dtype=np.int64).reshape(1, 1, T)), _int(n)), every)
+    ok = op.And(op.Greater(top, neg_inf), first_n)  # valid (invalid slots score -inf and are never kept), kept
     # ---- attend: the kept tokens' logits from the candidates', their values gathered row by row
-    sel_logits = op.GatherElements(logits, op.Expand(op.Unsqueeze(pos, _ints(2)), _ints(B, Hkv, G, n)), axis=3)
-    sel_logits = op.Where(op.Unsqueeze(ok, _ints(2)), sel_logits, neg_inf)  # [B,Hkv,G,n]
-    if cand is None:
-        tok = pos  # the candidate tokens are every slot, in order
-    else:
-        tok_list = op.Add(op.Mul(op.Unsqueeze(cand, _ints(-1)), _int(S)), _const(np.arange(S, dtype=np.int64)))
-        tok = op.GatherElements(op.Reshape(tok_list, _ints(B, Hkv, T)), pos, axis=2)  # [B,Hkv,n] positions
-    rows = op.Reshape(op.Add(tok, _const(_row_base(B, Hkv, L))), _ints(B * Hkv * n))
-    vg = op.Reshape(op.Gather(op.Reshape(v_cache, _ints(B * Hkv * L, D)), rows, axis=0), _ints(B, Hkv, n, D))
+    sel_logits = op.GatherElements(logits, op.Expand(op.Unsqueeze(pos, _ints(2)), _ints(B, Hkv, G, T)), axis=3)
+    sel_logits = op.Where(op.Unsqueeze(ok, _ints(2)), sel_logits, neg_inf)  # [B,Hkv,G,T]
+    tok_list = op.Add(op.Mul(op.Unsqueeze(cand, _ints(-1)), _int(S)), _const(np.arange(S, dtype=np.int64)))
+    tok = op.GatherElements(op.Reshape(tok_list, _ints(B, Hkv, T)), pos, axis=2)  # [B,Hkv,T] positions
+    tok = op.Where(ok, tok, _int(0))  # an empty slot reads row 0 (cached), at weight 0
+    rows = op.Reshape(op.Add(tok, _const(_row_base(B, Hkv, L))), _ints(B * Hkv * T))
+    vg = op.Reshape(op.Gather(op.Reshape(v_cache, _ints(B * Hkv * L, D)), rows, axis=0), _ints(B, Hkv, T, D))
     return _softmax_attend(sel_logits, vg)
 
 
