@@ -16,7 +16,7 @@ pytest.importorskip("matplotlib")
 
 from bench import bench_decode as bd  # noqa: E402
 
-OPTS = {"token_budget": 16, "page_size": 8, "lower": "eager"}
+OPTS = {"token_budget": 16, "page_size": 8, "candidate_extra": 16, "lower": "eager"}  # sparse at 64 tokens
 #: every record carries these, with these types
 SCHEMA = {"provider": str, "context": int, "batch": int, "ms_per_token": float, "tokens_per_s": float,
           "compile_s": float, "first_call_s": float, "kv_bytes_per_step": int, "weight_bytes": int,
