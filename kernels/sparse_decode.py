@@ -402,12 +402,24 @@ def _sparse_decode_torch(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_
     vl = _as_valid_len(valid_len, B, q.device)
     qg = q.float().reshape(B, Hkv, G, D)
     n_valid = ((vl + page_size - 1) // page_size).clamp(max=-(-L // page_size))  # [B]
-    if int(n_valid.max()) <= n_dense:  # ---- dense: every row's valid pages fit in the budget or are all candidates
+    dense_row = n_valid <= n_dense  # [B]: every valid page fits in the budget or is a candidate
+    if bool(dense_row.all()):  # ---- dense
         return attend_selection(q, k_cache, v_cache, None, vl, attn_mask, scale, page_size)
+    if bool(dense_row.any()):  # ---- a mixed batch: the dense rows densely, the others through the sparse path
+        d, sp = dense_row.nonzero().flatten(), (~dense_row).nonzero().flatten()
+        m = attn_mask
+        if m is not None:  # broadcastable to [B, Hq, 1, L]: one entry per row
+            m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).expand(B, -1, -1, -1)
+        out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+        out[d] = attend_selection(q[d], k_cache[d], v_cache[d], None, vl[d], None if m is None else m[d], scale,
+                                  page_size)
+        out[sp] = _sparse_decode_torch(q[sp], k_cache[sp], v_cache[sp], kmax[sp], kmin[sp], kabs[sp], vl[sp],
+                                       None if m is None else m[sp], scale, spec)
+        return out
     # ---- stage 1: bound scan and top-k (or top-cK candidates)
     bounds = PageBounds(kmax, kmin, kabs)
     scores = page_scores(q, bounds, scale, mask_page_max(attn_mask, B, Hq, L, page_size))  # [B,Hkv,P]
-    sel = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=n_first)  # some row has more pages
+    sel = select_pages(scores, vl, page_size, token_budget, sink_pages, n_select=n_first)  # every row has more pages
     if not two:
         return attend_selection(q, k_cache, v_cache, sel, vl, attn_mask, scale, page_size)
     # ---- stage 2: exact logits over the candidates' keys pick K pages (or K*S tokens) by mass
@@ -416,24 +428,16 @@ def _sparse_decode_torch(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_
     logits = (qg @ kg.transpose(-1, -2)) * scale
     logits = (logits + _gathered_mask(attn_mask, tok, B, Hq, L)).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
     if keep_tokens:
-        out = _attend_kept_tokens(q, v_cache, logits, sel, vl.clamp(max=L), page_size, K, sink_pages)
-    else:
-        final, slots = rank_candidates(logits, sel, vl, page_size, K, sink_pages)
-        Kc = sel.idx.shape[-1]
-        lp = logits.reshape(B, Hkv, G, Kc, page_size)
-        lp = lp.gather(3, slots[:, :, None, :, None].expand(B, Hkv, G, slots.shape[-1], page_size))
-        keep = final.ok.repeat_interleave(page_size, -1)[:, :, None]
-        logits = lp.reshape(B, Hkv, G, -1).masked_fill(~keep, float("-inf"))
-        vg = _gather_pages(v_cache, final.idx, page_size)
-        out = softmax_attend(logits, vg).reshape(B, Hq, 1, D).to(q.dtype)
-    dense_rows = (n_valid <= n_first).nonzero().flatten()  # every valid page a candidate: dense
-    if dense_rows.numel():
-        m = attn_mask
-        if m is not None:  # broadcastable to [B, Hq, 1, L]: the dense rows' batch entries
-            m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).expand(B, -1, -1, -1)[dense_rows]
-        out[dense_rows] = attend_selection(q[dense_rows], k_cache[dense_rows], v_cache[dense_rows], None,
-                                           vl[dense_rows], m, scale, page_size)
-    return out
+        return _attend_kept_tokens(q, v_cache, logits, sel, vl.clamp(max=L), page_size, K, sink_pages)
+    final, slots = rank_candidates(logits, sel, vl, page_size, K, sink_pages)
+    Kc = sel.idx.shape[-1]
+    lp = logits.reshape(B, Hkv, G, Kc, page_size)
+    lp = lp.gather(3, slots[:, :, None, :, None].expand(B, Hkv, G, slots.shape[-1], page_size))
+    keep = final.ok.repeat_interleave(page_size, -1)[:, :, None]
+    logits = lp.reshape(B, Hkv, G, -1).masked_fill(~keep, float("-inf"))
+    vg = _gather_pages(v_cache, final.idx, page_size)
+    out = softmax_attend(logits, vg)
+    return out.reshape(B, Hq, 1, D).to(q.dtype)
 
 
 def attend_selection(
