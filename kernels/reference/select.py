@@ -466,11 +466,12 @@ def choose_with(score_fn, q, k_cache, valid_len, attn_mask, scale, spec: Selecti
 
 def with_dense_rows(sel: Selection, cand: Selection, dense_rows: torch.Tensor, valid_len: torch.Tensor,
                     page_size: int, length: int, tokens: bool) -> Selection:
-    """The two-stage selection widened to every candidate, with the rows ``dense_rows`` keeping all of them.
+    """The two-stage selection as a mask over the candidates, with the rows ``dense_rows`` keeping all of them.
 
     A row whose valid pages number at most ``N1`` has every valid page among its candidates; it attends every
     valid token (:attr:`~tinyserve_compile.kernels.spec.SelectionSpec.n_dense_pages`), in a batch whose other
-    rows are two-stage. The other rows keep ``sel``, padded with empty slots (index 0, not ok).
+    rows are two-stage. Every row's list is its candidates (pages, or their tokens), each once and ascending; the
+    other rows mark the ones ``sel`` keeps.
 
     Parameters
     ----------
@@ -493,18 +494,17 @@ def with_dense_rows(sel: Selection, cand: Selection, dense_rows: torch.Tensor, v
         Ascending indices with their ok flags.
     """
     if tokens:
-        tok, ok = _selected_tokens(cand, page_size, length, valid_len)  # [B,Hkv,Kc*S], ascending
-        every = Selection(tok, ok)
+        _, every = _selected_tokens(cand, page_size, length, valid_len)  # [B,Hkv,Kc*S]
+        idx = (cand.idx[..., None] * page_size + torch.arange(page_size, device=cand.idx.device)).flatten(2)
+        units = length
     else:
-        every = cand
-    B, H, W = every.idx.shape
-    pad = W - sel.idx.shape[-1]
-    idx = torch.cat([sel.idx, sel.idx.new_zeros(B, H, pad)], -1)
-    ok = torch.cat([sel.ok, sel.ok.new_zeros(B, H, pad)], -1)
-    idx, order = idx.sort(dim=-1, stable=True)
-    ok = ok.gather(-1, order)
-    d = dense_rows.reshape(B, 1, 1)
-    return Selection(torch.where(d, every.idx, idx), torch.where(d, every.ok, ok))
+        idx, every = cand.idx, cand.ok
+        units = -(-length // page_size)
+    B, H, _ = idx.shape
+    member = torch.zeros(B, H, units, dtype=torch.int32, device=idx.device)
+    member = member.scatter_add_(2, sel.idx.clamp(max=units - 1), sel.ok.to(torch.int32)) > 0  # [B,Hkv,units]
+    kept = every & member.gather(2, idx.clamp(max=units - 1))
+    return Selection(idx, torch.where(dense_rows.reshape(B, 1, 1), every, kept))
 
 
 def choose(q, k_cache, bounds, valid_len, attn_mask, scale, spec: SelectionSpec):

@@ -213,8 +213,8 @@ def test_newest_and_sink_pages_always_selected(c):
         for b in range(B):
             assert bool(tokens[b, :, int(vl[b]) - 1].all()), f"newest token of row {b} not read"
             assert not bool(tokens[b, :, int(vl[b]):].any()), f"token past valid_len read in row {b}"
-        # indices ascending; at most K pages, or every valid page of a dense row
-        assert bool((sel.idx[..., 1:] >= sel.idx[..., :-1]).all()), sel.idx
+        # indices strictly ascending (each page once); at most K pages, or every valid page of a dense row
+        assert bool((sel.idx[..., 1:] > sel.idx[..., :-1]).all()), sel.idx
         for b in range(B):
             if bool(dense_row[b]):
                 assert bool(chosen[b, :, :int(n_valid[b])].all()), f"dense row {b} misses a page: {sel}, {c}"
