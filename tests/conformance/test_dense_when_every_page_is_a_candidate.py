@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conformance_cases import _TwinStep, export_and_run
 from kernel_checks import TOL, assert_close_report, dense_sdpa, make_gen, randn
 from tinyserve_compile.kernels import reference as ref
 from tinyserve_compile.kernels.bounds import allocate_bounds, rebuild_bounds_
@@ -41,12 +42,6 @@ def _run(impl, q, k, v, bounds, vl, spec, tmp_path):
     if impl == "onnx":
         pytest.importorskip("onnxruntime")
         pytest.importorskip("onnxscript")
-        import sys
-        from pathlib import Path
-
-        sys.path.insert(0, str(Path(__file__).parents[1] / "conformance"))
-        from conformance_cases import _TwinStep, export_and_run
-
         return export_and_run(_TwinStep(spec, scale), (q, k, v, *bounds, vl - 1), tmp_path / "twin.onnx")[0]
     from tinyserve_compile.kernels.sparse_decode import run_kernel
 
