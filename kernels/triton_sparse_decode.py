@@ -342,8 +342,9 @@ if _HAS_TRITON:
 
         The logits come from the candidate stage (``logit[b, kvh, g, t]`` fp32, masked and scaled); only
         ``V`` rows are read here. ``tok[b, kvh, t]`` int64 is the token's position, -1 for an empty slot;
-        slots from ``cnt[b]`` (int64) on are empty and not visited. Writes the unnormalised partial ``acc[b, h, split, :]`` fp32 with its running max ``m`` and
-        denominator ``l``, as :func:`_sparse_attn_splitk_kernel`.
+        slots from ``cnt[b]`` (int64) on are empty and not visited. Writes the unnormalised partial
+        ``acc[b, h, split, :]`` fp32 with its running max ``m`` and denominator ``l``, as
+        :func:`_sparse_attn_splitk_kernel`.
         """
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -584,7 +585,7 @@ def _candidate_page_lse(q, k_cache, cand, vl, vl_stride, mask, mstr, mkind, mper
 
 
 def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: SelectionSpec):
-    """What the attention kernels read, ``(idx, ok, logits)``.
+    """What the attention kernels read, ``(idx, ok, logits, count)``.
 
     Returns ``(idx, ok, logits, count)``:
 
@@ -666,7 +667,8 @@ def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scal
         scored ``-inf``: past ``valid_len`` or fully masked, so it contributes nothing).
         Two-stage with ``keep_tokens`` (``spec.n_candidates > K``), the kept single tokens instead:
         ``idx`` ``[B, Hkv, n]`` token positions, ascending (pages of one token, as the reference's
-        ``choose`` returns with ``unit = 1``). None when dense from the shapes alone (:meth:`.spec.SelectionSpec.dense_cache`).
+        ``choose`` returns with ``unit = 1``). None when dense from the shapes alone
+        (:meth:`.spec.SelectionSpec.dense_cache`).
     """
     idx, ok, _, _ = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
     if idx is None:

@@ -86,7 +86,8 @@ def test_a_row_of_at_most_n1_pages_is_dense_also_beside_a_sparse_row(impl, keep_
     # one page more than the candidates: sparse again, and the reference's answer
     vl1 = torch.tensor([N1_TOKENS + 1])
     one = _run(impl, q[1:], k[1:], v[1:], tuple(b[1:] for b in bounds), vl1, spec, tmp_path)
-    want = ref.sparse_decode_reference(q[1:], k[1:], v[1:], vl1, None, D ** -0.5, spec, ref.PageBounds(*(b[1:] for b in bounds)))
+    want = ref.sparse_decode_reference(q[1:], k[1:], v[1:], vl1, None, D ** -0.5, spec,
+                                       ref.PageBounds(*(b[1:] for b in bounds)))
     assert_close_report(one, want, atol, rtol, f"{impl}: N1 + 1 pages vs the reference")
     assert float((one - dense_sdpa(q[1:], k[1:], v[1:], vl1)).abs().max()) > 1e-4, f"{impl}: N1 + 1 pages is dense"
 

@@ -15,11 +15,12 @@ candidate pages, two stages iff ``N1 > K``, and with ``keep_tokens`` the ``K * S
 candidate tokens of highest softmax share (max over the GQA group) instead of
 ``K`` whole pages; dense when the cache has at most ``max(K, N1)`` pages
 (``SelectionSpec.dense_cache``, decided from the shapes). Where the reference
-branches on the data (``None`` = dense when every valid page fits, the candidates
-covering every valid page), the graph
-takes the sparse path with pages past ``valid_len`` scored ``-inf`` and marked
-invalid: ``TopK`` then keeps every valid page, so the attended token set is the
-one the reference attends.
+branches on the data, the graph decides per row: a row whose valid pages fit in
+``K`` has its pages past ``valid_len`` scored ``-inf`` and marked invalid, so
+``TopK`` keeps every valid page; two-stage, a row whose valid pages are all
+candidates keeps every candidate (the kept lists are as wide as the candidates,
+the first ``K`` pages or ``K*S`` tokens by share kept in the other rows), so the
+attended token set is the one the reference attends.
 
 int8 bounds (``bounds_dtype="int8"``) are converted with ``QuantizeLinear`` /
 ``DequantizeLinear`` of scale 1 (exact on integer codes; TensorRT takes INT8 only
@@ -91,6 +92,12 @@ def _gather_pages(cache, idx, dims, S: int, K: int):
     rows = op.Add(idx, _const(_row_base(B, H, P)))  # [B,H,K]
     pages = op.Gather(op.Reshape(cache, _ints(B * H * P, S * D)), op.Reshape(rows, _ints(B * H * K)), axis=0)
     return op.Reshape(pages, _ints(B, H, K * S, D))  # [B,H,K*S,D]
+
+
+def _kept_ranks(width: int, n: int, every):
+    """bool ``[B, 1, width]``: the first ``n`` ranks of a sorted ``TopK`` are kept, every rank in the rows ``every``
+    (``[B, 1, 1]`` bool: rows whose valid pages are all candidates, attended densely)."""
+    return op.Or(op.Less(_const(np.arange(width, dtype=np.int64).reshape(1, 1, width)), _int(n)), every)
 
 
 def _lse(x, axis: int):
@@ -342,8 +349,7 @@ def sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, spec):
     share = op.ReduceMax(share, _ints(2), keepdims=0)  # [B,Hkv,Kc]: max over the GQA group
     share = op.Where(cand_ok, op.Where(forced_c, pos_inf, share), neg_inf)
     top, pos = op.TopK(share, _ints(Kc), axis=-1, largest=1, sorted=1)  # [B,Hkv,Kc] candidate slots by share
-    first_k = op.Or(op.Less(_const(np.arange(Kc, dtype=np.int64).reshape(1, 1, Kc)), _int(K)), every)
-    ok = op.And(op.And(op.GatherElements(cand_ok, pos, axis=2), op.Greater(top, neg_inf)), first_k)
+    ok = op.And(op.And(op.GatherElements(cand_ok, pos, axis=2), op.Greater(top, neg_inf)), _kept_ranks(Kc, K, every))
     chosen = op.Where(ok, op.GatherElements(cand, pos, axis=2), _int(0))  # [B,Hkv,Kc] pages (empty: page 0, cached)
     # ---- attend: the kept pages' logits are taken from the candidates' (no second key read)
     sel = op.Expand(op.Reshape(pos, _ints(B, Hkv, 1, Kc, 1)), _ints(B, Hkv, G, Kc, S))
@@ -374,8 +380,7 @@ def _keep_tokens(logits, cand, tok_ok, forced_c, every, v_cache, dims, S: int, K
     forced_t = op.Reshape(op.Expand(op.Unsqueeze(forced_c, _ints(-1)), _ints(B, Hkv, Kc, S)), _ints(B, Hkv, T))
     share = op.Where(tok_ok, op.Where(forced_t, _f(_INF), share), neg_inf)
     top, pos = op.TopK(share, _ints(T), axis=-1, largest=1, sorted=1)  # [B,Hkv,T] candidate token slots by share
-    first_n = op.Or(op.Less(_const(np.arange(T, dtype=np.int64).reshape(1, 1, T)), _int(n)), every)
-    ok = op.And(op.Greater(top, neg_inf), first_n)  # valid (invalid slots score -inf and are never kept), kept
+    ok = op.And(op.Greater(top, neg_inf), _kept_ranks(T, n, every))  # valid (invalid slots score -inf), kept
     # ---- attend: the kept tokens' logits from the candidates', their values gathered row by row
     sel_logits = op.GatherElements(logits, op.Expand(op.Unsqueeze(pos, _ints(2)), _ints(B, Hkv, G, T)), axis=3)
     sel_logits = op.Where(op.Unsqueeze(ok, _ints(2)), sel_logits, neg_inf)  # [B,Hkv,G,T]
