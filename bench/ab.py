@@ -16,6 +16,9 @@ Switches:
 ``size-asserts`` the backend's Inductor defaults (``config.INDUCTOR_DEFAULTS``: no re-check of the graph's input
                  sizes, strides and alignment in the wrapper); off: ``inductor_options={"size_asserts": True,
                  "alignment_asserts": True}``, Inductor's own defaults
+``int4-plain``   int4 weights as plain buffers (``--weights int4`` only; on: ``Int4PlainWeightOnlyConfig``'s
+                 ``Int4Linear`` modules, ``tinyserve_compile.quantization``; off: torchao's ``Int4OpaqueTensor``
+                 weights); the same codes, scales and zero points either way
 ``huge-pages``   the static cache's keys and values on transparent huge pages (on: a copy of the filled cache in
                  buffers advised for huge pages before their first write, :func:`bench.ceilings.huge_buffer`;
                  off: the cache as allocated); not a backend change, a property of the memory it reads
@@ -36,7 +39,7 @@ from typing import Dict, List
 
 import torch
 
-SWITCHES = ("mask", "group", "cpp-wrapper", "huge-pages", "size-asserts")
+SWITCHES = ("mask", "group", "cpp-wrapper", "huge-pages", "size-asserts", "int4-plain")
 CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
@@ -71,9 +74,13 @@ def run(switch: str, ctx: int, weights: str = "fp32", batch: int = 1, steps: int
         raise ValueError(f"switch: {switch!r} not in {SWITCHES}")
     if steps < 1 or rounds < 2:
         raise ValueError(f"steps/rounds: need >= 1 / >= 2, got {steps}/{rounds}")
+    if switch == "int4-plain" and weights != "int4":
+        raise ValueError(f"weights: the int4-plain switch compares two int4 models, run it with --weights int4, "
+                         f"not {weights!r}")
     dtype = DTYPES[weights_dtype(weights, None)]
     base, name = model_for(model_kind, ctx, dtype, torch.device("cpu"))
     model = prepare_weights(base, weights)
+    models = {"on": prepare_weights(base, "int4-plain") if switch == "int4-plain" else model, "off": model}
     n_pos = steps + 2
     cache = StaticCache(config=model.config, max_cache_len=ctx + n_pos)
     toks = torch.tensor([[100 + r] for r in range(batch)])
@@ -118,7 +125,7 @@ def run(switch: str, ctx: int, weights: str = "fp32", batch: int = 1, steps: int
                 opts = {"token_budget": DEFAULT_TOKEN_BUDGET}  # the default, spelled out
             else:
                 opts = {"inductor_options": CPP_WRAPPER} if switch == "cpp-wrapper" else {}
-            fns[variant] = _compile(model, "tinyserve", opts)
+            fns[variant] = _compile(models[variant], "tinyserve", opts)
             with switched(switch, on):
                 rollback(variant)
                 t0 = time.perf_counter()

@@ -45,7 +45,9 @@ What one *point* (context, batch) does
 * **Weights** (``--weights``, ``bench/weights.py``): ``fp32``/``bf16`` set the model's dtype; ``int8``/``int4``
   quantize every linear weight with torchao (weight-only) before any provider compiles, activations and KV
   cache in ``--dtype`` (default bf16 for them: torchao's CPU paths are slow with fp32 activations). The cache
-  then holds the prefill of the unquantized model of that dtype.
+  then holds the prefill of the unquantized model of that dtype. ``int4-plain``: the same int4 weights through
+  ``tinyserve_compile.quantization.Int4PlainWeightOnlyConfig`` (plain buffers of ``Int4Linear`` modules, which
+  every provider, eager included, runs through ``tinyserve::linear_int4``).
 * **llama.cpp** (``--llamacpp``, ``bench/llamacpp.py``): the same GGUF run by llama.cpp (F32/F32, F16/F16,
   Q4_1/F16), batch 1, in the same rounds as the other providers; the module doc says how it fills and times.
 
@@ -140,8 +142,11 @@ def weight_bytes(model) -> int:
     input embedding table when it is not tied to the output head (a step reads one row of it)."""
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
-    tied = out is not None and out.weight is emb
+    tied = out is not None and getattr(out, "weight", None) is emb
     ps = {id(p): p for p in model.parameters() if tied or p is not emb}
+    for m in model.modules():  # int4 weights held as buffers (tinyserve_compile.quantization.Int4Linear)
+        if type(m).__name__ == "Int4Linear":
+            ps.update({id(b): b for b in (m.qdata, m.scale_and_zero)})
     return sum(tensor_nbytes(p) for p in ps.values())
 
 
@@ -621,10 +626,11 @@ def main(argv=None):
     ap.add_argument("--fill", default="auto", choices=("auto", "prefill", "random"),
                     help="cache contents: a stored dense prefill, or random K/V (auto: random for the random model)")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                    help="activations (default fp32; bf16 with --weights int8/int4)")
+                    help="activations (default fp32; bf16 with --weights int8/int4/int4-plain)")
     ap.add_argument("--weights", default=None, choices=WEIGHTS,
                     help="fp32/bf16: the model's dtype; int8/int4: torchao weight-only quantization of every linear "
-                         "layer before compiling, for every provider (bench/weights.py)")
+                         "layer before compiling, for every provider; int4-plain: the same int4 as plain buffers "
+                         "(tinyserve_compile.quantization) (bench/weights.py)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--warm-compile", action="store_true",
                     help="let compiles reuse Inductor's caches (default: each compiled provider compiles cold)")

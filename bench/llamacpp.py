@@ -426,7 +426,7 @@ def _label(r: dict) -> str:
     if r["provider"].startswith("llama.cpp"):
         return r["provider"]
     w = r.get("weights") or r.get("dtype", "")
-    return f"{r['provider']} ({w} weights, {r.get('dtype', '')} activations)" if w in ("int8", "int4") \
+    return f"{r['provider']} ({w} weights, {r.get('dtype', '')} activations)" if w in ("int8", "int4", "int4-plain") \
         else f"{r['provider']} ({r.get('dtype', '')})"
 
 

@@ -8,6 +8,10 @@ What each choice of :data:`WEIGHTS` does to an fp32 (or bf16) HF model:
 * ``int8``: ``torchao.quantization.Int8WeightOnlyConfig()`` on every ``nn.Linear`` (per-row symmetric int8
   codes with one scale per output channel, ``Int8Tensor``); the activations and the KV cache keep the
   model's dtype (bf16 in the benchmark by default, see :func:`weights_dtype`).
+* ``int4-plain``: the same int4 codes, scales and zero points, through torchao's ``quantize_`` with
+  :class:`tinyserve_compile.quantization.Int4PlainWeightOnlyConfig` (``group_size=32``): every ``nn.Linear``
+  becomes an ``Int4Linear`` module holding them as plain buffers, so ``torch.compile`` guards plain tensors
+  instead of tensor subclasses.
 * ``int4``: ``torchao.prototype.quantization.int4.PrototypeInt4WeightOnlyConfig(group_size=32)`` on every
   ``nn.Linear``: asymmetric int4 with a scale and a zero point per group of 32 input channels (the blocks of
   llama.cpp's Q4_1), packed for ATen's CPU kernel (``Int4OpaqueTensor``, ``_weight_int4pack_mm_for_cpu``).
@@ -31,7 +35,7 @@ import torch
 
 __all__ = ["WEIGHTS", "INT4_GROUP", "prepare_weights", "tensor_nbytes", "weights_dtype"]
 
-WEIGHTS = ("fp32", "bf16", "int8", "int4")
+WEIGHTS = ("fp32", "bf16", "int8", "int4", "int4-plain")
 #: int4 group size: input channels per scale/zero point (llama.cpp's Q4_1 blocks hold 32 weights)
 INT4_GROUP = 32
 
@@ -51,7 +55,7 @@ def weights_dtype(weights: Optional[str], dtype: Optional[str]) -> str:
         if dtype is not None and dtype != weights:
             raise ValueError(f"weights: {weights} weights with dtype {dtype}: leave dtype out or make it {weights}")
         return weights
-    if weights in ("int8", "int4"):
+    if weights in ("int8", "int4", "int4-plain"):
         return dtype or "bf16"
     return dtype or "fp32"
 
@@ -85,13 +89,18 @@ def prepare_weights(model: torch.nn.Module, weights: Optional[str]) -> torch.nn.
 
     if weights == "int8":
         config = Int8WeightOnlyConfig(set_inductor_config=False)
+    elif weights == "int4-plain":
+        from tinyserve_compile.quantization import Int4PlainWeightOnlyConfig
+
+        config = Int4PlainWeightOnlyConfig(group_size=INT4_GROUP)
     else:
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
         config = PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP, set_inductor_config=False)
     out = copy.deepcopy(model)
     quantize_(out, config)
-    n = sum(1 for m in out.modules() if isinstance(m, torch.nn.Linear) and _is_subclass(m.weight))
+    n = sum(1 for m in out.modules() if (isinstance(m, torch.nn.Linear) and _is_subclass(m.weight))
+            or type(m).__name__ == "Int4Linear")
     if n == 0:
         raise ValueError(f"weights: {weights} quantized no linear layer (shapes not divisible by the group "
                          f"size {INT4_GROUP}?)")

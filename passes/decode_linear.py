@@ -14,8 +14,12 @@ becomes ``tinyserve::linear_int4``, the native int4 GEMV over the subclass's own
 ATen packs int4 weights in the layout the GEMV reads, the output features are a multiple of 64, and the
 activations and scales are bf16. Bias-free linears of one kind that read the same ``x`` (a layer's q, k and v
 projections; gate and up) become one ``tinyserve::linear_group`` or ``tinyserve::linear_int4_group`` call: one
-call and one parallel region for all of them. The counts go to ``counters``
-(``linear_rewritten``, ``linear_int4_rewritten``, ``linear_grouped``, ``linear_kept:<reason>``) and to
+call and one parallel region for all of them. So do the ``tinyserve::linear_int4`` calls that
+:class:`~tinyserve_compile.quantization.Int4Linear` modules (``Int4PlainWeightOnlyConfig``) put in the graph
+themselves, when they read the same bf16 ``x`` of at most :data:`GEMV_MAX_ROWS` static rows on the CPU with one
+group size and no bias. The counts go to ``counters``
+(``linear_rewritten``, ``linear_int4_rewritten``, ``linear_int4_calls`` (the modules' own calls found),
+``linear_grouped``, ``linear_kept:<reason>``) and to
 ``gm.meta["tinyserve_linears"]`` for
 :func:`~tinyserve_compile.explain`.
 """
@@ -182,18 +186,86 @@ def _rewrite_group(graph: fx.Graph, members, report) -> None:
     report["groups"] += 1
 
 
+def _int4_call_key(n: fx.Node):
+    """``(x, group size)`` of a ``tinyserve::linear_int4`` call that may join a group, else None."""
+    x, qdata, sz, gs, N = n.args[:5]
+    bias = n.kwargs.get("bias", n.args[5] if len(n.args) > 5 else None)
+    fx_, out = fake(x), fake(n)
+    if bias is not None or fx_ is None or out is None or out.requires_grad or _is_subclass(fx_):
+        return None
+    if fx_.device.type != "cpu" or fx_.dtype != torch.bfloat16 or not isinstance(gs, int) or not isinstance(N, int):
+        return None
+    rows = _rows(fx_)
+    if rows is None or rows == 0 or rows > GEMV_MAX_ROWS:
+        return None
+    return x, gs
+
+
+def _group_int4_calls(graph: fx.Graph, calls, report) -> bool:
+    """One ``tinyserve::linear_int4_group`` call per set of ``linear_int4`` calls that read one ``x``."""
+    groups = {}
+    for n in calls:
+        key = _int4_call_key(n)
+        if key is not None:
+            groups.setdefault(key, []).append(n)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
+    for (x, gs), members in groups.items():
+        # the group's call goes before its first member: only members whose packed weights are defined there
+        members = [n for n in members if all(not isinstance(a, fx.Node) or order[a] < order[members[0]]
+                                             for a in n.args[1:3])]
+        if len(members) < 2:
+            continue
+        outs = [fake(n) for n in members]  # [..., N_i] each
+        with graph.inserting_before(members[0]):
+            call = graph.call_function(torch.ops.tinyserve.linear_int4_group.default,
+                                       (x, [n.args[1] for n in members], [n.args[2] for n in members], gs,
+                                        [n.args[4] for n in members]))  # [..., sum N_i]
+            call.meta["example_value"] = torch.cat(outs, -1)
+            start = 0
+            for n, out in zip(members, outs):
+                end = start + int(out.shape[-1])
+                cols = graph.call_function(torch.ops.aten.slice.Tensor, (call, -1, start, end))  # [..., N_i] view
+                cols.meta["example_value"] = call.meta["example_value"][..., start:end]
+                item = graph.call_method("contiguous", (cols,))
+                item.meta.update(n.meta)
+                n.replace_all_uses_with(item)
+                start = end
+        for n in members:
+            graph.erase_node(n)
+        report["grouped"] += len(members)
+        report["groups"] += 1
+        changed = True
+    return changed
+
+
+#: the op that Int4Linear modules call (tinyserve_compile.quantization), as dynamo records it
+INT4_CALL_TARGETS = (torch.ops.tinyserve.linear_int4.default, torch.ops.tinyserve.linear_int4)
+
+
 def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
     graph = gm.graph
     linears = [n for n in graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS]
-    report = {"rewritten": 0, "int4": 0, "grouped": 0, "groups": 0, "kept": Counter(), "reason": None}
+    int4_calls = [n for n in graph.nodes if n.op == "call_function" and n.target in INT4_CALL_TARGETS]
+    report = {"rewritten": 0, "int4": 0, "int4_calls": len(int4_calls), "grouped": 0, "groups": 0,
+              "kept": Counter(), "reason": None}
     gm.meta["tinyserve_linears"] = report
-    if not linears:
+    counters["linear_int4_calls"] += len(int4_calls)
+    if not linears and not int4_calls:
         return gm
     if not config.decode_linear:
         report["reason"] = "decode_linear=False"
         return gm
     if config.lower == "tensorrt":
         report["reason"] = "lower='tensorrt' compiles the linears itself"
+        return gm
+    grouped_calls = GROUP_SHARED_INPUTS and bool(int4_calls) and load_native_linear() and \
+        _group_int4_calls(graph, int4_calls, report)
+    if not linears:
+        counters["linear_grouped"] += report["grouped"]
+        if grouped_calls:
+            graph.lint()
+            gm.recompile()
         return gm
     candidates = []
     for n in linears:
@@ -243,7 +315,7 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
     counters["linear_grouped"] += report["grouped"]
     for why, k in report["kept"].items():
         counters[f"linear_kept:{why}"] += k
-    if candidates:
+    if candidates or grouped_calls:
         graph.lint()
         gm.recompile()
     return gm

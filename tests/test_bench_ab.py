@@ -72,3 +72,33 @@ def test_huge_pages_switch_runs_the_on_variant_on_the_copy(monkeypatch):
         assert huge.data_ptr() != src.data_ptr() and huge.is_contiguous()
         assert torch.equal(huge[:, :, :256], src[:, :, :256])
         assert bool(huge[:, :, 256:258].abs().sum() > 0), "the on variant did not write its steps into the copy"
+
+
+def test_int4_plain_switch_compiles_the_plain_model_only_when_on(monkeypatch):
+    import tinyserve_compile as tc
+
+    pytest.importorskip("torchao")
+    calls = []
+    real = ab.switched
+
+    def spy(switch, on):  # the Int4Linear calls each variant's compile found
+        cm = real(switch, on)
+
+        class Wrap:
+            def __enter__(self):
+                tc.reset()
+                return cm.__enter__()
+
+            def __exit__(self, *exc):
+                calls.append((on, tc.counters["linear_int4_calls"], tc.counters["linear_int4_rewritten"]))
+                return cm.__exit__(*exc)
+        return Wrap()
+
+    monkeypatch.setattr(ab, "switched", spy)
+    rows = ab.run("int4-plain", 256, weights="int4", steps=2, rounds=2, model_kind="tiny", log=lambda *a: None)
+    assert [r["variant"] for r in rows] == ["on", "off"] and all(r["ms_per_token"] > 0 for r in rows)
+    on, off = calls
+    assert on[0] and on[1] > 0 and on[2] == 0, calls  # Int4Linear modules: their own calls, nothing to rewrite
+    assert not off[0] and off[1] == 0, calls  # torchao's weights: F.linear, rewritten or kept
+    with pytest.raises(ValueError, match="--weights int4"):
+        ab.run("int4-plain", 256, weights="fp32", model_kind="tiny")

@@ -21,6 +21,8 @@ TORCH_EXECUTED_OPS = (
     "torch.ops.tinyserve.cache_write.default",
     "torch.ops.tinyserve.sparse_decode.default",
     "torch.ops.tinyserve.paged_attention.default",
+    "torch.ops.tinyserve.linear_int4.default",  # Int4Linear modules (tinyserve_compile.quantization)
+    "torch.ops.tinyserve.linear_int4_group.default",
 )
 
 

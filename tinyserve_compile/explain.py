@@ -43,7 +43,8 @@ def record_graph(gm, config) -> None:
     counters["cache_writes_rewritten"] += len(slots)
     lin = gm.meta.get("tinyserve_linears")
     if lin is not None:  # passes/decode_linear.py: linears now the native GEMV, the rest with why
-        info["linears"] = {"rewritten": lin["rewritten"], "int4": lin.get("int4", 0), "kept": dict(lin["kept"]),
+        info["linears"] = {"rewritten": lin["rewritten"], "int4": lin.get("int4", 0),
+                           "int4_calls": lin.get("int4_calls", 0), "kept": dict(lin["kept"]),
                            "reason": lin["reason"], "grouped": lin.get("grouped", 0), "groups": lin.get("groups", 0)}
     _GRAPHS.append(info)
 
@@ -72,10 +73,11 @@ class ExplainReport:
                 why = f"  ({s['reason']})" if s["reason"] else ""
                 lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{why}")
             lin = g.get("linears")
-            if lin and (lin["rewritten"] or lin["kept"] or lin["reason"]):
+            if lin and (lin["rewritten"] or lin["kept"] or lin["reason"] or lin.get("int4_calls")):
                 kept = ", ".join(f"{k}: {v}" for k, v in sorted(lin["kept"].items()))
                 lines.append(f"  graph {g['graph']} linears: {lin['rewritten']} to the native GEMV"
                              + (f" ({lin['int4']} int4)" if lin.get("int4") else "")
+                             + (f", {lin['int4_calls']} Int4Linear calls" if lin.get("int4_calls") else "")
                              + (f", {lin['grouped']} of them in {lin['groups']} shared-input calls" if lin.get("groups") else "")
                              + (f", kept in ATen ({kept})" if kept else "")
                              + (f"; {lin['reason']}" if lin["reason"] else ""))
