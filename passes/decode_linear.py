@@ -147,6 +147,21 @@ def _int4_parts(graph: fx.Graph, w: fx.Node, fw):
     return qdata, sz
 
 
+def _uses_read_columns(graph: fx.Graph, call: fx.Node, members, outs) -> None:
+    """Point each member's uses at its columns of the grouped ``call`` (``outs``: the members' example outputs
+    ``[..., N_i]``, side by side in ``call``), made contiguous; inserted at the graph's insertion point."""
+    call.meta["example_value"] = torch.cat(outs, -1)  # [..., sum N_i]
+    start = 0
+    for n, out in zip(members, outs):
+        end = start + int(out.shape[-1])
+        cols = graph.call_function(torch.ops.aten.slice.Tensor, (call, -1, start, end))  # [..., N_i] view
+        cols.meta["example_value"] = call.meta["example_value"][..., start:end]
+        item = graph.call_method("contiguous", (cols,))
+        item.meta.update(n.meta)
+        n.replace_all_uses_with(item)
+        start = end
+
+
 def _rewrite_group(graph: fx.Graph, members, report) -> None:
     """Replace bias-free linears that read one ``x`` (q, k and v; gate and up) by one grouped call.
 
@@ -169,16 +184,7 @@ def _rewrite_group(graph: fx.Graph, members, report) -> None:
             report["int4"] += len(members)
         else:
             call = graph.call_function(torch.ops.tinyserve.linear_group.default, (x, weights))  # [..., sum N_i]
-        call.meta["example_value"] = torch.cat(outs, -1)
-        start = 0
-        for n, out in zip(members, outs):
-            end = start + int(out.shape[-1])
-            cols = graph.call_function(torch.ops.aten.slice.Tensor, (call, -1, start, end))  # [..., N_i] view
-            cols.meta["example_value"] = call.meta["example_value"][..., start:end]
-            item = graph.call_method("contiguous", (cols,))
-            item.meta.update(n.meta)
-            n.replace_all_uses_with(item)
-            start = end
+        _uses_read_columns(graph, call, members, outs)
     for n in members:
         graph.erase_node(n)
     report["rewritten"] += len(members)
@@ -221,16 +227,7 @@ def _group_int4_calls(graph: fx.Graph, calls, report) -> bool:
             call = graph.call_function(torch.ops.tinyserve.linear_int4_group.default,
                                        (x, [n.args[1] for n in members], [n.args[2] for n in members], gs,
                                         [n.args[4] for n in members]))  # [..., sum N_i]
-            call.meta["example_value"] = torch.cat(outs, -1)
-            start = 0
-            for n, out in zip(members, outs):
-                end = start + int(out.shape[-1])
-                cols = graph.call_function(torch.ops.aten.slice.Tensor, (call, -1, start, end))  # [..., N_i] view
-                cols.meta["example_value"] = call.meta["example_value"][..., start:end]
-                item = graph.call_method("contiguous", (cols,))
-                item.meta.update(n.meta)
-                n.replace_all_uses_with(item)
-                start = end
+            _uses_read_columns(graph, call, members, outs)
         for n in members:
             graph.erase_node(n)
         report["grouped"] += len(members)

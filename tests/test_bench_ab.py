@@ -14,13 +14,15 @@ sys.path.insert(0, str(ROOT))
 from bench import ab  # noqa: E402
 
 
-def test_group_switch_compiles_both_variants(tmp_path, monkeypatch):
+def _spy_counters(monkeypatch, keys):
+    """Patch ``ab.switched`` to record ``(on, *counters[keys])`` of each variant's compile, read when its switch
+    is released; returns the list it fills."""
     import tinyserve_compile as tc
 
-    grouped = []
+    seen = []
     real = ab.switched
 
-    def spy(switch, on):  # the grouped count of each variant's compile, read when its switch is released
+    def spy(switch, on):
         cm = real(switch, on)
 
         class Wrap:
@@ -29,11 +31,16 @@ def test_group_switch_compiles_both_variants(tmp_path, monkeypatch):
                 return cm.__enter__()
 
             def __exit__(self, *exc):
-                grouped.append((on, tc.counters["linear_grouped"]))
+                seen.append((on, *(tc.counters[k] for k in keys)))
                 return cm.__exit__(*exc)
         return Wrap()
 
     monkeypatch.setattr(ab, "switched", spy)
+    return seen
+
+
+def test_group_switch_compiles_both_variants(tmp_path, monkeypatch):
+    grouped = _spy_counters(monkeypatch, ["linear_grouped"])
     rows = ab.run("group", 256, steps=2, rounds=2, model_kind="tiny", log=lambda *a: None)
     assert [r["variant"] for r in rows] == ["on", "off"]
     assert all(r["ms_per_token"] > 0 and r["off_over_on"] > 0 for r in rows)
@@ -75,26 +82,8 @@ def test_huge_pages_switch_runs_the_on_variant_on_the_copy(monkeypatch):
 
 
 def test_int4_plain_switch_compiles_the_plain_model_only_when_on(monkeypatch):
-    import tinyserve_compile as tc
-
     pytest.importorskip("torchao")
-    calls = []
-    real = ab.switched
-
-    def spy(switch, on):  # the Int4Linear calls each variant's compile found
-        cm = real(switch, on)
-
-        class Wrap:
-            def __enter__(self):
-                tc.reset()
-                return cm.__enter__()
-
-            def __exit__(self, *exc):
-                calls.append((on, tc.counters["linear_int4_calls"], tc.counters["linear_int4_rewritten"]))
-                return cm.__exit__(*exc)
-        return Wrap()
-
-    monkeypatch.setattr(ab, "switched", spy)
+    calls = _spy_counters(monkeypatch, ["linear_int4_calls", "linear_int4_rewritten"])
     rows = ab.run("int4-plain", 256, weights="int4", steps=2, rounds=2, model_kind="tiny", log=lambda *a: None)
     assert [r["variant"] for r in rows] == ["on", "off"] and all(r["ms_per_token"] > 0 for r in rows)
     on, off = calls
