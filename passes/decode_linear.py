@@ -194,6 +194,8 @@ def _rewrite_group(graph: fx.Graph, members, report) -> None:
 
 def _int4_call_key(n: fx.Node):
     """``(x, group size)`` of a ``tinyserve::linear_int4`` call that may join a group, else None."""
+    if len(n.args) < 5:  # arguments by keyword (not an Int4Linear module's call): left alone
+        return None
     x, qdata, sz, gs, N = n.args[:5]
     bias = n.kwargs.get("bias", n.args[5] if len(n.args) > 5 else None)
     fx_, out = fake(x), fake(n)
