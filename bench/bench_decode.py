@@ -85,7 +85,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import llamacpp  # noqa: E402
-from bench.weights import WEIGHTS, prepare_weights, tensor_nbytes, weights_dtype  # noqa: E402
+from bench.weights import WEIGHTS, is_int4_linear, prepare_weights, tensor_nbytes, weights_dtype  # noqa: E402
 from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 
 #: the paper's selection rule: pages of 16, the bound alone, no sink page ("tinyserve-paper")
@@ -145,7 +145,7 @@ def weight_bytes(model) -> int:
     tied = out is not None and getattr(out, "weight", None) is emb
     ps = {id(p): p for p in model.parameters() if tied or p is not emb}
     for m in model.modules():  # int4 weights held as buffers (tinyserve_compile.quantization.Int4Linear)
-        if type(m).__name__ == "Int4Linear":
+        if is_int4_linear(m):
             ps.update({id(b): b for b in (m.qdata, m.scale_and_zero)})
     return sum(tensor_nbytes(p) for p in ps.values())
 

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["WEIGHTS", "INT4_GROUP", "prepare_weights", "tensor_nbytes", "weights_dtype"]
+__all__ = ["WEIGHTS", "INT4_GROUP", "prepare_weights", "tensor_nbytes", "weights_dtype", "is_int4_linear"]
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4", "int4-plain")
 #: int4 group size: input channels per scale/zero point (llama.cpp's Q4_1 blocks hold 32 weights)
@@ -100,11 +100,16 @@ def prepare_weights(model: torch.nn.Module, weights: Optional[str]) -> torch.nn.
     out = copy.deepcopy(model)
     quantize_(out, config)
     n = sum(1 for m in out.modules() if (isinstance(m, torch.nn.Linear) and _is_subclass(m.weight))
-            or type(m).__name__ == "Int4Linear")
+            or is_int4_linear(m))
     if n == 0:
         raise ValueError(f"weights: {weights} quantized no linear layer (shapes not divisible by the group "
                          f"size {INT4_GROUP}?)")
     return out
+
+
+def is_int4_linear(m: torch.nn.Module) -> bool:
+    """True for an ``Int4Linear`` of ``int4-plain`` weights (by name: no torchao import for other weights)."""
+    return type(m).__name__ == "Int4Linear" and type(m).__module__ == "tinyserve_compile.quantization"
 
 
 def _is_subclass(t: torch.Tensor) -> bool:

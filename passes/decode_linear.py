@@ -196,7 +196,7 @@ def _int4_call_key(n: fx.Node):
     """``(x, group size)`` of a ``tinyserve::linear_int4`` call that may join a group, else None."""
     if len(n.args) < 5:  # arguments by keyword (not an Int4Linear module's call): left alone
         return None
-    x, qdata, sz, gs, N = n.args[:5]
+    x, _, _, gs, N = n.args[:5]  # x, qdata, scale_and_zero, group_size, out_features
     bias = n.kwargs.get("bias", n.args[5] if len(n.args) > 5 else None)
     fx_, out = fake(x), fake(n)
     if bias is not None or fx_ is None or out is None or out.requires_grad or _is_subclass(fx_):
@@ -260,12 +260,6 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
         return gm
     grouped_calls = GROUP_SHARED_INPUTS and bool(int4_calls) and load_native_linear() and \
         _group_int4_calls(graph, int4_calls, report)
-    if not linears:
-        counters["linear_grouped"] += report["grouped"]
-        if grouped_calls:
-            graph.lint()
-            gm.recompile()
-        return gm
     candidates = []
     for n in linears:
         why = _why_not(n)

@@ -40,6 +40,16 @@ def test_weights_int8_through_bench_decode(tmp_path):
     assert rows[0]["weight_bytes"] < bd.weight_bytes(model) * 0.3
 
 
+def test_int4_plain_weights_count_their_buffers_in_the_floor():
+    pytest.importorskip("torchao")
+    from bench.weights import prepare_weights
+
+    model, _ = bd.model_for("tiny", 64, torch.bfloat16, torch.device("cpu"))
+    # the same codes, scales and zero points: as parameters of torchao's weights, as buffers of Int4Linear modules
+    plain, sub = bd.weight_bytes(prepare_weights(model, "int4-plain")), bd.weight_bytes(prepare_weights(model, "int4"))
+    assert plain == sub and plain < bd.weight_bytes(model) * 0.5, (plain, sub)
+
+
 def test_weights_and_dtype_must_agree():
     with pytest.raises(SystemExit):
         bd.main(["--model", "tiny", "--weights", "bf16", "--dtype", "fp32"])
