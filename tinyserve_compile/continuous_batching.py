@@ -66,7 +66,7 @@ __all__ = [
 #: the attention implementation name registered in transformers' ``AttentionInterface``
 ATTENTION_NAME = "tinyserve_paged"
 #: ``major.minor`` versions of transformers whose CB internals this module was written and tested against
-SUPPORTED_TRANSFORMERS = ("5.24",)
+SUPPORTED_TRANSFORMERS = ("5.24", "5.25")
 
 
 @dataclass
@@ -140,6 +140,12 @@ def enable_continuous_batching(model, options=None) -> TinyServeConfig:
     if set(groups) != {"full_attention"}:
         raise ValueError(f"argument 'model': continuous batching through tinyserve needs full-attention layers only; "
                          f"this model has {sorted(groups)} layers")
+    if getattr(text, "kv_lora_rank", None) is not None:
+        # multi-head latent attention (DeepSeek-style): transformers >= 5.25 caches its compressed latents, not
+        # per-head keys, so there are no key pages to bound
+        raise ValueError(f"argument 'model': continuous batching through tinyserve needs per-head keys in the cache; "
+                         f"{type(model).__name__} uses multi-head latent attention (kv_lora_rank="
+                         f"{text.kv_lora_rank})")
     if not getattr(model, "_can_set_attn_implementation", lambda: False)():
         raise ValueError(f"argument 'model': {type(model).__name__} does not dispatch attention through "
                          f"transformers' AttentionInterface, so its attention cannot be replaced")

@@ -25,7 +25,23 @@ import json
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["main", "serve_args", "check_request", "RequestChecks"]
+__all__ = ["main", "serve_args", "check_request", "RequestChecks", "SUPPORTED_SERVE_TRANSFORMERS"]
+
+#: ``major.minor`` versions of transformers whose ``transformers serve`` this entry point hooks (its model manager
+#: and server builder; 5.25 moved each model into a process of its own behind an engine client, not yet followed)
+SUPPORTED_SERVE_TRANSFORMERS = ("5.24",)
+
+
+def _check_serve_transformers() -> None:
+    import transformers
+
+    v = transformers.__version__
+    if ".".join(v.split(".")[:2]) not in SUPPORTED_SERVE_TRANSFORMERS:
+        raise RuntimeError(
+            f"python -m tinyserve_compile.serve supports transformers "
+            f"{', '.join(s + '.x' for s in SUPPORTED_SERVE_TRANSFORMERS)} (it hooks transformers serve's model "
+            f"manager, which 5.25 redesigned); installed: {v}. Continuous batching itself "
+            f"(tinyserve_compile.enable_continuous_batching with generate_batch) works with it.")
 
 #: the request fields checked before a request reaches the engine
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_k")
@@ -168,6 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         TinyServeConfig.from_options(options)  # a bad option fails here, before the model loads
         cbm._check_transformers()
+        _check_serve_transformers()
     except (ValueError, RuntimeError) as e:
         ap.error(str(e))
     from transformers.cli.serving import server as server_mod

@@ -189,6 +189,13 @@ def test_bad_models_and_options_are_refused_by_name(model):
     mistral = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="full-attention layers only"):
         tc.enable_continuous_batching(mistral)
+    cfg = tf.DeepseekV3Config(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2)
+    mla = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        tc.enable_continuous_batching(mla)
     assert not cbm._ORIGINAL  # nothing stayed installed
 
 

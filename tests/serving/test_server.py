@@ -182,3 +182,18 @@ def test_gguf_config_gets_its_causal_lm_class_while_the_server_loads():
         cfg, unused = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, return_unused_kwargs=True)
         assert cfg.architectures == ["LlamaForCausalLM"]
     assert AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).architectures is None
+
+
+def test_an_unsupported_transformers_serve_is_refused_with_the_reason(monkeypatch, capsys):
+    # transformers 5.25 redesigned `transformers serve` (a process per model): the entry point says so instead of
+    # failing on a missing attribute of its model manager
+    import transformers
+
+    from tinyserve_compile.serve import main
+
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    with pytest.raises(SystemExit) as e:
+        main(["some/model"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "supports transformers 5.24.x" in err and "installed: 5.25.0" in err
