@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -61,29 +63,18 @@ def test_top_level_kernels_hands_over_to_a_library_of_that_name(tmp_path):
     assert "ok" in _run(code)
 
 
-def test_top_level_kernels_stays_inert_without_a_library_of_that_name(tmp_path):
-    # no site-packages (-S): the folder's own __init__ is the only 'kernels' on the path
+@pytest.mark.parametrize("repo_first", [False, True], ids=["copy-alone", "repo-then-copy"])
+def test_top_level_kernels_stays_inert_without_a_library_of_that_name(tmp_path, repo_first):
+    # no site-packages (-S): copy-alone, the folder's own __init__ is the only 'kernels' on the path; repo-then-copy,
+    # a second checkout after this one: the first copy hands over to the second, which stays inert (no recursion)
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "__init__.py").write_text((ROOT / "kernels" / "__init__.py").read_text())
+    path = [str(ROOT), str(tmp_path)] if repo_first else [str(tmp_path)]
     code = (
-        "import sys; sys.path.insert(0, %r)\n"
-        "import kernels\n"
-        "assert kernels.__all__ == [] and kernels.__file__.startswith(%r)\n"
-        "assert 'torch' not in sys.modules\n"
-        "print('ok')\n" % (str(tmp_path), str(tmp_path))
-    )
-    assert "ok" in _run(code, "-S", cwd=tmp_path)
-
-
-def test_two_copies_of_the_folder_on_sys_path_end_inert(tmp_path):
-    # a second checkout on the path: the first copy hands over to the second, which stays inert (no recursion)
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "__init__.py").write_text((ROOT / "kernels" / "__init__.py").read_text())
-    code = (
-        "import sys; sys.path[:0] = [%r, %r]\n"
+        "import sys; sys.path[:0] = %r\n"
         "import kernels\n"
         "assert kernels.__all__ == [] and kernels.__file__.startswith(%r), kernels.__file__\n"
-        "assert not hasattr(sys, '_tinyserve_kernels_hand_over')\n"
-        "print('ok')\n" % (str(ROOT), str(tmp_path), str(tmp_path))
+        "assert 'torch' not in sys.modules and not hasattr(sys, '_tinyserve_kernels_hand_over')\n"
+        "print('ok')\n" % (path, str(tmp_path))
     )
     assert "ok" in _run(code, "-S", cwd=tmp_path)
