@@ -85,14 +85,17 @@ _STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _DECODE_ROWS: Dict[int, list] = {}
 
 
-def _check_transformers():
+def _check_transformers(supported=SUPPORTED_TRANSFORMERS, who="tinyserve continuous batching",
+                        why="it replaces PagedAttentionCache.update, whose internals change between versions",
+                        after=""):
+    """RuntimeError unless the installed transformers' ``major.minor`` is in ``supported``: ``who`` supports them
+    (``why``), the installed version, then ``after``."""
     import transformers
 
     v = transformers.__version__
-    if ".".join(v.split(".")[:2]) not in SUPPORTED_TRANSFORMERS:
-        raise RuntimeError(
-            f"tinyserve continuous batching supports transformers {', '.join(s + '.x' for s in SUPPORTED_TRANSFORMERS)}"
-            f" (it replaces PagedAttentionCache.update, whose internals change between versions); installed: {v}")
+    if ".".join(v.split(".")[:2]) not in supported:
+        raise RuntimeError(f"{who} supports transformers {', '.join(s + '.x' for s in supported)} ({why}); "
+                           f"installed: {v}{after}")
 
 
 def _settings(config) -> Optional[_Enabled]:

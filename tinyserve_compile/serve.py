@@ -31,18 +31,6 @@ __all__ = ["main", "serve_args", "check_request", "RequestChecks", "SUPPORTED_SE
 #: and server builder; 5.25 moved each model into a process of its own behind an engine client, not yet followed)
 SUPPORTED_SERVE_TRANSFORMERS = ("5.24",)
 
-
-def _check_serve_transformers() -> None:
-    import transformers
-
-    v = transformers.__version__
-    if ".".join(v.split(".")[:2]) not in SUPPORTED_SERVE_TRANSFORMERS:
-        raise RuntimeError(
-            f"python -m tinyserve_compile.serve supports transformers "
-            f"{', '.join(s + '.x' for s in SUPPORTED_SERVE_TRANSFORMERS)} (it hooks transformers serve's model "
-            f"manager, which 5.25 redesigned); installed: {v}. Continuous batching itself "
-            f"(tinyserve_compile.enable_continuous_batching with generate_batch) works with it.")
-
 #: the request fields checked before a request reaches the engine
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_k")
 _NUM_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
@@ -184,7 +172,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         TinyServeConfig.from_options(options)  # a bad option fails here, before the model loads
         cbm._check_transformers()
-        _check_serve_transformers()
+        cbm._check_transformers(SUPPORTED_SERVE_TRANSFORMERS, "python -m tinyserve_compile.serve",
+                                "it hooks transformers serve's model manager, which 5.25 redesigned",
+                                ". Continuous batching itself (tinyserve_compile.enable_continuous_batching with "
+                                "generate_batch) works with it.")
     except (ValueError, RuntimeError) as e:
         ap.error(str(e))
     from transformers.cli.serving import server as server_mod
