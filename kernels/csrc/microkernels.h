@@ -93,10 +93,45 @@ void dot_rows(const float* const* rows, int n, const float* q, int64_t G, int64_
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// v_accum_rows for GC heads at once: each row is loaded once for the group (not once per head), and every head's
+// accumulator sees the same FMAs in the same order as one head at a time (the same bits)
+template <int NV, int GC>
+void v_accum_rows_g(float* acc, const float* p, int64_t ldp, const float* const* rows, int n) {
+  constexpr int NA = GC * NV;
+  __m512 a[NA];  // a[g * NV + i]: head g's channels [i * VS, (i + 1) * VS); raw vectors stay in registers
+#pragma GCC unroll 32
+  for (int i = 0; i < NA; ++i) a[i] = _mm512_loadu_ps(acc + i * VS);
+  for (int j = 0; j < n; ++j) {
+    __m512 r[NV];
+    for (int i = 0; i < NV; ++i) r[i] = _mm512_loadu_ps(rows[j] + i * VS);
+    for (int g = 0; g < GC; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g * ldp + j]);
+      for (int i = 0; i < NV; ++i) a[g * NV + i] = _mm512_fmadd_ps(pj, r[i], a[g * NV + i]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int i = 0; i < NA; ++i) _mm512_storeu_ps(acc + i * VS, a[i]);
+}
+#endif
+
 // acc[g, :] += sum_{j < n} p[g * ldp + j] * rows[j]
 template <int NV>
 void v_accum_rows(float* acc, const float* p, int64_t ldp, int64_t G, int64_t nv_rt, const float* const* rows, int n) {
   const int64_t nv = NV > 0 ? NV : nv_rt, st = nv * VS;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (NV > 0 && NV <= 4) {  // the whole group's accumulators in registers (at most 24 of 32)
+    switch (G) {
+      case 1: return v_accum_rows_g<NV, 1>(acc, p, ldp, rows, n);
+      case 2: return v_accum_rows_g<NV, 2>(acc, p, ldp, rows, n);
+      case 3: return v_accum_rows_g<NV, 3>(acc, p, ldp, rows, n);
+      case 4: return v_accum_rows_g<NV, 4>(acc, p, ldp, rows, n);
+      case 5: if constexpr (5 * NV <= 24) return v_accum_rows_g<NV, 5>(acc, p, ldp, rows, n); break;
+      case 6: if constexpr (6 * NV <= 24) return v_accum_rows_g<NV, 6>(acc, p, ldp, rows, n); break;
+      default: break;
+    }
+  }
+#endif
   if constexpr (NV > 0 && NV <= 8) {
     for (int64_t g = 0; g < G; ++g) {
       const float* pg = p + g * ldp;
