@@ -175,11 +175,13 @@ def test_head_dims(D):
     _check_case(torch.bfloat16, 1, 2, 3, 150, D, 8, 32, 1, 1, torch.bfloat16, [149], "float_shared", seed=D + 1)
 
 
-@pytest.mark.parametrize("G", [1, 3, 5, 7, 9])
+@pytest.mark.parametrize("G", [1, 2, 3, 5, 6, 7, 9])
 @pytest.mark.parametrize("dt", ["fp32", "bf16", "fp16"])
 def test_group_sizes(dt, G):
     """Query heads per KV head that fill the value sums' head blocks (up to 4 heads) fully, partly and over several
-    blocks, on a dense fit (every page attended) and a sparse selection, at D=64 and D=32."""
+    blocks, on a dense fit (every page attended) and a sparse selection, at D=64 and D=32; G = 1-6 are also the
+    group-fused fp32 value sums (``v_accum_rows_g``, fp16 rows go through it once widened), 7 and 9 the per-head
+    loop."""
     for D in (64, 32):
         _check_case(DT[dt], 1, 2, G, 300, D, 8, 512, 1, 1, torch.int8, [300], None, seed=G * D)
         _check_case(DT[dt], 1, 2, G, 300, D, 8, 64, 1, 2, torch.int8, [290], "bool_per_head", seed=G * D + 1)
