@@ -492,12 +492,13 @@ def attend_selection(
 def _ctrl_dense(ctrl: Optional[torch.Tensor]) -> bool:
     """``ctrl[1] != 0`` (a dense layer) or ``ctrl[0] != 0`` (stale bounds, never read): attend densely.
 
-    ``ctrl``: int32 ``[2]`` CPU tensor or None; reading it is a host read of host memory, not a device sync.
+    ``ctrl``: int32 ``[2]`` or None, on the CPU (a read of host memory, not a device sync) or, for the PyTorch
+    path on a GPU (a fallback), on the device (then this read waits for it). The Triton path reads it in-kernel.
     """
     if ctrl is None:
         return False
-    if ctrl.device.type != "cpu" or ctrl.dtype != torch.int32 or ctrl.numel() < 2:
-        raise ValueError(f"sparse_decode: argument 'ctrl' must be an int32 CPU tensor of 2 elements, got "
+    if ctrl.dtype != torch.int32 or ctrl.numel() < 2:
+        raise ValueError(f"sparse_decode: argument 'ctrl' must be an int32 tensor of 2 elements, got "
                          f"{ctrl.dtype} {tuple(ctrl.shape)} on {ctrl.device}")
     return bool(ctrl[:2].any())
 
@@ -553,12 +554,13 @@ def run_kernel(impl: str, q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn
         return native_module().sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, float(scale),
                                              spec.page_size, spec.token_budget, spec.sink_pages,
                                              spec.candidate_factor, ctrl, spec.candidate_extra, spec.keep_tokens)
-    if _ctrl_dense(ctrl):  # ---- a dense layer (or stale bounds): exact attention over every valid token
-        return attend_selection(q, k_cache, v_cache, None, valid_len, attn_mask, scale, spec.page_size)
-    if impl == "triton":
+    if impl == "triton":  # reads ctrl on the device: no host read, the same launches whatever the flags say
         from .triton_sparse_decode import sparse_decode_triton
 
-        return sparse_decode_triton(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
+        return sparse_decode_triton(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec,
+                                    ctrl=ctrl)
+    if _ctrl_dense(ctrl):  # ---- a dense layer (or stale bounds): exact attention over every valid token
+        return attend_selection(q, k_cache, v_cache, None, valid_len, attn_mask, scale, spec.page_size)
     return _sparse_decode_torch(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
 
 
@@ -636,7 +638,7 @@ def sparse_decode(
     kernel : {"auto", "native", "torch", "triton"}
         See :func:`resolve_kernel`.
     ctrl : torch.Tensor, optional
-        int32 ``[2]`` CPU tensor; ``ctrl[0]`` or ``ctrl[1]`` nonzero attends densely.
+        int32 ``[2]`` (on the CPU, or on the device of ``q``); ``ctrl[0]`` or ``ctrl[1]`` nonzero attends densely.
 
     Returns
     -------

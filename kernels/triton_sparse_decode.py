@@ -1,69 +1,44 @@
 """Triton kernels for query-aware paged sparse decode attention (GPU; CPU under ``TRITON_INTERPRET=1``).
 
-Layout (Liger-Kernel style): private ``@triton.jit`` kernels ``_..._kernel``, the
-launchers :func:`select_pages_triton` and :func:`sparse_decode_triton`, and the
-registered op ``torch.ops.tinyserve.sparse_decode`` (in :mod:`.sparse_decode`),
-whose CUDA kernel (or ``kernel="triton"``) calls :func:`sparse_decode_triton`.
+One call of :func:`sparse_decode_triton` is at most three launches, decides everything on the device (no host
+read, no allocation whose size depends on data, no ATen selection op), and can therefore be captured by CUDA
+graphs and replayed for any valid lengths, masks and ``ctrl`` flags:
 
-Design: a tightly fused pair of passes rather than one kernel
-----------------------------------------------------------------
-The work per decode step is (1) a scan of the fp32 page bounds, (2) a top-K over
-the ``P`` page scores of each KV head, (3) a gather of the selected pages and exact
-attention. Step (2) is a global reduction over all pages of a head; doing it inside
-the attention kernel would either serialize one head on one program (a single
-sequence at 128K context then uses ``Hkv`` of the GPU's ~132 SMs) or need a
-grid-wide barrier. So the work is split at that reduction:
+1. :func:`_score_pages_kernel` (grid ``B*Hkv x ceil(P / BLOCK_P)``): each program scores a block of pages with
+   exactly the bound of :func:`.reference.page_scores` (``relu(q).M + min(q,0).m`` plus the rounding slack,
+   times ``scale``, plus the page max of the mask, max over the GQA group; forced pages ``+inf``, pages past
+   ``valid_len`` ``-inf``). The last program of each (batch row, KV head) to finish (a per-head arrival
+   counter) selects the top ``N1`` pages by an exact radix select over the head's scores (ties at the
+   threshold go to the lower page index) and writes them ascending: the candidates (two stages) or the kept
+   pages (one stage).
+2. :func:`_rank_candidates_kernel` (two stages only; grid ``B*Hkv x ceil(N1 / CAND_PER_PROG)``): exact logits of
+   the candidates' keys (no values): the logits themselves (``keep_tokens``) or each candidate page's
+   log-sum-exp, with per-program softmax statistics. The last program of each head combines the statistics
+   into each query head's log-sum-exp over every candidate, scores each token (page) by its share of softmax
+   mass (max over the group; forced newest/sink tokens ``+inf``), as :func:`.reference.rank_candidate_tokens`
+   (:func:`.reference.rank_candidate_pages`) does, and radix-selects the ``K*S`` tokens (``K`` pages).
+3. :func:`_attend_kernel` (grid ``B*Hkv x n_splits``): flash-decoding over the kept pages (keys and values),
+   the kept tokens (values only, their logits reused from launch 2), or, for a dense row, every valid token;
+   the last split of each head to finish merges the splits' partials and writes ``[B, Hq, 1, D]``.
 
-1. :func:`_page_scores_kernel` (grid ``B*Hkv x P/BLOCK_P``): reads each page's
-   ``kmax``/``kmin``/``kabs`` once for the whole GQA group, scores it for every
-   query head of the group with exactly the formula of
-   :func:`.reference.page_scores` (``relu(q).M + min(q,0).m`` plus the same rounding
-   slack, times ``scale``, plus the page max of the mask), reduces with a max over
-   the group, and writes ``+inf`` for the forced pages (newest page, sink pages: the rule
-   of :func:`.reference.forced_pages`, fused) and ``-inf`` past ``valid_len``. Pages past
-   ``valid_len`` are never loaded.
-2. ``torch.topk`` over ``[B, Hkv, P]`` fp32 scores (a few KB per head; the one
-   place where a hand-written radix select would save a launch or two, not bytes).
-   No host synchronisation: when every valid page fits in the budget, the top-K
-   holds every page with a finite score, and pages scored ``-inf`` contribute
-   nothing, so the sparse path equals dense attention without a branch on data
-   (the reference's "dense when it fits" rule). When the shapes alone make it dense
-   (``P <= K``, or every page a candidate: ``SelectionSpec.dense_cache``) the scan is
-   skipped and the attention kernel walks pages directly.
-3. :func:`_sparse_attn_splitk_kernel` (grid ``B*Hkv x n_splits``): flash-decoding.
-   Each program owns a slice of one KV head's selected pages, loads the group's
-   ``G`` query heads once, gathers whole pages straight from the ``[B, Hkv, L, D]``
-   cache (page ``j`` is ``S`` contiguous rows), and keeps an online softmax in
-   fp32. Tokens past ``valid_len`` / ``L`` and the partial last page are masked at
-   the load, so they cost no bandwidth. The number of splits is chosen so that
-   ``B*Hkv*n_splits`` covers the SMs twice even at ``B=1``.
-4. :func:`_splitk_combine_kernel` (grid ``B*Hq``): merges the split partials
-   (max / rescaled sum) and writes ``[B, Hq, 1, D]`` in the dtype of ``q``.
+A row attends densely, in launch 3 alone (launches 1 and 2 skip it), when its valid pages number at most
+``SelectionSpec.n_dense_pages`` (every page fits in the budget, or every page is a candidate) or when ``ctrl``
+(int32 ``[2]`` on the device of ``q``) has a nonzero flag: stale bounds or a dense layer. When the shapes alone
+make every row dense (:meth:`.spec.SelectionSpec.dense_cache`), only launch 3 runs.
 
-Page bounds are fp32, bf16 (upcast exactly) or int8: step 1 then decodes each code as
-``code * step`` with the page's ``step = max(kabs / 126, 2^-126)`` (``tl.div_rn``, the IEEE
-division torch does), exactly as :func:`.reference.bounds_f32`.
+Workspace (scores, candidate lists, logits, partials, arrival counters) is sized from the shapes and allocated
+once per shape and device (:func:`_workspace`); the arrival counters are reset by the program that reads them
+last, so every call leaves them at zero. One workspace serves calls issued in order on one stream: calls of one
+shape on several concurrent streams need ``workspace=`` of their own.
 
-Two-stage selection (``N1 = candidate_factor * K + candidate_extra // page_size > K``,
-:func:`.reference.candidate_pages`) takes the top-``N1`` pages by bound and adds
-:func:`_candidate_page_lse_kernel`, the attention-logit kernel without ``V``: it
-computes each candidate page's log-sum-exp of exact logits per query head; the
-reference's own share-of-mass ranking, :func:`.reference.rank_candidate_pages`, then runs
-on the tiny ``[B, Hkv, G, N1]`` result in PyTorch, and step 3 attends over the K survivors.
-With ``keep_tokens`` the same kernel stores the candidates' logits themselves
-(``[B, Hkv, G, N1*S]`` fp32); :func:`.reference.rank_candidate_tokens` runs on them in
-PyTorch (share against the log-sum-exp over all candidate tokens, max over the group,
-forced newest/sink tokens, top ``K*S``), and :func:`_token_attn_splitk_kernel` attends
-over the kept tokens reusing their logits: it reads only their ``V`` rows, then step 4
-combines the splits.
+Page bounds are fp32, bf16 (upcast exactly) or int8 (``code * step`` with the page's
+``step = max(kabs / 126, 2^-126)``, as :func:`.reference.bounds_f32`). Scores and softmax are fp32; on a GPU,
+fp16/bf16 ``Q.K`` and ``P.V`` are tensor-core dots with fp32 accumulation (``P`` rounded to the value dtype,
+as in FlashAttention); fp32 inputs use ``input_precision="ieee"``. Under the interpreter bf16 is upcast to fp32
+right after ``tl.load`` (numpy has no bf16).
 
-Precision: scores and softmax are fp32. On a GPU, fp16/bf16 ``Q.K`` and ``P.V``
-run as tensor-core dots with fp32 accumulation (``P`` rounded to the value dtype,
-as in FlashAttention); fp32 inputs use ``input_precision="ieee"`` (no TF32). Under
-the interpreter bf16 is upcast to fp32 right after ``tl.load`` (numpy has no bf16).
-
-Triton is imported lazily: :func:`triton_available` is False (and no kernel is
-defined) when it is missing, so the package imports without it.
+Triton is imported lazily: :func:`triton_available` is False (and no kernel is defined) when it is missing,
+so the package imports without it.
 """
 from __future__ import annotations
 
@@ -72,8 +47,7 @@ from typing import Optional
 
 import torch
 
-from .reference import (Selection, rank_candidate_pages, rank_candidate_tokens, score_slack_factor,
-                        score_underflow_slack)
+from .reference import Selection, score_slack_factor, score_underflow_slack
 from .spec import SelectionSpec
 
 try:  # guarded: the package must import without triton
@@ -86,7 +60,7 @@ except Exception:  # pragma: no cover - depends on the environment
     tl = None
     _HAS_TRITON = False
 
-__all__ = ["triton_available", "select_pages_triton", "sparse_decode_triton"]
+__all__ = ["triton_available", "select_pages_triton", "page_scores_triton", "sparse_decode_triton", "LAUNCHES"]
 
 _MASK_NONE, _MASK_BOOL, _MASK_FLOAT = 0, 1, 2
 
@@ -149,80 +123,6 @@ if _HAS_TRITON:
         return qk
 
     @triton.jit
-    def _page_scores_kernel(
-        q_ptr, kmax_ptr, kmin_ptr, kabs_ptr, vl_ptr, mask_ptr, score_ptr,
-        stride_qb, stride_qh, stride_qd,
-        stride_xb, stride_xh, stride_xp, stride_xd,
-        stride_ab, stride_ah, stride_ap,
-        stride_vb,
-        stride_mb, stride_mh, stride_ml,
-        Hkv, P, L, scale, slack_c, under_c, sink_pages,
-        G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
-        BLOCK_P: tl.constexpr, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, BOUNDS_KIND: tl.constexpr,
-    ):
-        """Group-max page scores with forced / invalid pages: ``score[b, kvh, p]`` fp32.
-
-        ``BOUNDS_KIND``: 0 fp32, 1 bf16 (upcast exactly), 2 int8 (``code * step`` with the page's
-        ``step = max(kabs / 126, 2^-126)``, as :func:`.reference.bounds_f32`).
-        """
-        pid_bh = tl.program_id(0)
-        pid_p = tl.program_id(1)
-        b = pid_bh // Hkv
-        kvh = pid_bh % Hkv
-
-        # -- stage 0: valid pages of row b (pages past valid_len are never loaded)
-        vl = tl.minimum(tl.load(vl_ptr + b * stride_vb).to(tl.int64), L)  # valid_len past the cache counts as L
-        n_valid = (vl + S - 1) // S
-        newest = tl.where(vl > 0, (vl - 1) // S, -1)  # C division truncates: guard vl = 0
-        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        offs_d = tl.arange(0, D_PAD)
-        p_in = offs_p < P
-        p_ok = p_in & (offs_p < n_valid)
-        d_ok = offs_d < D
-
-        # -- stage 1: the pages' bounds, read once for the whole GQA group
-        x_off = b * stride_xb + kvh * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :] * stride_xd
-        ld = p_ok[:, None] & d_ok[None, :]
-        kabs = tl.load(kabs_ptr + b * stride_ab + kvh * stride_ah + offs_p * stride_ap, mask=p_ok, other=0.0)
-        kmax = tl.load(kmax_ptr + x_off, mask=ld, other=0)
-        kmin = tl.load(kmin_ptr + x_off, mask=ld, other=0)
-        if BOUNDS_KIND == 2:  # int8 codes on the page's grid: one fp32 division, one max, one multiply
-            step = tl.maximum(tl.div_rn(kabs, 126.0), 1.1754943508222875e-38)  # 2^-126
-            kmax = kmax.to(tl.float32) * step[:, None]
-            kmin = kmin.to(tl.float32) * step[:, None]
-        else:
-            kmax = _exact_f32(kmax)
-            kmin = _exact_f32(kmin)
-        mrow = mask_ptr + b * stride_mb
-        if MASK_KIND != 0:
-            if not MASK_PER_HEAD:
-                mp_shared = _page_mask_max(mrow, stride_ml, offs_p, p_ok, L, S, S_PAD, MASK_KIND)
-
-        # -- stage 2: score every query head of the group, reduce with max
-        best = tl.full([BLOCK_P], float("-inf"), tl.float32)
-        for g in tl.static_range(G):
-            h = kvh * G + g
-            qv = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0)
-            qv = qv.to(tl.float32)
-            qp = tl.maximum(qv, 0.0)
-            qn = tl.minimum(qv, 0.0)
-            r = tl.sum(qp[None, :] * kmax + qn[None, :] * kmin, axis=1)
-            slack = slack_c * tl.sum(tl.abs(qv), axis=0) * kabs + under_c
-            s = (r + slack) * scale
-            if MASK_KIND != 0:
-                if MASK_PER_HEAD:
-                    s = s + _page_mask_max(mrow + h * stride_mh, stride_ml, offs_p, p_ok, L, S, S_PAD, MASK_KIND)
-                else:
-                    s = s + mp_shared
-            best = tl.maximum(best, s)
-
-        # -- stage 3: forced pages (+inf), pages past valid_len (-inf)
-        forced = (offs_p == newest) | (offs_p < sink_pages)
-        best = tl.where(forced, float("inf"), best)
-        best = tl.where(offs_p < n_valid, best, float("-inf"))
-        tl.store(score_ptr + pid_bh * P + offs_p, best, mask=p_in)
-
-    @triton.jit
     def _softmax_pv_block(qk, m_i, l_i, acc, v_base, pos, stride_vl_, offs_d, stride_vd, tok_ok, d_ok,
                           UPCAST: tl.constexpr):
         """One block of the split-K online softmax: logits ``qk`` [G_PAD, BLOCK] of the tokens at ``pos``
@@ -240,247 +140,503 @@ if _HAS_TRITON:
             pv = tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc * alpha[:, None] + pv
 
-    @triton.jit
-    def _store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, row, offs_d, D, g_ok, d_ok):
-        """Unnormalised split partials of rows ``row`` [G_PAD] for :func:`_splitk_combine_kernel`."""
-        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(m_ptr + row, m_i, mask=g_ok)
-        tl.store(l_ptr + row, l_i, mask=g_ok)
+
+    # ---- device-side decisions and the exact top-n select ---------------------------------------------------------
 
     @triton.jit
-    def _sparse_attn_splitk_kernel(
-        q_ptr, k_ptr, v_ptr, idx_ptr, vl_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
+    def _row_state(vl_ptr, stride_vb, ctrl_ptr, b, L, n_dense, S: tl.constexpr, HAS_CTRL: tl.constexpr):
+        """``(lim, n_valid, sparse)`` of batch row ``b``: its valid tokens (``valid_len`` past the cache counts as
+        ``L``), valid pages, and whether it goes through the selection (more than ``n_dense`` valid pages and,
+        with ``ctrl``, neither flag set)."""
+        lim = tl.minimum(tl.load(vl_ptr + b * stride_vb).to(tl.int64), L)
+        n_valid = (lim + S - 1) // S
+        sparse = n_valid > n_dense
+        if HAS_CTRL:
+            sparse = sparse & (tl.load(ctrl_ptr) == 0) & (tl.load(ctrl_ptr + 1) == 0)
+        return lim, n_valid, sparse
+
+    @triton.jit
+    def _sort_key(x):
+        """uint32 keys in the order of the fp32 values ``x`` (``-inf`` lowest, ``+inf`` highest)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+
+    @triton.jit
+    def _arrive(sem_ptr, n_prog):
+        """Count this program in: True for the last of ``n_prog`` programs, which also resets the counter.
+
+        Every thread's stores are ordered before the count by the barrier; the counter's acquire-release atomic
+        makes them visible to the last program, which reads them with ``.cg`` loads (L2, not a stale L1 line)."""
+        tl.debug_barrier()
+        done = tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu")
+        last = done == n_prog - 1
+        if last:
+            tl.atomic_xchg(sem_ptr, 0, sem="relaxed", scope="gpu")
+        return last
+
+    @triton.jit
+    def _select_top(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK: tl.constexpr):
+        """Write the indices of the ``n_sel`` largest of ``val[0:n]`` (fp32), ascending, to ``out``, and their count
+        to ``count``: never an index whose value is ``-inf``; ties at the threshold go to the lower index.
+
+        An exact radix select on the values' sortable keys, four bits a pass (eight passes of counts against 16
+        thresholds), then one pass counting the keys above the threshold and one writing the selection."""
+        # -- stage 1: the n_sel-th largest key, four bits at a time
+        digits = tl.arange(0, 16).to(tl.uint32)
+        prefix = tl.zeros([], dtype=tl.uint32)
+        for i in tl.static_range(8):
+            shift = 28 - 4 * i
+            thr = prefix | (digits << shift)  # [16]: the candidates for this digit
+            cnt = tl.zeros([16], dtype=tl.int32)
+            for s in range(0, n, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                ok = offs < n
+                key = _sort_key(tl.load(val_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"))
+                cnt += tl.sum(((key[None, :] >= thr[:, None]) & ok[None, :]).to(tl.int32), axis=1)
+            d = tl.sum((cnt >= n_sel).to(tl.int32), axis=0) - 1  # counts fall with the digit; digit 0 always holds
+            prefix = prefix | (tl.maximum(d, 0).to(tl.uint32) << shift)
+        # -- stage 2: keys above the threshold, then the ties it leaves room for
+        n_gt = tl.zeros([], dtype=tl.int32)
+        for s in range(0, n, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            ok = offs < n
+            key = _sort_key(tl.load(val_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg"))
+            n_gt += tl.sum((ok & (key > prefix)).to(tl.int32), axis=0)
+        need = n_sel - n_gt
+        # -- stage 3: write the selected indices in ascending order
+        emitted = tl.zeros([], dtype=tl.int32)
+        ties = tl.zeros([], dtype=tl.int32)
+        for s in range(0, n, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            ok = offs < n
+            x = tl.load(val_ptr + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            key = _sort_key(x)
+            eq = ok & (key == prefix)
+            tie_rank = ties + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+            sel = (ok & (key > prefix)) | (eq & (tie_rank < need))
+            sel = sel & (x > float("-inf"))
+            pos = emitted + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(out_ptr + pos, offs, mask=sel)
+            emitted += tl.sum(sel.to(tl.int32), axis=0)
+            ties += tl.sum(eq.to(tl.int32), axis=0)
+        tl.store(count_ptr, emitted)
+
+    # ---- launch 1: page scores, then the top pages --------------------------------------------------------------
+
+    @triton.jit
+    def _score_pages_kernel(
+        q_ptr, kmax_ptr, kmin_ptr, kabs_ptr, vl_ptr, mask_ptr, ctrl_ptr,
+        score_ptr, cand_ptr, ncand_ptr, sem_ptr,
         stride_qb, stride_qh, stride_qd,
-        stride_kb, stride_kh, stride_kl, stride_kd,
-        stride_vb_, stride_vh, stride_vl_, stride_vd,
-        stride_ib, stride_ih,
-        stride_vlb,
+        stride_xb, stride_xh, stride_xp, stride_xd,
+        stride_ab, stride_ah, stride_ap,
+        stride_vb,
         stride_mb, stride_mh, stride_ml,
-        Hkv, L, n_pages, pages_per_split, n_splits, scale,
-        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-        S: tl.constexpr, S_PAD: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
-        MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, DENSE: tl.constexpr, UPCAST: tl.constexpr,
+        Hkv, P, L, scale, slack_c, under_c, sink_pages, n_dense, n_sel, n_prog,
+        G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+        BLOCK_P: tl.constexpr, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, BOUNDS_KIND: tl.constexpr,
+        HAS_CTRL: tl.constexpr, SELECT: tl.constexpr, BLOCK_SEL: tl.constexpr,
     ):
-        """One split of flash-decoding over the selected pages of one KV head, all G query heads.
+        """Group-max page scores ``score[b*Hkv + kvh, p]`` fp32 of a block of pages; with ``SELECT``, the last
+        program of the head writes the top ``n_sel`` pages ``cand[b*Hkv + kvh, :]`` int32 ascending and their
+        count ``ncand[b*Hkv + kvh]`` (pages of ``-inf`` score left out).
 
-        Writes the unnormalised partial ``acc[b, h, split, :]`` fp32 with its running
-        max ``m`` and denominator ``l``.
+        ``BOUNDS_KIND``: 0 fp32, 1 bf16 (upcast exactly), 2 int8 (``code * step`` with the page's
+        ``step = max(kabs / 126, 2^-126)``, as :func:`.reference.bounds_f32`). Rows attended densely
+        (:func:`_row_state`) are skipped whole.
         """
         pid_bh = tl.program_id(0)
-        pid_s = tl.program_id(1)
+        pid_p = tl.program_id(1)
+        b = pid_bh // Hkv
+        kvh = pid_bh % Hkv
+
+        # -- stage 0: the row's state (a dense row is skipped by every program of its heads)
+        lim, n_valid, sparse = _row_state(vl_ptr, stride_vb, ctrl_ptr, b, L, n_dense, S, HAS_CTRL)
+        if sparse:
+            newest = tl.where(lim > 0, (lim - 1) // S, -1)  # C division truncates: guard lim = 0
+            offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+            offs_d = tl.arange(0, D_PAD)
+            p_in = offs_p < P
+            p_ok = p_in & (offs_p < n_valid)
+            d_ok = offs_d < D
+
+            # -- stage 1: the pages' bounds, read once for the whole GQA group (pages past valid_len are not)
+            x_off = b * stride_xb + kvh * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :] * stride_xd
+            ld = p_ok[:, None] & d_ok[None, :]
+            kabs = tl.load(kabs_ptr + b * stride_ab + kvh * stride_ah + offs_p * stride_ap, mask=p_ok, other=0.0)
+            kmax = tl.load(kmax_ptr + x_off, mask=ld, other=0)
+            kmin = tl.load(kmin_ptr + x_off, mask=ld, other=0)
+            if BOUNDS_KIND == 2:  # int8 codes on the page's grid: one fp32 division, one max, one multiply
+                step = tl.maximum(tl.div_rn(kabs, 126.0), 1.1754943508222875e-38)  # 2^-126
+                kmax = kmax.to(tl.float32) * step[:, None]
+                kmin = kmin.to(tl.float32) * step[:, None]
+            else:
+                kmax = _exact_f32(kmax)
+                kmin = _exact_f32(kmin)
+            mrow = mask_ptr + b * stride_mb
+            if MASK_KIND != 0:
+                if not MASK_PER_HEAD:
+                    mp_shared = _page_mask_max(mrow, stride_ml, offs_p, p_ok, L, S, S_PAD, MASK_KIND)
+
+            # -- stage 2: score every query head of the group, reduce with max
+            best = tl.full([BLOCK_P], float("-inf"), tl.float32)
+            for g in tl.static_range(G):
+                h = kvh * G + g
+                qv = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0)
+                qv = qv.to(tl.float32)
+                qp = tl.maximum(qv, 0.0)
+                qn = tl.minimum(qv, 0.0)
+                r = tl.sum(qp[None, :] * kmax + qn[None, :] * kmin, axis=1)
+                slack = slack_c * tl.sum(tl.abs(qv), axis=0) * kabs + under_c
+                s = (r + slack) * scale
+                if MASK_KIND != 0:
+                    if MASK_PER_HEAD:
+                        s = s + _page_mask_max(mrow + h * stride_mh, stride_ml, offs_p, p_ok, L, S, S_PAD, MASK_KIND)
+                    else:
+                        s = s + mp_shared
+                best = tl.maximum(best, s)
+
+            # -- stage 3: forced pages (+inf), pages past valid_len (-inf)
+            forced = (offs_p == newest) | (offs_p < sink_pages)
+            best = tl.where(forced, float("inf"), best)
+            best = tl.where(offs_p < n_valid, best, float("-inf"))
+            tl.store(score_ptr + pid_bh * P + offs_p, best, mask=p_in)
+
+            # -- stage 4: the head's last program selects its top pages
+            if SELECT:
+                if _arrive(sem_ptr + pid_bh, n_prog):
+                    _select_top(score_ptr + pid_bh * P, P, n_sel, cand_ptr + pid_bh * n_sel, ncand_ptr + pid_bh,
+                                BLOCK_SEL)
+
+    # ---- launch 2 (two stages): exact logits of the candidates, then the kept tokens or pages --------------------
+
+    @triton.jit
+    def _rank_candidates_kernel(
+        q_ptr, k_ptr, vl_ptr, mask_ptr, ctrl_ptr,
+        cand_ptr, ncand_ptr, logit_ptr, stat_m_ptr, stat_l_ptr, share_ptr, kept_ptr, count_ptr, sem_ptr,
+        stride_qb, stride_qh, stride_qd,
+        stride_kb, stride_kh, stride_kl, stride_kd,
+        stride_vb,
+        stride_mb, stride_mh, stride_ml,
+        Hkv, L, scale, sink_pages, n_dense, n_cand, n_keep, n_prog, cand_per_prog,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        S: tl.constexpr, S_PAD: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr, NP_PAD: tl.constexpr,
+        MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, UPCAST: tl.constexpr, TOKENS: tl.constexpr,
+        HAS_CTRL: tl.constexpr, BLOCK_SEL: tl.constexpr,
+    ):
+        """Exact logits of a slice of one KV head's candidate pages (no V read), then, in the head's last
+        program, the kept tokens (``TOKENS``) or pages by share of softmax mass.
+
+        Writes ``logit[bh, g, c*S + s]`` fp32 (``TOKENS``; the masked, scaled logit of slot ``s`` of candidate
+        ``c``, ``-inf`` where invalid) or the candidate page's log-sum-exp ``logit[bh, g, c]``; per-program
+        softmax statistics ``stat_m``/``stat_l`` ``[bh, prog, g]``; the last program writes each unit's share
+        ``share[bh, :]``, the kept units ``kept[bh, :]`` int32 ascending (candidate slots ``c*S + s``, or
+        candidate positions ``c``) and their number ``count[bh]``.
+        """
+        pid_bh = tl.program_id(0)
+        pid = tl.program_id(1)
         b = pid_bh // Hkv
         kvh = pid_bh % Hkv
         BLOCK_T: tl.constexpr = PAGES_PER_BLOCK * S_PAD
 
-        # -- stage 0: the group's query heads, loaded once
-        vl = tl.load(vl_ptr + b * stride_vlb).to(tl.int64)
-        lim = tl.minimum(vl, L)  # tokens >= lim do not exist
-        offs_g = tl.arange(0, G_PAD)
-        offs_d = tl.arange(0, D_PAD)
-        g_ok = offs_g < G
-        d_ok = offs_d < D
-        heads = kvh * G + offs_g
+        lim, n_valid, sparse = _row_state(vl_ptr, stride_vb, ctrl_ptr, b, L, n_dense, S, HAS_CTRL)
+        if sparse:
+            # -- stage 0: the group's query heads and this program's candidates
+            ncand = tl.load(ncand_ptr + pid_bh)
+            offs_g = tl.arange(0, G_PAD)
+            offs_d = tl.arange(0, D_PAD)
+            g_ok = offs_g < G
+            d_ok = offs_d < D
+            heads = kvh * G + offs_g
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                        mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                q = _exact_f32(q)
+            offs_t = tl.arange(0, BLOCK_T)
+            t_page = offs_t // S_PAD
+            t_slot = offs_t % S_PAD
+            n_slots = n_cand * S
+            if TOKENS:
+                n_units = n_slots  # candidate slots c*S + s
+            else:
+                n_units = n_cand  # candidate pages
+            lrow = (pid_bh * G + offs_g) * n_units  # [G_PAD]
+            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([G_PAD], tl.float32)
+            start = pid * cand_per_prog
+            end = tl.minimum(start + cand_per_prog, ncand)
+            k_base = k_ptr + b * stride_kb + kvh * stride_kh
+            for j0 in range(start, end, PAGES_PER_BLOCK):
+                # -- stage 1: the keys of PAGES_PER_BLOCK candidate pages, masked logits of all G heads
+                jp = j0 + t_page
+                j_ok = jp < end
+                page = tl.load(cand_ptr + pid_bh * n_cand + jp, mask=j_ok, other=0).to(tl.int64)
+                pos = page * S + t_slot
+                tok_ok = j_ok & (t_slot < S) & (pos < lim)
+                k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                            mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+                if UPCAST:
+                    qk = tl.dot(q, tl.trans(_exact_f32(k)), input_precision="ieee")
+                else:
+                    qk = tl.dot(q, tl.trans(k))
+                qk = qk * scale
+                qk = _apply_mask(qk, mask_ptr, b, heads, pos, g_ok, tok_ok, stride_mb, stride_mh, stride_ml,
+                                 MASK_KIND, MASK_PER_HEAD)
+                qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+                # -- stage 2: running softmax statistics of the program's candidates
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(qk - m_safe[:, None]), axis=1)
+                m_i = m_new
+                # -- stage 3: the logits (tokens) or each page's log-sum-exp (pages)
+                if TOKENS:
+                    tl.store(logit_ptr + lrow[:, None] + (jp * S + t_slot)[None, :], qk,
+                             mask=g_ok[:, None] & (j_ok & (t_slot < S))[None, :])
+                else:
+                    qk3 = tl.reshape(qk, [G_PAD, PAGES_PER_BLOCK, S_PAD])
+                    mx = tl.max(qk3, axis=2)
+                    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+                    lse = mx_safe + tl.log(tl.sum(tl.exp(qk3 - mx_safe[:, :, None]), axis=2))  # -inf: nothing
+                    jj = j0 + tl.arange(0, PAGES_PER_BLOCK)
+                    tl.store(logit_ptr + lrow[:, None] + jj[None, :], lse, mask=g_ok[:, None] & (jj < end)[None, :])
+            st = (pid_bh * n_prog + pid) * G_PAD + offs_g
+            tl.store(stat_m_ptr + st, m_i)
+            tl.store(stat_l_ptr + st, l_i)
+
+            # -- stage 4: the head's last program ranks every candidate by its share of softmax mass
+            if _arrive(sem_ptr + pid_bh, n_prog):
+                offs_np = tl.arange(0, NP_PAD)
+                np_ok = offs_np < n_prog
+                so = (pid_bh * n_prog + offs_np)[:, None] * G_PAD + offs_g[None, :]
+                sm = tl.load(stat_m_ptr + so, mask=np_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+                sl = tl.load(stat_l_ptr + so, mask=np_ok[:, None], other=0.0, cache_modifier=".cg")
+                mx = tl.max(sm, axis=0)
+                mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+                lse = mx_safe + tl.log(tl.sum(sl * tl.exp(sm - mx_safe[None, :]), axis=0))  # [G_PAD]: -inf if none
+                newest = tl.where(lim > 0, (lim - 1) // S, -1)
+                for u0 in range(0, n_units, BLOCK_SEL):
+                    u = u0 + tl.arange(0, BLOCK_SEL)
+                    u_in = u < n_units
+                    if TOKENS:
+                        c = u // S
+                    else:
+                        c = u
+                    ok = u_in & (c < ncand)
+                    page = tl.load(cand_ptr + pid_bh * n_cand + c, mask=ok, other=0, cache_modifier=".cg")
+                    page = page.to(tl.int64)
+                    if TOKENS:
+                        ok = ok & (page * S + u % S < lim)
+                    lg = tl.load(logit_ptr + lrow[:, None] + u[None, :], mask=g_ok[:, None] & ok[None, :],
+                                 other=float("-inf"), cache_modifier=".cg")
+                    sh = tl.where(lg == float("-inf"), float("-inf"), lg - lse[:, None])  # nan -> -inf, as the reference
+                    sh = tl.max(tl.where(g_ok[:, None], sh, float("-inf")), axis=0)
+                    forced = (page == newest) | (page < sink_pages)
+                    sh = tl.where(ok & forced, float("inf"), tl.where(ok, sh, float("-inf")))
+                    tl.store(share_ptr + pid_bh * n_units + u, sh, mask=u_in)
+                tl.debug_barrier()  # the shares written by every thread, before the select reads them
+                _select_top(share_ptr + pid_bh * n_units, n_units, n_keep, kept_ptr + pid_bh * n_keep,
+                            count_ptr + pid_bh, BLOCK_SEL)
+
+    # ---- launch 3: split-K attention over what was kept, then the combine ------------------------------------------
+
+    @triton.jit
+    def _attend_pages(q_ptr, m_i, l_i, acc, k_base, v_base, cand_ptr, kept_ptr, start, end, lim, sparse, scale,
+                      mask_ptr, b, heads, g_ok, offs_d, d_ok, stride_qb, stride_qh, stride_qd, stride_kl, stride_kd,
+                      stride_vl_, stride_vd, stride_mb, stride_mh, stride_ml,
+                      S: tl.constexpr, S_PAD: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr, INDIRECT: tl.constexpr,
+                      MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, UPCAST: tl.constexpr):
+        """Online softmax over list entries ``[start, end)`` of whole pages: page ``j`` itself for a dense row,
+        else ``cand[j]`` (or ``cand[kept[j]]`` with ``INDIRECT``); returns ``(m_i, l_i, acc)``."""
+        BLOCK_T: tl.constexpr = PAGES_PER_BLOCK * S_PAD
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
-            q = q.to(tl.float32)
-
+            q = _exact_f32(q)
         offs_t = tl.arange(0, BLOCK_T)
         t_page = offs_t // S_PAD
         t_slot = offs_t % S_PAD
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-
-        start = pid_s * pages_per_split
-        end = tl.minimum(start + pages_per_split, n_pages)
-        if DENSE:  # pages are 0..n_pages-1 in order: stop at the last valid one
-            end = tl.minimum(end, (lim + S - 1) // S)
-        k_base = k_ptr + b * stride_kb + kvh * stride_kh
-        v_base = v_ptr + b * stride_vb_ + kvh * stride_vh
         for j0 in range(start, end, PAGES_PER_BLOCK):
-            # -- stage 1: token positions of PAGES_PER_BLOCK selected pages (gather)
+            # -- stage 1: token positions of PAGES_PER_BLOCK pages (gathered for a sparse row)
             jp = j0 + t_page
             j_ok = jp < end
-            if DENSE:
-                page = jp.to(tl.int64)
-            else:
-                page = tl.load(idx_ptr + b * stride_ib + kvh * stride_ih + jp, mask=j_ok, other=0).to(tl.int64)
+            ld = j_ok & ((jp * 0 + sparse.to(tl.int32)) != 0)  # the flag spread over the block (interpreter-safe)
+            jj = jp
+            if INDIRECT:
+                jj = tl.load(kept_ptr + jp, mask=ld, other=0)
+            page = tl.where(sparse, tl.load(cand_ptr + jj, mask=ld, other=0).to(tl.int64), jp.to(tl.int64))
             pos = page * S + t_slot
             tok_ok = j_ok & (t_slot < S) & (pos < lim)
-
             # -- stage 2: logits of all G heads, masked
             k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
                         mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
             if UPCAST:
-                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+                qk = tl.dot(q, tl.trans(_exact_f32(k)), input_precision="ieee")
             else:
                 qk = tl.dot(q, tl.trans(k))
             qk = qk * scale
             qk = _apply_mask(qk, mask_ptr, b, heads, pos, g_ok, tok_ok, stride_mb, stride_mh, stride_ml,
                              MASK_KIND, MASK_PER_HEAD)
             qk = tl.where(tok_ok[None, :], qk, float("-inf"))
-
-            # -- stages 3-4: online softmax (rows with no finite logit stay at zero), then P.V
+            # -- stage 3: online softmax (rows with no finite logit stay at zero), then P.V
             m_i, l_i, acc = _softmax_pv_block(qk, m_i, l_i, acc, v_base, pos, stride_vl_, offs_d, stride_vd, tok_ok,
                                               d_ok, UPCAST)
-
-        # -- stage 5: unnormalised partials for the combine kernel
-        _store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, (b * Hkv * G + heads) * n_splits + pid_s, offs_d, D,
-                        g_ok, d_ok)
+        return m_i, l_i, acc
 
     @triton.jit
-    def _token_attn_splitk_kernel(
-        v_ptr, tok_ptr, logit_ptr, cnt_ptr, acc_ptr, m_ptr, l_ptr,
-        stride_vb_, stride_vh, stride_vl_, stride_vd,
-        stride_tb, stride_th,
-        Hkv, n_tok, tok_per_split, n_splits,
-        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ):
-        """One split of flash-decoding over a list of kept tokens of one KV head, all G query heads.
+    def _attend_tokens(m_i, l_i, acc, v_base, cand_ptr, kept_ptr, logit_ptr, lrow, start, end, lim, g_ok, offs_d,
+                       d_ok, stride_vl_, stride_vd, S: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr):
+        """Online softmax over kept candidate slots ``kept[start:end]``: logits from launch 2, values gathered."""
+        offs_t = tl.arange(0, BLOCK_T)
+        for t0 in range(start, end, BLOCK_T):
+            # -- stage 1: the kept slots' positions and logits
+            t = t0 + offs_t
+            t_ok = t < end
+            slot = tl.load(kept_ptr + t, mask=t_ok, other=0)
+            page = tl.load(cand_ptr + slot // S, mask=t_ok, other=0).to(tl.int64)
+            pos = page * S + slot % S
+            tok_ok = t_ok & (pos < lim)
+            qk = tl.load(logit_ptr + lrow[:, None] + slot[None, :], mask=g_ok[:, None] & tok_ok[None, :],
+                         other=float("-inf"))
+            # -- stage 2: online softmax, P.V over the gathered values
+            m_i, l_i, acc = _softmax_pv_block(qk, m_i, l_i, acc, v_base, pos, stride_vl_, offs_d, stride_vd, tok_ok,
+                                              d_ok, UPCAST)
+        return m_i, l_i, acc
 
-        The logits come from the candidate stage (``logit[b, kvh, g, t]`` fp32, masked and scaled); only
-        ``V`` rows are read here. ``tok[b, kvh, t]`` int64 is the token's position, -1 for an empty slot;
-        slots from ``cnt[b]`` (int64) on are empty and not visited. Writes the unnormalised partial
-        ``acc[b, h, split, :]`` fp32 with its running max ``m`` and denominator ``l``, as
-        :func:`_sparse_attn_splitk_kernel`.
+    @triton.jit
+    def _attend_kernel(
+        q_ptr, k_ptr, v_ptr, vl_ptr, mask_ptr, ctrl_ptr,
+        cand_ptr, kept_ptr, count_ptr, logit_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, sem_ptr,
+        stride_qb, stride_qh, stride_qd,
+        stride_kb, stride_kh, stride_kl, stride_kd,
+        stride_vb_, stride_vh, stride_vl_, stride_vd,
+        stride_vb,
+        stride_mb, stride_mh, stride_ml,
+        Hkv, L, scale, n_dense, n_cand, n_keep, n_splits, min_per_split,
+        G: tl.constexpr, G_PAD: tl.constexpr, G_POW: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        S: tl.constexpr, S_PAD: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+        MODE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_CTRL: tl.constexpr,
+    ):
+        """One split of flash-decoding for one KV head and its G query heads; the head's last split merges.
+
+        ``MODE``: 0 every row dense (from the shapes), 1 kept pages ``cand[:count]`` (one stage), 2 kept pages
+        ``cand[kept[:count]]`` (two stages), 3 kept tokens (candidate slots ``kept[:count]``, logits from launch
+        2). A dense row attends every valid token in any mode. Partials ``acc``/``m``/``l`` ``[bh, split, g]``;
+        output ``out[b, kvh*G + g, 0, :]`` in the dtype of ``out``.
         """
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // Hkv
         kvh = pid_bh % Hkv
 
+        # -- stage 0: the row's state, the group's queries, this split's share of the list
+        lim, n_valid, sparse = _row_state(vl_ptr, stride_vb, ctrl_ptr, b, L, n_dense, S, HAS_CTRL)
+        if MODE == 0:
+            sparse = lim < 0  # every row dense: no list was written
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D_PAD)
-        offs_t = tl.arange(0, BLOCK_T)
         g_ok = offs_g < G
         d_ok = offs_d < D
         heads = kvh * G + offs_g
-        lrow = ((b * Hkv + kvh) * G + offs_g) * n_tok  # [G_PAD]
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-
-        start = pid_s * tok_per_split
-        end = tl.minimum(tl.minimum(start + tok_per_split, n_tok), tl.load(cnt_ptr + b))
+        if sparse:
+            n_units = tl.load(count_ptr + pid_bh).to(tl.int64)
+        else:
+            n_units = n_valid
+        n_tok = n_units * S  # tokens to visit: whole pages
+        if MODE == 3:
+            if sparse:
+                n_tok = n_units  # kept single tokens
+        n_eff = tl.minimum(tl.maximum((n_tok + min_per_split - 1) // min_per_split, 1), n_splits)
+        per = (n_units + n_eff - 1) // n_eff
+        start = pid_s * per
+        end = tl.minimum(start + per, n_units)
+        k_base = k_ptr + b * stride_kb + kvh * stride_kh
         v_base = v_ptr + b * stride_vb_ + kvh * stride_vh
-        for t0 in range(start, end, BLOCK_T):
-            # -- stage 1: positions and logits of BLOCK_T kept tokens
-            t = t0 + offs_t
-            t_in = t < end
-            pos = tl.load(tok_ptr + b * stride_tb + kvh * stride_th + t, mask=t_in, other=-1).to(tl.int64)
-            tok_ok = t_in & (pos >= 0)
-            qk = tl.load(logit_ptr + lrow[:, None] + t[None, :], mask=g_ok[:, None] & tok_ok[None, :],
-                         other=float("-inf"))
-
-            # -- stages 2-3: online softmax (rows with no finite logit stay at zero), P.V over the gathered values
-            m_i, l_i, acc = _softmax_pv_block(qk, m_i, l_i, acc, v_base, pos, stride_vl_, offs_d, stride_vd, tok_ok,
-                                              d_ok, UPCAST)
-
-        # -- stage 4: unnormalised partials for the combine kernel
-        _store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, (b * Hkv * G + heads) * n_splits + pid_s, offs_d, D,
-                        g_ok, d_ok)
-
-    @triton.jit
-    def _splitk_combine_kernel(
-        acc_ptr, m_ptr, l_ptr, out_ptr, n_splits,
-        D: tl.constexpr, D_PAD: tl.constexpr, NS_PAD: tl.constexpr,
-    ):
-        """Merge the split partials of one query head: ``out[b, h, 0, :]`` in the dtype of ``out``."""
-        row = tl.program_id(0)  # b * Hq + h
-        offs_s = tl.arange(0, NS_PAD)
-        offs_d = tl.arange(0, D_PAD)
-        s_ok = offs_s < n_splits
-        d_ok = offs_d < D
-
-        # -- stage 1: global max and rescaled denominators
-        m = tl.load(m_ptr + row * n_splits + offs_s, mask=s_ok, other=float("-inf"))
-        l = tl.load(l_ptr + row * n_splits + offs_s, mask=s_ok, other=0.0)
-        m_max = tl.max(m, axis=0)
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.exp(m - m_safe)
-        den = tl.sum(w * l, axis=0)
-
-        # -- stage 2: weighted sum of partial numerators; no finite logit -> zeros (as SDPA)
-        acc = tl.load(acc_ptr + (row * n_splits + offs_s)[:, None] * D + offs_d[None, :],
-                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        num = tl.sum(w[:, None] * acc, axis=0)
-        out = num / tl.where(den > 0, den, 1.0)
-        tl.store(out_ptr + row * D + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-    @triton.jit
-    def _candidate_page_lse_kernel(
-        q_ptr, k_ptr, idx_ptr, vl_ptr, mask_ptr, lse_ptr,
-        stride_qb, stride_qh, stride_qd,
-        stride_kb, stride_kh, stride_kl, stride_kd,
-        stride_ib, stride_ih,
-        stride_vlb,
-        stride_mb, stride_mh, stride_ml,
-        Hkv, L, n_cand, scale,
-        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-        S: tl.constexpr, S_PAD: tl.constexpr,
-        MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, UPCAST: tl.constexpr, STORE_LOGITS: tl.constexpr,
-    ):
-        """Exact logits of one candidate page, no V read: their log-sum-exp ``lse[b, kvh, g, c]`` fp32 or, with
-        ``STORE_LOGITS``, the logits themselves ``lse[b, kvh, g, c * S + s]`` fp32 (-inf past ``valid_len``)."""
-        pid_bh = tl.program_id(0)
-        c = tl.program_id(1)
-        b = pid_bh // Hkv
-        kvh = pid_bh % Hkv
-
-        # -- stage 1: group queries and the page's keys
-        vl = tl.load(vl_ptr + b * stride_vlb).to(tl.int64)
-        lim = tl.minimum(vl, L)
-        offs_g = tl.arange(0, G_PAD)
-        offs_d = tl.arange(0, D_PAD)
-        offs_s = tl.arange(0, S_PAD)
-        g_ok = offs_g < G
-        d_ok = offs_d < D
-        heads = kvh * G + offs_g
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        page = tl.load(idx_ptr + b * stride_ib + kvh * stride_ih + c).to(tl.int64)
-        pos = page * S + offs_s
-        tok_ok = (offs_s < S) & (pos < lim)
-        k = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
-                    mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
-
-        # -- stage 2: masked logits
-        if UPCAST:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        if MODE == 3:
+            if sparse:
+                lrow = (pid_bh * G + offs_g) * (n_cand * S)
+                m_i, l_i, acc = _attend_tokens(m_i, l_i, acc, v_base, cand_ptr + pid_bh * n_cand,
+                                               kept_ptr + pid_bh * n_keep, logit_ptr, lrow, start, end, lim, g_ok,
+                                               offs_d, d_ok, stride_vl_, stride_vd, S, SPLIT_BLOCK, UPCAST)
+            else:
+                m_i, l_i, acc = _attend_pages(q_ptr, m_i, l_i, acc, k_base, v_base, cand_ptr, kept_ptr, start, end,
+                                              lim, sparse, scale, mask_ptr, b, heads, g_ok, offs_d, d_ok,
+                                              stride_qb, stride_qh, stride_qd, stride_kl, stride_kd, stride_vl_,
+                                              stride_vd, stride_mb, stride_mh, stride_ml, S, S_PAD, PAGES_PER_BLOCK,
+                                              False, MASK_KIND, MASK_PER_HEAD, UPCAST)
         else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk * scale
-        qk = _apply_mask(qk, mask_ptr, b, heads, pos, g_ok, tok_ok, stride_mb, stride_mh, stride_ml,
-                         MASK_KIND, MASK_PER_HEAD)
-        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+            m_i, l_i, acc = _attend_pages(q_ptr, m_i, l_i, acc, k_base, v_base, cand_ptr + pid_bh * n_cand,
+                                          kept_ptr + pid_bh * n_keep, start, end, lim, sparse, scale, mask_ptr, b,
+                                          heads, g_ok, offs_d, d_ok, stride_qb, stride_qh, stride_qd, stride_kl,
+                                          stride_kd, stride_vl_, stride_vd, stride_mb, stride_mh, stride_ml, S, S_PAD,
+                                          PAGES_PER_BLOCK, MODE == 2, MASK_KIND, MASK_PER_HEAD, UPCAST)
 
-        if STORE_LOGITS:
-            # -- stage 3': the masked logits of the page's S slots (token-level ranking)
-            row = ((b * Hkv + kvh) * G + offs_g) * (n_cand * S) + c * S  # [G_PAD]
-            tl.store(lse_ptr + row[:, None] + offs_s[None, :], qk, mask=g_ok[:, None] & (offs_s < S)[None, :])
-        else:
-            # -- stage 3: per-head log-sum-exp over the page (-inf when nothing is attended)
-            mx = tl.max(qk, axis=1)
+        # -- stage 1: this split's unnormalised partials
+        row = (pid_bh * n_splits + pid_s) * G + offs_g  # [G_PAD]
+        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(m_ptr + row, m_i, mask=g_ok)
+        tl.store(l_ptr + row, l_i, mask=g_ok)
+
+        # -- stage 2: the head's last split merges the n_eff used splits (max / rescaled sums)
+        if _arrive(sem_ptr + pid_bh, n_splits):
+            offs_gp = tl.arange(0, G_POW)
+            gp_ok = offs_gp < G
+            SB: tl.constexpr = 8
+            offs_sb = tl.arange(0, SB)
+            mx = tl.full([G_POW], float("-inf"), tl.float32)
+            for s0 in range(0, n_eff, SB):
+                sr = s0 + offs_sb
+                mr = (pid_bh * n_splits + sr)[:, None] * G + offs_gp[None, :]
+                ms = tl.load(m_ptr + mr, mask=(sr < n_eff)[:, None] & gp_ok[None, :], other=float("-inf"),
+                             cache_modifier=".cg")
+                mx = tl.maximum(mx, tl.max(ms, axis=0))
             mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-            lse = mx_safe + tl.log(tl.sum(tl.exp(qk - mx_safe[:, None]), axis=1))
-            tl.store(lse_ptr + ((b * Hkv + kvh) * G + offs_g) * n_cand + c, lse, mask=g_ok)
+            num = tl.zeros([G_POW, D_PAD], tl.float32)
+            den = tl.zeros([G_POW], tl.float32)
+            for s0 in range(0, n_eff, SB):
+                sr = s0 + offs_sb
+                s_ok = (sr < n_eff)[:, None] & gp_ok[None, :]
+                mr = (pid_bh * n_splits + sr)[:, None] * G + offs_gp[None, :]  # [SB, G_POW]
+                ms = tl.load(m_ptr + mr, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                ls = tl.load(l_ptr + mr, mask=s_ok, other=0.0, cache_modifier=".cg")
+                w = tl.exp(ms - mx_safe[None, :])  # [SB, G_POW]
+                den += tl.sum(w * ls, axis=0)
+                a = tl.load(acc_ptr + mr[:, :, None] * D + offs_d[None, None, :],
+                            mask=s_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+                num += tl.sum(w[:, :, None] * a, axis=0)
+            o = num / tl.where(den > 0, den, 1.0)[:, None]  # no finite logit: zeros, as SDPA
+            orow = b * Hkv * G + kvh * G + offs_gp
+            tl.store(out_ptr + orow[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=gp_ok[:, None] & d_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------------
 
+#: the kernels one call may launch, in order (the CPU-side checks count launches of these)
+LAUNCHES = ("_score_pages_kernel", "_rank_candidates_kernel", "_attend_kernel")
+
+#: ``BOUNDS_KIND`` of :func:`_score_pages_kernel` for each storage dtype of ``kmax``/``kmin``
+_BOUNDS_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+#: elements of one select chunk (16 thresholds against BLOCK_SEL keys a step)
+_BLOCK_SEL = 256
+#: fewest tokens a split of launch 3 visits before another split is used (CUDA; the interpreter uses 8, so that
+#: small test shapes still run several splits)
+_MIN_TOKENS_PER_SPLIT = 128
+
 
 def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(int(n), 1) - 1).bit_length())
 
 
-def _mask_view(attn_mask: Optional[torch.Tensor], B: int, Hq: int, L: int, device):
-    """``(tensor, strides (b, h, l), kind, per_head)`` of the mask viewed as ``[B, Hm, L]`` without a copy."""
+def _mask_view(attn_mask: Optional[torch.Tensor], B: int, Hq: int, L: int, dummy: torch.Tensor):
+    """``(tensor, strides (b, h, l), kind, per_head)`` of the mask viewed as ``[B, Hm, L]`` without a copy
+    (``dummy``, never read, when there is no mask)."""
     if attn_mask is None:
-        dummy = torch.zeros(1, dtype=torch.float32, device=device)
         return dummy, (0, 0, 0), _MASK_NONE, False
     m = attn_mask
     while m.dim() < 4:
@@ -506,149 +662,187 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and _INTERPRETED)
 
 
-def _n_splits(bh: int, n_pages: int, pages_per_block: int, device, n_splits: Optional[int]):
-    """Split count and pages per split.
+class _Plan:
+    """Grid and workspace sizes of one call, from the shapes alone.
 
-    By default ``bh * n_splits`` covers the GPU's SMs twice, and each split loops
-    over at least two blocks of pages (so loads overlap compute; this also bounds
-    the partials' traffic). Not tuned on hardware yet. Under the interpreter a
-    split may hold one block, so that small test shapes still use several splits.
-    An explicit ``n_splits`` is only clamped to one page per split.
+    Attributes are plain ints and flags: ``mode`` (0 dense from the shapes, 1 one stage, 2 two stages keeping
+    pages, 3 two stages keeping tokens), ``n_cand`` (pages selected by launch 1), ``n_keep`` (units kept by
+    launch 2), ``n_units2`` (units launch 2 ranks), ``block_p``/``n_prog1`` (launch 1), ``cand_per_prog``/
+    ``n_prog2`` (launch 2), ``ppb`` (pages per block), ``n_splits`` (launch 3).
     """
-    if n_splits is None:
-        if device.type == "cuda":
-            target, min_blocks = 2 * torch.cuda.get_device_properties(device).multi_processor_count, 2
+
+    def __init__(self, B, Hkv, G, L, D, P, spec: SelectionSpec, device, n_splits: Optional[int]):
+        S = spec.page_size
+        K, N1 = spec.n_pages, spec.n_candidates
+        BH = B * Hkv
+        self.S_PAD = _pow2(S)
+        self.ppb = max(1, 64 // self.S_PAD) if D <= 128 else max(1, 32 // self.S_PAD)
+        if self.ppb * self.S_PAD < 16:  # tl.dot needs N >= 16
+            self.ppb = 16 // self.S_PAD
+        cuda = device.type == "cuda"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+        if spec.dense_cache(P):
+            self.mode = 0
+        elif N1 <= K:
+            self.mode = 1
         else:
-            target, min_blocks = 2 * bh, 1
-        n_splits = triton.cdiv(target, bh)
-        n_splits = max(1, min(n_splits, triton.cdiv(n_pages, min_blocks * pages_per_block)))
-        pps = triton.cdiv(triton.cdiv(n_pages, n_splits), pages_per_block) * pages_per_block
-    else:
-        n_splits = max(1, min(int(n_splits), n_pages))
-        pps = triton.cdiv(n_pages, n_splits)
-    return triton.cdiv(n_pages, pps), pps
+            self.mode = 3 if spec.keep_tokens else 2
+        self.n_dense = spec.n_dense_pages
+        self.n_cand = min(N1, P)
+        self.n_keep = K * S if self.mode == 3 else K
+        self.n_units2 = self.n_cand * S if self.mode == 3 else self.n_cand
+        self.block_p = min(max(1, 4096 // _pow2(D)), _pow2(P))  # two [BLOCK_P, D] fp32 tiles: ~64 registers a thread
+        self.n_prog1 = -(-P // self.block_p)
+        target = -(-2 * sms // BH) if cuda else 2  # launch 2: fill the GPU twice (the interpreter: two programs)
+        cpp = max(self.ppb, -(-self.n_cand // max(1, target)))
+        self.cand_per_prog = -(-cpp // self.ppb) * self.ppb
+        self.n_prog2 = -(-self.n_cand // self.cand_per_prog)
+        self.min_per_split = _MIN_TOKENS_PER_SPLIT if cuda else 8
+        if n_splits is None:
+            n_splits = -(-2 * sms // BH) if cuda else 4
+            n_splits = max(1, min(n_splits, -(-L // self.min_per_split)))
+        self.n_splits = max(1, min(int(n_splits), 1024))
 
 
-#: ``BOUNDS_KIND`` of :func:`_page_scores_kernel` for each storage dtype of ``kmax``/``kmin``
-_BOUNDS_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+class _Workspace:
+    """Every buffer one call writes besides its output, sized by a :class:`_Plan` (see :func:`_workspace`)."""
+
+    def __init__(self, plan: _Plan, B, Hkv, G, P, D, device):
+        BH = B * Hkv
+        f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+        self.scores = torch.empty(BH, P, **f32)
+        self.cand = torch.empty(BH, plan.n_cand, **i32)
+        self.ncand = torch.empty(BH, **i32)
+        two = plan.mode in (2, 3)
+        self.logits = torch.empty(BH, G, plan.n_units2 if two else 1, **f32)
+        self.stat_m = torch.empty(BH, plan.n_prog2, _pow2(G, 16), **f32)
+        self.stat_l = torch.empty_like(self.stat_m)
+        self.share = torch.empty(BH, plan.n_units2 if two else 1, **f32)
+        self.kept = torch.empty(BH, plan.n_keep if two else 1, **i32)
+        self.count = torch.empty(BH, **i32) if two else self.ncand
+        self.acc = torch.empty(BH, plan.n_splits, G, D, **f32)
+        self.m = torch.empty(BH, plan.n_splits, G, **f32)
+        self.l = torch.empty_like(self.m)
+        self.sems = torch.zeros(3, BH, **i32)  # arrival counters: each launch leaves its row at zero
 
 
-def _page_scores(q, kmax, kmin, kabs, vl, vl_stride, mask, mstr, mkind, mper, scale, page_size, sink_pages, L):
-    B, Hq, _, D = q.shape
-    Hkv, P = kmax.shape[1], kmax.shape[2]
+_WORKSPACES: "dict" = {}
+_MAX_WORKSPACES = 32
+
+
+def _workspace(plan: _Plan, B, Hkv, G, P, D, spec: SelectionSpec, device) -> _Workspace:
+    """The workspace of a shape, allocated once per shape and device (the oldest of more than 32 is dropped).
+
+    While a CUDA graph is being captured a shape seen for the first time gets a workspace of its own, not kept:
+    memory allocated during a capture belongs to that graph's pool."""
+    key = (str(device), B, Hkv, G, P, D, plan.n_splits, tuple(spec.to_list()))
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _Workspace(plan, B, Hkv, G, P, D, device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            if len(_WORKSPACES) >= _MAX_WORKSPACES:
+                _WORKSPACES.pop(next(iter(_WORKSPACES)))
+            _WORKSPACES[key] = ws
+    return ws
+
+
+def _check_bounds(kmax, kmin, kabs):
     if kmax.dtype not in _BOUNDS_KINDS or kmin.dtype != kmax.dtype:
         raise ValueError(f"sparse_decode_triton: arguments 'kmax'/'kmin' must both be float32, bfloat16 or int8, "
                          f"got {kmax.dtype}/{kmin.dtype}")
     if kabs.dtype != torch.float32:
         raise ValueError(f"sparse_decode_triton: argument 'kabs' must be float32, got {kabs.dtype}")
-    if kmin.stride() != kmax.stride():
-        kmin = kmin.contiguous()
-        kmax = kmax.contiguous()
-    scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=q.device)
-    BLOCK_P = min(max(1, 4096 // _pow2(D)), _pow2(P))  # two [BLOCK_P, D] fp32 tiles: ~64 registers a thread
-    grid = (B * Hkv, triton.cdiv(P, BLOCK_P))
-    _page_scores_kernel[grid](
-        q, kmax, kmin, kabs, vl, mask, scores,
-        q.stride(0), q.stride(1), q.stride(3),
-        *kmax.stride(),
-        *kabs.stride(),
-        vl_stride,
-        *mstr,
-        Hkv, P, L, float(scale), score_slack_factor(D), score_underflow_slack(D) / float(scale), int(sink_pages),
-        G=Hq // Hkv, D=D, D_PAD=_pow2(D), S=page_size, S_PAD=_pow2(page_size),
-        BLOCK_P=BLOCK_P, MASK_KIND=mkind, MASK_PER_HEAD=mper, BOUNDS_KIND=_BOUNDS_KINDS[kmax.dtype],
-    )
-    return scores
 
 
-def _candidate_page_lse(q, k_cache, cand, vl, vl_stride, mask, mstr, mkind, mper, scale, page_size,
-                        store_logits=False):
-    """Per candidate page and query head: log-sum-exp ``[B, Hkv, G, Kc]`` fp32 of the exact logits or, with
-    ``store_logits``, the logits ``[B, Hkv, G, Kc * S]`` fp32 (token ``cand[c] * S + s`` at ``c * S + s``)."""
-    B, Hq, _, D = q.shape
-    Hkv, L = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    Kc = cand.shape[-1]
-    out = torch.empty(B, Hkv, G, Kc * page_size if store_logits else Kc, dtype=torch.float32, device=q.device)
-    _candidate_page_lse_kernel[(B * Hkv, Kc)](
-        q, k_cache, cand, vl, mask, out,
-        q.stride(0), q.stride(1), q.stride(3),
-        *k_cache.stride(),
-        cand.stride(0), cand.stride(1),
-        vl_stride,
-        *mstr,
-        Hkv, L, Kc, float(scale),
-        G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), S=page_size, S_PAD=_pow2(page_size, 16),
-        MASK_KIND=mkind, MASK_PER_HEAD=mper, UPCAST=_upcast(q.dtype), STORE_LOGITS=bool(store_logits),
-    )
-    return out
+def _ctrl_view(ctrl: Optional[torch.Tensor], device, dummy: torch.Tensor):
+    """``(tensor, has_ctrl, host_dense)``: a ``ctrl`` on the device of ``q`` is read by the kernels; one in host
+    memory (a CUDA ``q``) is read here, a read of host memory that does not wait for the device."""
+    if ctrl is None:
+        return dummy, False, False
+    if ctrl.dtype != torch.int32 or ctrl.numel() < 2:
+        raise ValueError(f"sparse_decode_triton: argument 'ctrl' must be int32 with 2 elements, got {ctrl.dtype} "
+                         f"{tuple(ctrl.shape)}")
+    if ctrl.device == device:
+        return ctrl.reshape(-1), True, False
+    if ctrl.device.type != "cpu":
+        raise ValueError(f"sparse_decode_triton: argument 'ctrl' must be on the device of q ({device}) or the CPU, "
+                         f"got {ctrl.device}")
+    return dummy, False, bool(ctrl[:2].any())
 
 
-def _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: SelectionSpec):
-    """What the attention kernels read, ``(idx, ok, logits, count)``.
-
-    Returns ``(idx, ok, logits, count)``:
-
-    * ``(None, None, None, None)`` when dense from the shapes (:meth:`.spec.SelectionSpec.dense_cache`);
-    * pages: ``idx`` ``[B, Hkv, K]`` (two-stage: ``[B, Hkv, N1]``) int64 page indices (unsorted; page ``P``, past
-      every token, for an empty slot), ``ok`` bool, False where a page scored ``-inf`` or the slot is empty (it
-      contributes nothing), ``logits`` and ``count`` None;
-    * tokens (two-stage with ``keep_tokens``): ``idx`` ``[B, Hkv, N1*S]`` int64 token positions (unsorted, -1 for
-      an empty slot), ``ok`` bool, False for an empty slot, ``logits`` ``[B, Hkv, G, N1*S]`` fp32 their masked
-      logits from the candidate stage (-inf for an empty slot), ``count`` int64 ``[B]`` the slots to visit.
-
-    Two-stage, a row whose valid pages are all candidates keeps every candidate (it attends densely,
-    :attr:`.spec.SelectionSpec.n_dense_pages`); the other rows keep ``K`` pages (``K*S`` tokens) and empty slots.
-
-    The page-score kernel applies the forced pages (:func:`.reference.forced_pages`); the two-stage ranking is
-    the reference's own (:func:`.reference.rank_candidate_pages`, :func:`.reference.rank_candidate_tokens`).
-    """
+def _launch_select(q, k_cache, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, ctrl, has_ctrl, scale,
+                   spec: SelectionSpec, plan: _Plan, ws: _Workspace, select: bool = True) -> None:
+    """Launches 1 and (two stages) 2: the kept pages or tokens of every sparse row, in ``ws``."""
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     P = kmax.shape[2]
-    S, sink_pages = spec.page_size, spec.sink_pages
-    K = spec.n_pages
-    if spec.dense_cache(P):  # every page fits, or every page is a candidate, whatever valid_len is: dense
-        return None, None, None, None
+    S = spec.page_size
+    if kmin.stride() != kmax.stride():
+        kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    _score_pages_kernel[(B * Hkv, plan.n_prog1)](
+        q, kmax, kmin, kabs, vl, mask, ctrl,
+        ws.scores, ws.cand, ws.ncand, ws.sems[0],
+        q.stride(0), q.stride(1), q.stride(3),
+        *kmax.stride(),
+        *kabs.stride(),
+        vls,
+        *mstr,
+        Hkv, P, L, float(scale), score_slack_factor(D), score_underflow_slack(D) / float(scale), int(spec.sink_pages),
+        plan.n_dense, plan.n_cand, plan.n_prog1,
+        G=G, D=D, D_PAD=_pow2(D), S=S, S_PAD=plan.S_PAD, BLOCK_P=plan.block_p, MASK_KIND=mkind,
+        MASK_PER_HEAD=mper, BOUNDS_KIND=_BOUNDS_KINDS[kmax.dtype], HAS_CTRL=has_ctrl, SELECT=select,
+        BLOCK_SEL=_BLOCK_SEL,
+    )
+    if not select or plan.mode not in (2, 3):
+        return
+    _rank_candidates_kernel[(B * Hkv, plan.n_prog2)](
+        q, k_cache, vl, mask, ctrl,
+        ws.cand, ws.ncand, ws.logits, ws.stat_m, ws.stat_l, ws.share, ws.kept, ws.count, ws.sems[1],
+        q.stride(0), q.stride(1), q.stride(3),
+        *k_cache.stride(),
+        vls,
+        *mstr,
+        Hkv, L, float(scale), int(spec.sink_pages), plan.n_dense, plan.n_cand, plan.n_keep, plan.n_prog2,
+        plan.cand_per_prog,
+        G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), S=S, S_PAD=plan.S_PAD, PAGES_PER_BLOCK=plan.ppb,
+        NP_PAD=_pow2(plan.n_prog2), MASK_KIND=mkind, MASK_PER_HEAD=mper, UPCAST=_upcast(q.dtype),
+        TOKENS=plan.mode == 3, HAS_CTRL=has_ctrl, BLOCK_SEL=_BLOCK_SEL,
+    )
+
+
+def _prepare(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, spec, ctrl, n_splits):
+    """Checks, views and the plan and workspace of a call."""
+    _check_bounds(kmax, kmin, kabs)
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    P = kmax.shape[2]
+    plan = _Plan(B, Hkv, Hq // Hkv, L, D, P, spec, q.device, n_splits)
+    ws = _workspace(plan, B, Hkv, Hq // Hkv, P, D, spec, q.device)
     vl, vls = _valid_len_view(valid_len, B, q.device)
-    mask, mstr, mkind, mper = _mask_view(attn_mask, B, Hq, L, q.device)
-    scores = _page_scores(q, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, scale, S, sink_pages, L)
-    n1 = spec.n_candidates
-    if n1 <= K:  # one stage
-        top, idx = scores.topk(K, dim=-1, sorted=False)
-        return idx, top > float("-inf"), None, None
-    # ---- two-stage: top-N1 candidates by bound (all valid pages when N1 covers them; the rest score -inf)
-    ctop, cidx = scores.topk(min(n1, P), dim=-1, sorted=False)  # [B,Hkv,Kc]
-    cand = Selection(cidx, ctop > float("-inf"))
-    Kc = cidx.shape[-1]
-    vlb = vl.expand(B).clamp(max=L)  # [B]: valid_len past the cache counts as L
-    # rows whose valid pages are all candidates attend every candidate (dense: SelectionSpec.n_dense_pages); the
-    # other rows' selections are padded to the candidates' width with empty slots
-    every = ((vlb + S - 1) // S <= n1).reshape(B, 1, 1)  # [B,1,1]
-    if not spec.keep_tokens:
-        # ---- K of the candidate pages by share of exact softmax mass
-        lse = _candidate_page_lse(q, k_cache, cidx, vl, vls, mask, mstr, mkind, mper, scale, S)  # [B,Hkv,G,Kc]
-        sel, _ = rank_candidate_pages(lse, cand, vlb, S, K, sink_pages)  # [B,Hkv,K]
-        pad = Kc - sel.idx.shape[-1]
-        idx = torch.cat([sel.idx, sel.idx.new_full((B, Hkv, pad), P)], -1)  # page P: past every token, never read
-        ok = torch.cat([sel.ok, sel.ok.new_zeros(B, Hkv, pad)], -1)
-        return torch.where(every, cidx, idx), torch.where(every, cand.ok, ok), None, None
-    # ---- K*S of the candidate tokens by share of exact softmax mass, with their logits
-    logits = _candidate_page_lse(q, k_cache, cidx, vl, vls, mask, mstr, mkind, mper, scale, S,
-                                 store_logits=True)  # [B,Hkv,G,Kc*S]
-    sel, slot = rank_candidate_tokens(logits, cand, vlb, S, K * S, sink_pages)  # [B,Hkv,n]
-    kept_logits = logits.gather(3, slot[:, :, None, :].expand(B, Hkv, G, slot.shape[-1]))  # [B,Hkv,G,n]
-    kept_logits = kept_logits.masked_fill(~sel.ok[:, :, None, :], float("-inf"))
-    n, W = slot.shape[-1], Kc * S
-    tok_c = (cidx[..., None] * S + torch.arange(S, device=q.device)).reshape(B, Hkv, W)  # [B,Hkv,W]
-    ok_c = cand.ok.repeat_interleave(S, dim=-1) & (tok_c < vlb.reshape(B, 1, 1))
-    idx = torch.cat([sel.idx.masked_fill(~sel.ok, -1), sel.idx.new_full((B, Hkv, W - n), -1)], -1)
-    lg = torch.cat([kept_logits, kept_logits.new_full((B, Hkv, G, W - n), float("-inf"))], -1)
-    idx = torch.where(every, tok_c.masked_fill(~ok_c, -1), idx)  # [B,Hkv,W]
-    lg = torch.where(every[..., None], logits.masked_fill(~ok_c[:, :, None, :], float("-inf")), lg)  # [B,Hkv,G,W]
-    count = torch.where(every.reshape(B), W, n)  # [B]: the slots the attention visits
-    return idx, idx >= 0, lg, count
+    mask, mstr, mkind, mper = _mask_view(attn_mask, B, Hq, L, ws.scores)
+    ctrl_t, has_ctrl, host_dense = _ctrl_view(ctrl, q.device, ws.ncand)
+    return plan, ws, vl, vls, mask, mstr, mkind, mper, ctrl_t, has_ctrl, host_dense
+
+
+def page_scores_triton(q, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: SelectionSpec,
+                       length: int) -> torch.Tensor:
+    """Launch 1's page scores alone (no select), for checks against :func:`.reference.page_scores`.
+
+    ``length`` is the key cache's ``L``; the other arguments as in :func:`sparse_decode_triton`. Every row is
+    scored (the dense-row rule is lifted). Returns fp32 ``[B, Hkv, P]``: the group-max bound, ``+inf`` for the
+    forced pages, ``-inf`` past ``valid_len``.
+    """
+    B, Hq, _, D = q.shape
+    Hkv, P = kmax.shape[1], kmax.shape[2]
+    keys = torch.empty(B, Hkv, length, D, dtype=q.dtype, device="meta")  # only its shape is read
+    plan, ws, vl, vls, mask, mstr, mkind, mper, ctrl_t, _, _ = _prepare(
+        q, keys, kmax, kmin, kabs, valid_len, attn_mask, spec, None, None)
+    plan.n_dense = -1
+    _launch_select(q, keys, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, ctrl_t, False, scale, spec, plan, ws,
+                   select=False)
+    return ws.scores.reshape(B, Hkv, P).clone()
 
 
 def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale,
@@ -663,18 +857,49 @@ def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scal
     Returns
     -------
     Selection or None
-        ``idx`` ``[B, Hkv, K]`` int64 ascending and ``ok`` (False for a slot whose page
-        scored ``-inf``: past ``valid_len`` or fully masked, so it contributes nothing).
-        Two-stage with ``keep_tokens`` (``spec.n_candidates > K``), the kept single tokens instead:
-        ``idx`` ``[B, Hkv, n]`` token positions, ascending (pages of one token, as the reference's
-        ``choose`` returns with ``unit = 1``). None when dense from the shapes alone
-        (:meth:`.spec.SelectionSpec.dense_cache`).
+        ``idx`` ``[B, Hkv, n]`` int64 ascending and ``ok`` (False for an empty slot): the kept pages or, two-stage
+        with ``keep_tokens``, the kept token positions (pages of one token, as the reference's ``choose`` returns
+        with ``unit = 1``). A row attended densely lists every valid page (token). None when every row is dense
+        from the shapes alone (:meth:`.spec.SelectionSpec.dense_cache`).
     """
-    idx, ok, _, _ = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
-    if idx is None:
+    B, Hq, _, D = q.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    S = spec.page_size
+    plan, ws, vl, vls, mask, mstr, mkind, mper, ctrl_t, has_ctrl, _ = _prepare(
+        q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, spec, None, None)
+    if plan.mode == 0:
         return None
-    idx, order = idx.clamp(min=0).sort(-1)
-    return Selection(idx, ok.gather(-1, order))
+    _launch_select(q, k_cache, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, ctrl_t, False, scale, spec, plan,
+                   ws)
+    vlb = vl.expand(B).clamp(max=L).long()
+    n_valid = (vlb + S - 1) // S
+    dense = (n_valid <= plan.n_dense).reshape(B, 1, 1)
+    # a dense row's lists were not written (launches 1 and 2 skip it): read them as empty
+    cand = ws.cand.reshape(B, Hkv, -1).long().clamp(0, kmax.shape[2] - 1).masked_fill(dense, 0)
+    count = (ws.ncand if plan.mode == 1 else ws.count).reshape(B, Hkv, 1).long().masked_fill(dense, 0)
+    kept = ws.kept.reshape(B, Hkv, -1).long().masked_fill(dense, 0)
+    if plan.mode == 1:
+        idx, n = cand, count
+    elif plan.mode == 2:
+        idx, n = cand.gather(2, kept.clamp(0, cand.shape[-1] - 1)), count
+    else:
+        slot = kept.clamp(0, cand.shape[-1] * S - 1)
+        idx = cand.gather(2, slot // S) * S + slot % S
+        n = count
+    width = idx.shape[-1]
+    ok = torch.arange(width, device=q.device).reshape(1, 1, -1) < n
+    unit = 1 if plan.mode == 3 else S
+    every = torch.arange(-(-L // unit), device=q.device).reshape(1, 1, -1)  # a dense row: every valid unit
+    w = max(width, every.shape[-1])
+    idx = torch.nn.functional.pad(torch.where(ok, idx, 0), (0, w - width))
+    ok = torch.nn.functional.pad(ok, (0, w - width))
+    every_idx = torch.nn.functional.pad(every, (0, w - every.shape[-1])).expand(B, Hkv, w)
+    every_ok = every_idx * unit < vlb.reshape(B, 1, 1)
+    every_ok &= torch.arange(w, device=q.device).reshape(1, 1, -1) < every.shape[-1]
+    idx = torch.where(dense, every_idx, idx)
+    ok = torch.where(dense, every_ok, ok)
+    idx, order = torch.where(ok, idx, torch.iinfo(torch.int64).max).sort(-1)
+    return Selection(torch.where(ok.gather(-1, order), idx, 0), ok.gather(-1, order))
 
 
 def sparse_decode_triton(
@@ -689,8 +914,9 @@ def sparse_decode_triton(
     scale: float,
     spec: SelectionSpec,
     n_splits: Optional[int] = None,
+    ctrl: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Query-aware paged sparse decode attention with Triton kernels.
+    """Query-aware paged sparse decode attention in at most three Triton launches, with no host read.
 
     Parameters
     ----------
@@ -715,7 +941,10 @@ def sparse_decode_triton(
         ``keep_tokens`` the ``K * page_size`` candidate tokens of highest softmax share are kept instead of
         ``K`` whole pages (:func:`.reference.rank_candidate_tokens`).
     n_splits : int, optional
-        Split-K programs per KV head (default: enough to fill the device twice). Pass by keyword.
+        Split-K programs per KV head of launch 3 (default: enough to fill the device twice). Pass by keyword.
+    ctrl : torch.Tensor, optional
+        int32 ``[2]``: a nonzero ``ctrl[0]`` (stale bounds) or ``ctrl[1]`` (a dense layer) attends every valid
+        token. On the device of ``q`` the kernels read it; in host memory it is read here.
 
     Returns
     -------
@@ -725,63 +954,25 @@ def sparse_decode_triton(
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    page_size = spec.page_size
-    idx, _, tok_logits, count = _select(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec)
-    if tok_logits is not None:
-        return _attend_tokens(q, v_cache, idx, tok_logits, count, n_splits)
-    dense = idx is None
-    n_pages = kmax.shape[2] if dense else idx.shape[-1]
-    vl, vls = _valid_len_view(valid_len, B, q.device)
-    mask, mstr, mkind, mper = _mask_view(attn_mask, B, Hq, L, q.device)
-    S_PAD = _pow2(page_size)
-    ppb = max(1, 64 // S_PAD) if D <= 128 else max(1, 32 // S_PAD)
-    if ppb * S_PAD < 16:  # tl.dot needs N >= 16
-        ppb = 16 // S_PAD
-    ns, pps = _n_splits(B * Hkv, n_pages, ppb, q.device, n_splits)
-    acc = torch.empty(B, Hq, ns, D, dtype=torch.float32, device=q.device)
-    m = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
-    l = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
-    idx_t = vl if dense else idx  # dummy pointer when dense
-    _sparse_attn_splitk_kernel[(B * Hkv, ns)](
-        q, k_cache, v_cache, idx_t, vl, mask, acc, m, l,
+    S = spec.page_size
+    plan, ws, vl, vls, mask, mstr, mkind, mper, ctrl_t, has_ctrl, host_dense = _prepare(
+        q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, spec, ctrl, n_splits)
+    mode = 0 if host_dense else plan.mode
+    if mode != 0:
+        _launch_select(q, k_cache, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, ctrl_t, has_ctrl, scale, spec,
+                       plan, ws)
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+    _attend_kernel[(B * Hkv, plan.n_splits)](
+        q, k_cache, v_cache, vl, mask, ctrl_t,
+        ws.cand, ws.kept, ws.count, ws.logits, ws.acc, ws.m, ws.l, out, ws.sems[2],
         q.stride(0), q.stride(1), q.stride(3),
         *k_cache.stride(),
         *v_cache.stride(),
-        0 if dense else idx.stride(0), 0 if dense else idx.stride(1),
         vls,
         *mstr,
-        Hkv, L, n_pages, pps, ns, float(scale),
-        G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), S=page_size, S_PAD=S_PAD, PAGES_PER_BLOCK=ppb,
-        MASK_KIND=mkind, MASK_PER_HEAD=mper, DENSE=dense, UPCAST=_upcast(q.dtype),
+        Hkv, L, float(scale), plan.n_dense, plan.n_cand, ws.kept.shape[-1], plan.n_splits, plan.min_per_split,
+        G=G, G_PAD=_pow2(G, 16), G_POW=_pow2(G), D=D, D_PAD=_pow2(D, 16), S=S, S_PAD=plan.S_PAD,
+        PAGES_PER_BLOCK=plan.ppb, SPLIT_BLOCK=64 if D <= 128 else 32, MODE=mode, MASK_KIND=mkind,
+        MASK_PER_HEAD=mper, UPCAST=_upcast(q.dtype), HAS_CTRL=has_ctrl and mode != 0,
     )
-    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
-    _splitk_combine_kernel[(B * Hq,)](acc, m, l, out, ns, D=D, D_PAD=_pow2(D), NS_PAD=_pow2(ns))
-    return out
-
-
-def _attend_tokens(q, v_cache, tok, logits, count, n_splits):
-    """Split-K attention over kept tokens with their candidate-stage logits, then the combine kernel.
-
-    ``tok`` ``[B, Hkv, n]`` int64 positions (-1: empty), ``logits`` ``[B, Hkv, G, n]`` fp32 contiguous, ``count``
-    int64 ``[B]``: row ``b``'s slots past ``count[b]`` are empty and skipped.
-    """
-    B, Hq, _, D = q.shape
-    Hkv = v_cache.shape[1]
-    G = Hq // Hkv
-    n = tok.shape[-1]
-    BLOCK_T = 64 if D <= 128 else 32
-    ns, tps = _n_splits(B * Hkv, n, BLOCK_T, q.device, n_splits)
-    acc = torch.empty(B, Hq, ns, D, dtype=torch.float32, device=q.device)
-    m = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
-    l = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
-    logits = logits.contiguous()
-    _token_attn_splitk_kernel[(B * Hkv, ns)](
-        v_cache, tok, logits, count.contiguous(), acc, m, l,
-        *v_cache.stride(),
-        tok.stride(0), tok.stride(1),
-        Hkv, n, tps, ns,
-        G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), BLOCK_T=BLOCK_T, UPCAST=_upcast(q.dtype),
-    )
-    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
-    _splitk_combine_kernel[(B * Hq,)](acc, m, l, out, ns, D=D, D_PAD=_pow2(D), NS_PAD=_pow2(ns))
     return out

@@ -133,9 +133,7 @@ def test_int8_scores_match_reference_and_bound_logits():
     q, k, v, vl, mask, _ = _inputs(B, Hkv, G, L, D, S, torch.float32, "float_per_head", "full", seed=3)
     bounds = ref.page_bounds(k, S, dtype=torch.int8)
     scale = D ** -0.5
-    vlv, vls = tsd._valid_len_view(vl, B, q.device)
-    m, mstr, mkind, mper = tsd._mask_view(mask, B, Hkv * G, L, q.device)
-    got = tsd._page_scores(q, *bounds, vlv, vls, m, mstr, mkind, mper, scale, S, 0, L)
+    got = tsd.page_scores_triton(q, *bounds, vl, mask, scale, _spec(S, 2 * S, bdt=torch.int8), L)
     want = ref.page_scores(q, bounds, scale, ref.mask_page_max(mask, B, Hkv * G, L, S))
     newest = (L - 1) // S
     want[:, :, newest] = float("inf")  # the kernel forces the newest page
