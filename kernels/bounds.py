@@ -7,8 +7,9 @@ rebuild from scratch: a touched page is recomputed whole, never merged.
 
 ``tinyserve::cache_write`` is registered once, with one kernel per device chosen by the
 dispatcher: on CPU the native C++ kernel when it builds (registered from C++, see
-``kernels/csrc/dispatch.cpp``), on CUDA the Triton bounds kernel
-(:mod:`.triton_bounds`, no host sync) when Triton is installed, else (and on any other
+``kernels/csrc/dispatch.cpp``), on CUDA the Triton kernel
+(:func:`.triton_bounds.cache_write_triton`: one launch, no host sync, the stale flag read on the
+device) when Triton is installed, else (and on any other
 device) the PyTorch path :func:`cache_write_torch`.
 """
 from __future__ import annotations
@@ -152,7 +153,8 @@ def _positions(positions: torch.Tensor) -> torch.Tensor:
 
 
 def cache_write_torch(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size: int) -> None:
-    """The PyTorch path of ``tinyserve::cache_write`` (any device)."""
+    """The PyTorch path of ``tinyserve::cache_write`` (any device; ``ctrl`` on the CPU or the cache's device, read
+    on the host and cleared: a fallback, so a device ``ctrl`` costs a sync here)."""
     pos = _positions(positions)
     k_cache.index_copy_(2, pos, src.to(k_cache.dtype))
     if int(ctrl[0]):
@@ -170,15 +172,29 @@ def _cache_write_native(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_si
 
 
 def _cache_write_triton(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size: int) -> None:
-    from .triton_bounds import rebuild_bounds_triton, update_bounds_triton
+    """The Triton path: :func:`.triton_bounds.cache_write_triton`, one launch that reads ``ctrl[0]`` on the device.
 
-    pos = _positions(positions)
-    k_cache.index_copy_(2, pos, src.to(k_cache.dtype))
-    if int(ctrl[0]):  # ctrl lives on the CPU: a read of host memory, no device sync
-        rebuild_bounds_triton(k_cache, kmax, kmin, kabs, page_size)
+    ``ctrl`` on ``k_cache``'s device is handed to the kernel as is. A ``ctrl`` in host memory (a CPU tensor: the
+    cache's own device under the interpreter, or beside a CUDA cache) is cleared after the launch, as the other
+    paths clear it; beside a CUDA cache its flag is read on the host (host memory: no device sync) and the kernel
+    gets a device copy of it from :func:`_device_flags`. A ``ctrl`` on the device is never written here.
+    """
+    from .triton_bounds import cache_write_triton
+
+    src = src.to(k_cache.dtype)  # the same tensor when the dtypes agree (an index_copy_ source always does)
+    if ctrl.device == k_cache.device:
+        cache_write_triton(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size)
+    else:  # a host flag beside a device cache
+        cache_write_triton(k_cache, kmax, kmin, kabs, _device_flags(k_cache.device)[1 if int(ctrl[0]) else 0],
+                           positions, src, page_size)
+    if ctrl.device.type == "cpu":
         ctrl[0] = 0
-    else:
-        update_bounds_triton(k_cache, kmax, kmin, kabs, pos, page_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _device_flags(device: torch.device) -> torch.Tensor:
+    """int32 ``[2, 2]`` on ``device``: row 0 the flags ``(0, 0)``, row 1 ``(1, 0)`` (a stale flag for the kernel)."""
+    return torch.tensor([[0, 0], [1, 0]], dtype=torch.int32, device=device)
 
 
 #: the implementations of ``tinyserve::cache_write`` by name (the conformance tests run each)
@@ -234,7 +250,7 @@ def python_cache_write_kernel(k_cache, kmax, kmin, kabs, ctrl, positions, src, s
     It serves every device until the native module loads; the native module then registers its own CPU kernel
     with the dispatcher (no Python per call), which hands the write back to this inside
     :func:`use_cache_write_impl` blocks that pick another path."""
-    _check_ctrl(ctrl)
+    _check_ctrl(ctrl, k_cache.device)
     impl = CACHE_WRITE_IMPLS[cache_write_impl(k_cache.device)]
     impl(k_cache, kmax, kmin, kabs, ctrl, positions, src, _page_size_of(tuple(spec)))
 
@@ -244,10 +260,12 @@ def _page_size_of(spec: tuple) -> int:
     return SelectionSpec.from_list(list(spec)).page_size
 
 
-def _check_ctrl(ctrl: torch.Tensor) -> None:
-    if ctrl.device.type != "cpu" or ctrl.dtype != torch.int32 or ctrl.numel() < 2 or not ctrl.is_contiguous():
-        raise ValueError(f"cache_write: argument 'ctrl' must be a contiguous int32 CPU tensor of 2 elements, got "
-                         f"{ctrl.dtype} {tuple(ctrl.shape)} on {ctrl.device}")
+def _check_ctrl(ctrl: torch.Tensor, device: torch.device) -> None:
+    """``ctrl``: contiguous int32 of >= 2 elements, on the CPU (every path) or on the cache's ``device``."""
+    if (ctrl.device.type != "cpu" and ctrl.device != device) or ctrl.dtype != torch.int32 or ctrl.numel() < 2 \
+            or not ctrl.is_contiguous():
+        raise ValueError(f"cache_write: argument 'ctrl' must be a contiguous int32 tensor of 2 elements on the CPU "
+                         f"or on {device}, got {ctrl.dtype} {tuple(ctrl.shape)} on {ctrl.device}")
 
 
 @torch.library.custom_op("tinyserve::cache_write", mutates_args=("k_cache", "kmax", "kmin", "kabs", "ctrl"))
@@ -264,8 +282,9 @@ def _cache_write_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tenso
     kabs : torch.Tensor
         ``[B, Hkv, P]`` contiguous float32.
     ctrl : torch.Tensor
-        int32 ``[2]`` CPU tensor: ``ctrl[0] != 0`` rebuilds every page (then clears it);
-        otherwise only the pages holding ``positions`` are recomputed.
+        int32 ``[2]``, on the CPU or on ``k_cache``'s device: ``ctrl[0] != 0`` rebuilds every page, otherwise
+        only the pages holding ``positions`` are recomputed. A CPU ``ctrl[0]`` is cleared after the call; one on
+        the device is read there by the Triton kernel and never written (the host sets it before each call).
     positions : torch.Tensor
         Integer (any dtype) 0-d, ``[1]`` or ``[n]``: the sequence positions written.
     src : torch.Tensor
