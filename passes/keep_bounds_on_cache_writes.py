@@ -12,8 +12,19 @@ Decode sites that will be rewritten and prefill sites that write a cache are
 handled, so that a compiled prefill keeps the bounds current. Each buffer is
 recorded as a :class:`~tinyserve_compile.runtime.BoundsSlot` in
 ``gm.meta["tinyserve_bounds"]``; ``site.bounds`` holds its four nodes.
+
+The four placeholders are static inputs: they carry ``meta["tensor_dict"]`` =
+:data:`STATIC_INPUT_META`, the record Dynamo leaves on the placeholder of a
+tensor marked with ``torch._dynamo.mark_static_address(t, guard=False)``. AOTAutograd
+turns that mark into ``fw_metadata.static_input_indices`` (for a graph that keeps
+Dynamo's ``_param_name_to_source`` and per-placeholder ``_dynamo_source``, which the
+backend carries over to its copy), and Inductor hands those indices to its CUDA
+graphs: a replay then neither copies the bounds nor records again, and their
+in-place updates by the write op do not make it skip CUDA graphs.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.fx as fx
@@ -23,9 +34,11 @@ from tinyserve_compile.kernels.spec import SelectionSpec
 
 from ._graph import cache_view, fake
 
-__all__ = ["keep_bounds_on_cache_writes", "BOUNDS_PREFIX"]
+__all__ = ["keep_bounds_on_cache_writes", "BOUNDS_PREFIX", "STATIC_INPUT_META"]
 
 BOUNDS_PREFIX = "tinyserve_bounds_"
+#: ``node.meta["tensor_dict"]`` of the bounds placeholders: Dynamo's record of an unguarded static address
+STATIC_INPUT_META = {"_dynamo_static_input_type": "unguarded"}
 
 
 def _positions(graph: fx.Graph, site, device) -> fx.Node:
@@ -56,10 +69,15 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
         slot = runtime.BoundsSlot(placeholders.index(site.k_base), site.k_layout.full(cache), cache.dtype,
                                   config.page_size, config.bounds_torch_dtype, perm=w.perm, rows=w.batch)
         nodes = []
-        for name, example in zip(("kmax", "kmin", "kabs", "ctrl"), slot.example_inputs(device)):
+        # example values in the cache's fake mode (Dynamo's), as fake as the rest: no device memory for metadata
+        mode = getattr(cache, "fake_mode", None)
+        with mode if mode is not None else contextlib.nullcontext():
+            examples = slot.example_inputs(device)
+        for name, example in zip(("kmax", "kmin", "kabs", "ctrl"), examples):
             with graph.inserting_after(last_placeholder):
                 node = graph.placeholder(f"{BOUNDS_PREFIX}{len(slots)}_{name}")
             node.meta["example_value"] = example
+            node.meta["tensor_dict"] = dict(STATIC_INPUT_META)  # a static input (same address every call)
             nodes.append(node)
             last_placeholder = node
         slots.append(slot)

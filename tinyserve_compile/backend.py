@@ -2,16 +2,22 @@
 
 ``torch.compile(model, backend="tinyserve", options={...})`` works without importing
 this package (``torch_dynamo_backends`` entry point) and after importing it.
+
+CUDA graphs: ``mode="reduce-overhead"`` (HF generate's default ``CompileConfig``) or the
+``cudagraphs`` option runs the rewritten graph under Inductor's CUDA graphs when it can
+(:func:`_cudagraphs_decision`); :func:`~tinyserve_compile.explain` says per graph whether
+they are on, and why not, including the reasons Inductor gives for skipping them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+import logging
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import runtime
 from .config import INDUCTOR_DEFAULTS, TinyServeConfig
-from .explain import record_graph
+from .explain import latest_graph, record_cudagraphs, record_graph
 
 __all__ = ["tinyserve_backend", "register"]
 
@@ -26,15 +32,94 @@ TORCH_EXECUTED_OPS = (
 )
 
 
-def _lower(gm: torch.fx.GraphModule, example_inputs: List[Any], config: TinyServeConfig) -> Callable:
+#: the graph whose compile or call is in progress (its explain record), to which Inductor's CUDA-graph skips belong
+_CURRENT: List[Optional[dict]] = [None]
+#: Inductor's warnings about CUDA graphs are logged here (``torch._inductor.cudagraph_utils.cudagraphs_log``)
+CUDAGRAPH_LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
+
+
+class _CudagraphSkipLog(logging.Handler):
+    """Inductor's "skipping cudagraphs due to ..." warnings, recorded in the explain record of the graph whose
+    compile or call logged them (:data:`_CURRENT`); messages of other compiled functions are left alone."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        info = _CURRENT[0]
+        if info is None or not info["cudagraphs"]["on"]:  # not ours, or already off: the first reason stays
+            return
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record: nothing to report
+            return
+        if "skipping cudagraph" in msg:
+            record_cudagraphs(info, False, "Inductor: " + msg.strip().splitlines()[0][:300])
+
+
+_SKIP_LOG = _CudagraphSkipLog()
+
+
+def _watch_cudagraph_skips() -> None:
+    """Attach :data:`_SKIP_LOG` to Inductor's CUDA-graph logger (once)."""
+    try:  # the logger object itself where the module has one
+        from torch._inductor.cudagraph_utils import cudagraphs_log as log
+    except ImportError:  # pragma: no cover - a torch without it
+        log = logging.getLogger(CUDAGRAPH_LOGGER)
+    if _SKIP_LOG not in log.handlers:
+        log.addHandler(_SKIP_LOG)
+
+
+def _inductor_cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def _cudagraphs_decision(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: TinyServeConfig,
+                         mode: Optional[str]) -> Tuple[bool, str]:
+    """Whether the rewritten graph runs under CUDA graphs, and why not when it does not.
+
+    Parameters
+    ----------
+    gm : torch.fx.GraphModule
+        The graph after the passes.
+    example_inputs : sequence
+        Dynamo's example inputs of ``gm``.
+    config : TinyServeConfig
+    mode : str, optional
+        ``torch.compile``'s ``mode``.
+
+    Returns
+    -------
+    (bool, str)
+        On or off, and the reason when off ("" when on).
+    """
+    if not config.cudagraphs_requested(mode):
+        return False, "not requested"
+    if config.lower != "inductor":
+        return False, f"lower={config.lower!r}"
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    if "cuda" not in devices:
+        return False, f"device is {'/'.join(sorted(devices)) or 'cpu'}"
+    if any(n.op == "call_function" and n.target is torch.ops.tinyserve.paged_attention.default
+           for n in gm.graph.nodes):
+        return False, f"policy {config.policy} runs Python per call (tinyserve::paged_attention)"
+    return True, ""
+
+
+def _lower(gm: torch.fx.GraphModule, example_inputs: List[Any], config: TinyServeConfig,
+           cudagraphs: bool = False) -> Callable:
     if config.lower == "eager":
         return gm.forward
     if config.lower == "inductor":
         import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        # the backend's Inductor defaults under the caller's settings, for this compile only
-        with inductor_config.patch({**INDUCTOR_DEFAULTS, **(config.inductor_options or {})}):
+        # the backend's Inductor defaults under the caller's settings, and CUDA graphs as decided, for this
+        # compile only
+        with inductor_config.patch({**INDUCTOR_DEFAULTS, **(config.inductor_options or {}),
+                                    "triton.cudagraphs": cudagraphs}):
             return compile_fx(gm, example_inputs)
     # "tensorrt": Torch-TensorRT's torch.compile backend, with our ops left to PyTorch.
     try:
@@ -51,13 +136,45 @@ def _lower(gm: torch.fx.GraphModule, example_inputs: List[Any], config: TinyServ
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` to rewrite: dynamo reads its own graph's placeholders after the backend returns."""
+    """A copy of ``gm`` to rewrite: dynamo reads its own graph's placeholders after the backend returns.
+
+    The copy keeps what AOTAutograd reads from a Dynamo graph to find its static inputs (for CUDA graphs):
+    ``meta`` (``dynamo_compile_id``, each placeholder's ``tensor_dict``), ``_param_name_to_source`` and each
+    placeholder's ``_dynamo_source``. Without them AOTAutograd takes the graph for an exported one, and no
+    input (not the parameters, not the caches) would count as static.
+    """
     graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    val_map = {}
+    out = graph.graph_copy(gm.graph, val_map)
     graph.output(out)
     new = torch.fx.GraphModule(gm, graph)
     new.meta.update(gm.meta)
+    for old, node in val_map.items():
+        if old.op == "placeholder" and hasattr(old, "_dynamo_source"):
+            node._dynamo_source = old._dynamo_source
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
     return new
+
+
+def _finish_dynamo_metadata(gm: torch.fx.GraphModule) -> None:
+    """Keep the rewritten graph readable as a Dynamo graph by AOTAutograd (see :func:`_copy`).
+
+    The placeholders the passes added have no source in user code (``_dynamo_source = None``, as for
+    intermediates of DDPOptimizer's split graphs). Should the graph hold a parameter or buffer that Dynamo
+    did not name, ``_param_name_to_source`` goes: AOTAutograd would reject it, and reads the graph as an
+    exported one instead (its static inputs are then the graph's own parameters and buffers).
+    """
+    if not hasattr(gm, "_param_name_to_source"):
+        return
+    names = gm._param_name_to_source
+    if any(n not in names for n, _ in (*gm.named_parameters(remove_duplicate=False),
+                                       *gm.named_buffers(remove_duplicate=False))):
+        del gm._param_name_to_source
+        return
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if not hasattr(node, "_dynamo_source"):
+            node._dynamo_source = None
 
 
 def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: Optional[dict] = None,
@@ -73,33 +190,64 @@ def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], optio
     options : dict, optional
         Parsed into :class:`~tinyserve_compile.config.TinyServeConfig`.
     mode : str, optional
-        Accepted for HF's compile path; ignored.
+        ``torch.compile``'s ``mode`` (one of :data:`~tinyserve_compile.config.COMPILE_MODES`; torch passes it
+        unless it is "default"): "reduce-overhead" and "max-autotune" turn CUDA graphs on unless the
+        ``cudagraphs`` option says otherwise.
     """
     from tinyserve_compile.passes import run_passes
 
     config = TinyServeConfig.from_options(options)
+    config.cudagraphs_requested(mode)  # a bad mode raises before any work
     gm = run_passes(_copy(gm), config)
+    _finish_dynamo_metadata(gm)
     record_graph(gm, config)
+    info = latest_graph()  # this graph's record in explain()
     if config.strict:
         for site in gm.meta.get("tinyserve_sites", []):
             if site.query_len == 1 and site.status == "dense" and "dense_layers" not in site.reason:
                 raise ValueError(f"tinyserve option 'strict'=True: decode attention site {site.node.name} "
                                  f"stays dense: {site.reason}")
     slots = gm.meta.get("tinyserve_bounds", [])
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    extra = [t for slot in slots for t in slot.example_inputs(device)]
-    compiled = _lower(gm, list(example_inputs) + extra, config)
-    if not slots:
-        return compiled
+    # each buffer's bounds (and on CUDA its ctrl) live on the buffer's device
+    extra = [t for slot in slots for t in slot.example_inputs(example_inputs[slot.input_index].device)]
+    cudagraphs, why_not = _cudagraphs_decision(gm, example_inputs, config, mode)
+    record_cudagraphs(info, cudagraphs, why_not)
+    if cudagraphs:
+        _watch_cudagraph_skips()
+    skips = _inductor_cudagraph_skips()
+    _CURRENT[0] = info if cudagraphs else None  # a skip Inductor logs while compiling is this graph's
+    try:
+        compiled = _lower(gm, list(example_inputs) + extra, config, cudagraphs)
+    finally:
+        _CURRENT[0] = None
+    if cudagraphs and info["cudagraphs"]["on"] and _inductor_cudagraph_skips() > skips:  # counted, not logged to us
+        record_cudagraphs(info, False, "Inductor skipped them (TORCH_LOGS=cudagraphs logs its reason)")
     dense_layers = config.dense_layers
+    if not slots and not cudagraphs:
+        return compiled
 
-    def run(*args):
-        # one version check per key-cache buffer, then the graph with the bounds as inputs
-        out = compiled(*args, *runtime.enter(slots, args, dense_layers))
-        runtime.leave(slots, args)
+    if not cudagraphs:
+        def run(*args):
+            # one version check per key-cache buffer, then the graph with the bounds as inputs
+            out = compiled(*args, *runtime.enter(slots, args, dense_layers))
+            runtime.leave(slots, args)
+            return out
+
+        return run
+
+    def run_cudagraphs(*args):
+        # as run, and a skip that CUDA graphs log during the call (a mutated input, re-recording) is this graph's
+        extra_now = runtime.enter(slots, args, dense_layers) if slots else ()
+        _CURRENT[0] = info
+        try:
+            out = compiled(*args, *extra_now)
+        finally:
+            _CURRENT[0] = None
+        if slots:
+            runtime.leave(slots, args)
         return out
 
-    return run
+    return run_cudagraphs
 
 
 def register() -> None:

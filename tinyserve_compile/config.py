@@ -24,10 +24,14 @@ __all__ = [
     "DEFAULT_KERNEL",
     "DEFAULT_BOUNDS_DTYPE",
     "DEFAULT_DECODE_LINEAR",
+    "DEFAULT_CUDAGRAPHS",
     "INDUCTOR_DEFAULTS",
+    "COMPILE_MODES",
+    "CUDAGRAPH_MODES",
     "BOUNDS_DTYPES",
     "LOWERINGS",
     "KERNEL_CHOICES",
+    "check_mode",
 ]
 
 #: tokens per page; 8 chosen in the selection-quality study (README "Results: accuracy and selection quality")
@@ -65,6 +69,14 @@ CPP_WRAPPER_BUILD_SEPARATE = True
 #: 2K; side by side in one process the steps differed by less than the noise, 0.97-0.99x). vLLM turns them off for
 #: serving the same way. ``inductor_options={"size_asserts": True}`` brings them back.
 INDUCTOR_DEFAULTS = MappingProxyType({"size_asserts": False, "alignment_asserts": False})
+#: ``cudagraphs``: None runs the rewritten graph under Inductor's CUDA graphs when ``torch.compile``'s ``mode`` asks
+#: for them (:data:`CUDAGRAPH_MODES`), as Inductor itself does; True/False force it either way
+DEFAULT_CUDAGRAPHS = None
+#: ``torch.compile(..., mode=...)`` values the backend takes (torch hands ``mode`` to a backend unless it is
+#: None or "default"; HF generate's ``CompileConfig`` defaults to "reduce-overhead")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: the modes that turn CUDA graphs on (Inductor's ``triton.cudagraphs`` in ``torch._inductor.list_mode_options``)
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 LOWERINGS = ("inductor", "eager", "tensorrt")
 KERNEL_CHOICES = ("auto", "native", "torch", "triton")
@@ -115,6 +127,16 @@ class TinyServeConfig:
         ``torch._inductor.config.patch``: nothing changes outside that compile. They apply over
         :data:`INDUCTOR_DEFAULTS` (Inductor's input size/stride asserts off). With ``cpp_wrapper`` on,
         ``cpp_wrapper_build_separate`` defaults to :data:`CPP_WRAPPER_BUILD_SEPARATE` (True) unless given.
+        ``triton.cudagraphs`` is not one of them: the ``cudagraphs`` option sets it.
+    cudagraphs : bool, optional
+        Run the rewritten graph under Inductor's CUDA graphs (``torch._inductor.config.triton.cudagraphs`` for
+        this compile). None (:data:`DEFAULT_CUDAGRAPHS`) follows ``torch.compile``'s ``mode``: on for
+        "reduce-overhead" and "max-autotune" (:data:`CUDAGRAPH_MODES`), the modes that turn them on for Inductor;
+        the other settings of a mode (max-autotune's autotuning) are not applied, ``inductor_options`` sets those.
+        ``torch.compile`` takes ``mode`` or ``options``, not both, so ``options={"cudagraphs": True, ...}`` is how
+        to get CUDA graphs together with other options. They apply with ``lower="inductor"`` on a CUDA device and
+        a policy that runs no Python per call; :func:`~tinyserve_compile.explain` says, per graph, whether they
+        are on and why not when they are off.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -131,6 +153,7 @@ class TinyServeConfig:
     strict: bool = False
     decode_linear: bool = DEFAULT_DECODE_LINEAR
     inductor_options: Optional[Mapping[str, Any]] = field(default=None, hash=False)
+    cudagraphs: Optional[bool] = DEFAULT_CUDAGRAPHS
 
     def __post_init__(self):
         def bad(name, msg):
@@ -166,6 +189,8 @@ class TinyServeConfig:
             bad("strict", f"must be a bool, got {self.strict!r}")
         if not isinstance(self.decode_linear, bool):
             bad("decode_linear", f"must be a bool, got {self.decode_linear!r}")
+        if self.cudagraphs is not None and not isinstance(self.cudagraphs, bool):
+            bad("cudagraphs", f"must be None (follow torch.compile's mode), True or False, got {self.cudagraphs!r}")
         if self.inductor_options is not None:
             self._check_inductor_options(bad)
         from .policies import POLICIES
@@ -185,6 +210,9 @@ class TinyServeConfig:
         unknown = sorted(str(k) for k in opts if not isinstance(k, str) or k not in known)
         if unknown:
             bad("inductor_options", f"has unknown torch._inductor.config key(s) {unknown}")
+        if "triton.cudagraphs" in opts:
+            bad("inductor_options", "sets 'triton.cudagraphs': use the tinyserve option 'cudagraphs' (True/False) "
+                "or torch.compile's mode='reduce-overhead'")
         # a private copy, so that a caller's later change to its dict does not reach this frozen config
         opts = dict(opts)
         if opts.get("cpp_wrapper") and "cpp_wrapper_build_separate" not in opts:
@@ -221,5 +249,29 @@ class TinyServeConfig:
 
         return candidate_pages(self.page_size, self.token_budget, self.candidate_factor, self.candidate_extra)
 
+    def cudagraphs_requested(self, mode: Optional[str] = None) -> bool:
+        """Whether CUDA graphs are asked for: :attr:`cudagraphs`, or when it is None, ``mode``.
+
+        Parameters
+        ----------
+        mode : str, optional
+            ``torch.compile``'s ``mode`` as the backend received it; one of :data:`COMPILE_MODES`.
+
+        Raises
+        ------
+        ValueError
+            ``mode`` is not one of :data:`COMPILE_MODES` (the message names 'mode').
+        """
+        check_mode(mode)
+        if self.cudagraphs is not None:
+            return self.cudagraphs
+        return mode in CUDAGRAPH_MODES
+
     def replace(self, **changes) -> "TinyServeConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_mode(mode: Optional[str]) -> None:
+    """Raise ``ValueError`` naming 'mode' unless ``mode`` is one of :data:`COMPILE_MODES`."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"tinyserve: torch.compile 'mode' must be one of {COMPILE_MODES}, got {mode!r}")

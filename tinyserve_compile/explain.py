@@ -2,7 +2,9 @@
 
 ``tinyserve_compile.counters`` counts, over every graph compiled since the last
 :func:`reset`: ``graphs``, ``attention_sites``, ``decode_sites``, ``rewritten``,
-``dense``, ``prefill_sites`` and one ``dense:<reason>`` key per reason.
+``dense``, ``prefill_sites`` and one ``dense:<reason>`` key per reason; ``cudagraphs``
+(graphs that run under CUDA graphs) and ``cudagraphs_off`` (graphs that asked for them
+and do not get them; each graph's record says why).
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import List
 
-__all__ = ["counters", "explain", "reset", "ExplainReport"]
+__all__ = ["counters", "explain", "reset", "ExplainReport", "record_graph", "record_cudagraphs", "latest_graph"]
 
 counters: Counter = Counter()
 _GRAPHS: List[dict] = []
@@ -20,7 +22,8 @@ def _reason_key(reason: str) -> str:
     return reason.split(":")[0].split(" (")[0]
 
 
-def record_graph(gm, config) -> None:
+def record_graph(gm, config) -> dict:
+    """Count and record what the passes did to ``gm``; returns the graph's record (a dict in :func:`explain`)."""
     sites = gm.meta.get("tinyserve_sites", [])
     counters["graphs"] += 1
     slots = gm.meta.get("tinyserve_bounds", [])
@@ -47,6 +50,42 @@ def record_graph(gm, config) -> None:
                            "int4_calls": lin.get("int4_calls", 0), "kept": dict(lin["kept"]),
                            "reason": lin["reason"], "grouped": lin.get("grouped", 0), "groups": lin.get("groups", 0)}
     _GRAPHS.append(info)
+    return info
+
+
+def record_cudagraphs(info: dict, on: bool, reason: str = "") -> None:
+    """Record in a graph's record (from :func:`record_graph`) whether it runs under CUDA graphs, and why not.
+
+    Parameters
+    ----------
+    info : dict
+        The graph's record.
+    on : bool
+    reason : str
+        Why they are off: "not requested", "device is cpu", "lower='eager'", a policy that runs Python per
+        call, or Inductor's own reason for skipping them. A graph first recorded as on can be turned off later
+        (Inductor skips CUDA graphs at compile time or at its first calls); the counters follow.
+    """
+    old = info.get("cudagraphs")
+    new = {"on": bool(on), "reason": "" if on else reason}
+    if any(g is info for g in _GRAPHS):  # counted since the last reset(): the counters follow the verdict
+        if old is not None and _counter_key(old):
+            counters[_counter_key(old)] -= 1
+        if _counter_key(new):
+            counters[_counter_key(new)] += 1
+    info["cudagraphs"] = new
+
+
+def _counter_key(verdict: dict) -> str:
+    """The counter of a CUDA-graphs verdict: "cudagraphs", "cudagraphs_off" (asked for, not had), or none."""
+    if verdict["on"]:
+        return "cudagraphs"
+    return "" if verdict["reason"] == "not requested" else "cudagraphs_off"
+
+
+def latest_graph() -> dict:
+    """The record of the graph recorded last (:func:`record_graph`)."""
+    return _GRAPHS[-1]
 
 
 @dataclass
@@ -62,6 +101,11 @@ class ExplainReport:
     @property
     def dense_reasons(self) -> List[str]:
         return [s["reason"] for g in self.graphs for s in g["sites"] if s["status"] == "dense"]
+
+    @property
+    def cudagraphs(self) -> List[dict]:
+        """Per graph, ``{"on": bool, "reason": str}``: whether it runs under CUDA graphs, and why not."""
+        return [dict(g["cudagraphs"]) for g in self.graphs if "cudagraphs" in g]
 
     def __str__(self) -> str:
         c = self.counters
@@ -81,6 +125,9 @@ class ExplainReport:
                              + (f", {lin['grouped']} of them in {lin['groups']} shared-input calls" if lin.get("groups") else "")
                              + (f", kept in ATen ({kept})" if kept else "")
                              + (f"; {lin['reason']}" if lin["reason"] else ""))
+            cg = g.get("cudagraphs")
+            if cg is not None:
+                lines.append(f"  graph {g['graph']} CUDA graphs: " + ("on" if cg["on"] else f"off ({cg['reason']})"))
         cb = {k: v for k, v in c.items() if k.startswith("cb_")}
         if cb:  # continuous batching (tinyserve_compile.continuous_batching): rows per kind, dense reasons
             lines.append("  continuous batching: " + ", ".join(f"{k[3:]}={v}" for k, v in sorted(cb.items())))

@@ -6,15 +6,26 @@ writes, and the backend's wrapper hands them in on each call:
 ``kmax``, ``kmin``, ``kabs``
     The buffer's :class:`~tinyserve_compile.kernels.reference.PageBounds`.
 ``ctrl``
-    int32 ``[2]`` on the CPU. ``ctrl[0]``: the bounds are stale (someone else
-    wrote the cache), so the graph's write op rebuilds them after writing and
-    clears the flag. ``ctrl[1]``: this layer attends densely (it is among the
-    first ``dense_layers`` layers).
+    int32 ``[2]``. ``ctrl[0]``: the bounds are stale (someone else wrote the
+    cache), so the graph's write op rebuilds them after writing. ``ctrl[1]``:
+    this layer attends densely (it is among the first ``dense_layers`` layers).
+    For a CPU cache it lives on the CPU: the host writes it through a numpy view
+    and the native write op clears ``ctrl[0]`` after the rebuild. For a CUDA cache
+    it lives on the cache's device, so the graph has no CPU input and can run
+    under CUDA graphs: the kernels read it there and never write it, and the host
+    keeps a mirror of what it holds and copies new flags in (one small
+    ``non_blocking`` copy) only when they change, so a steady decode loop copies
+    nothing; ``ctrl[0]`` is cleared by the host on the next call.
 
 So no op does host bookkeeping per layer. Once per call, before it,
 :func:`enter` checks each buffer's version counter against the value recorded
 after our last call (:func:`leave`): any other write in between (an eager
 prefill, ``cache.reset()``, a roll-back) moved it, and sets ``ctrl[0]``.
+
+The bounds and a device ``ctrl`` keep their address for the buffer's life; the
+graph's placeholders for them are marked as static inputs
+(:mod:`~tinyserve_compile.passes.keep_bounds_on_cache_writes`), so that CUDA
+graphs neither copy them on replay nor record again.
 
 Layers are ranked by the order in which their key-cache buffers are first
 written: a new buffer takes the next rank, and a call that writes an already
@@ -43,6 +54,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .kernels.bounds import allocate_bounds, rebuild_bounds_impl
@@ -52,10 +64,23 @@ from .kernels.spec import SelectionSpec
 from .policies import DecodeContext, get_policy
 
 __all__ = ["BoundsSlot", "PagedKVState", "state_for", "enter", "leave", "runtime_stats", "reset_runtime", "write_op",
-           "decode_kernel", "native_unavailable_reason"]
+           "decode_kernel", "native_unavailable_reason", "device_ctrl"]
 
-#: run-time counters: bounds rebuilds and updates, foreign writes, decode calls (sparse / dense layers)
+#: run-time counters: bounds rebuilds and updates, foreign writes, decode calls (sparse / dense layers), copies of
+#: new flags into a device ``ctrl`` (``ctrl_copies``)
 runtime_stats: Counter = Counter()
+
+
+def device_ctrl(device) -> bool:
+    """Whether a key cache on ``device`` gets its ``ctrl`` on that device (CUDA), mirrored on the host.
+
+    Otherwise ``ctrl`` is a CPU tensor that the host writes directly.
+    """
+    return torch.device(device).type == "cuda"
+
+
+def _ctrl_device(device) -> torch.device:
+    return torch.device(device) if device_ctrl(device) else torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -91,30 +116,94 @@ class BoundsSlot:
     rows: Optional[int] = None
 
     def example_inputs(self, device) -> List[torch.Tensor]:
-        """Zero ``kmax, kmin, kabs, ctrl`` of the right shapes, for lowering the graph."""
+        """Zero ``kmax, kmin, kabs, ctrl`` of the right shapes, for lowering the graph.
+
+        Parameters
+        ----------
+        device : torch.device or str
+            The cache's device: the bounds live there, and ``ctrl`` too when it is a CUDA device
+            (:func:`device_ctrl`), else on the CPU.
+        """
         cache = torch.empty(self.shape, dtype=self.dtype, device="meta")
         b = allocate_bounds(cache, self.page_size, self.bounds_dtype)
-        return [t.new_zeros(t.shape, device=device) for t in b] + [torch.zeros(2, dtype=torch.int32)]
+        return [t.new_zeros(t.shape, device=device) for t in b] + [
+            torch.zeros(2, dtype=torch.int32, device=_ctrl_device(device))]
 
 
 @dataclass
 class PagedKVState:
-    """Bounds of one key-cache buffer, and what is known about its writes."""
+    """Bounds of one key-cache buffer, and what is known about its writes.
+
+    Attributes
+    ----------
+    mirror : bool, optional
+        Keep a host mirror of ``ctrl`` and copy flags into it only when they change (:func:`_push_flags`), for a
+        ``ctrl`` the host cannot write directly. None: mirrored when ``ctrl`` is not on the CPU.
+    """
 
     cache_ref: "weakref.ref"
     key: tuple  #: (page_size, bounds dtype, view shape): a buffer read another way gets its own state
     bounds: PageBounds
-    ctrl: torch.Tensor  #: int32 [2]: stale, dense layer
+    ctrl: torch.Tensor  #: int32 [2]: stale, dense layer (on the cache's device for CUDA, else the CPU)
     rank: int  #: layer rank: order of first write within a step (0 = first layer)
     version: int = -1  #: cache._version right after our last call
     policy_state: Dict[str, torch.Tensor] = field(default_factory=dict)
+    mirror: Optional[bool] = None
 
     @property
     def stale(self) -> bool:
-        return bool(self._flags[0])
+        """The bounds do not follow the cache yet: the graph's next write op rebuilds them."""
+        return self._rebuild if self.mirror else bool(self._flags[0])
 
     def __post_init__(self):
-        self._flags = self.ctrl.numpy()  # shares memory: flag writes cost no dispatch
+        if self.mirror is None:
+            self.mirror = self.ctrl.device.type != "cpu"
+        if self.mirror:
+            # what ctrl holds (the kernels never write a mirrored ctrl): compared before every copy into it
+            self._flags = np.array(self.ctrl.tolist(), dtype=np.int32)
+            self._rebuild = bool(self._flags[0])  # ctrl[0] asked for a rebuild that no call has made yet
+        else:
+            self._flags = self.ctrl.numpy()  # shares memory: flag writes cost no dispatch
+
+
+#: (stale, dense, pinned) -> an int32 [2] host tensor holding those flags, never written after it is made
+_FLAG_SOURCES: Dict[Tuple[int, int, bool], torch.Tensor] = {}
+
+
+def _flag_source(stale: int, dense: int, pin: bool) -> torch.Tensor:
+    """A host tensor holding ``[stale, dense]``, one per value and never written.
+
+    A ``non_blocking`` copy reads its source when the stream runs it, possibly after the host moved on to the
+    next call: a source that never changes gives the right flags however late that is.
+    """
+    key = (stale, dense, pin)
+    t = _FLAG_SOURCES.get(key)
+    if t is None:
+        t = torch.tensor([stale, dense], dtype=torch.int32)
+        _FLAG_SOURCES[key] = t = t.pin_memory() if pin else t
+    return t
+
+
+def _push_flags(st: PagedKVState, stale: bool, dense: bool) -> bool:
+    """Set ``st.ctrl`` to ``[stale, dense]``; return whether that took a copy into ``ctrl``.
+
+    A host ``ctrl`` is written through its numpy view (never a copy). A mirrored one (a CUDA ``ctrl``) gets one
+    ``non_blocking`` copy from a pinned source when the flags differ from the mirror (what was last copied in),
+    and none otherwise, except that a rebuild request is always copied: the PyTorch fallback of the write op
+    clears ``ctrl[0]`` on the device, which the mirror does not see. A steady decode loop (no rebuild, the same
+    layer) copies nothing.
+    """
+    flags = st._flags
+    s, d = int(stale), int(dense)
+    if not st.mirror:
+        flags[0], flags[1] = s, d
+        return False
+    if not s and flags[0] == s and flags[1] == d:
+        return False
+    st.ctrl.copy_(_flag_source(s, d, st.ctrl.is_cuda), non_blocking=True)
+    flags[0], flags[1] = s, d
+    runtime_stats["ctrl_copies"] += 1
+    return True
 
 
 _STATES: Dict[int, PagedKVState] = {}
@@ -167,10 +256,18 @@ def state_for(cache: torch.Tensor, page_size: int, bounds_dtype: Optional[torch.
             and bounds_dtype in (None, st.key[1]):
         return st
     bounds_dtype = bounds_dtype or torch.float32
-    st = PagedKVState(None, (page_size, bounds_dtype, tuple(view.shape)), allocate_bounds(view, page_size, bounds_dtype),
-                      torch.ones(2, dtype=torch.int32), _NEXT_RANK[0])
+    bounds = allocate_bounds(view, page_size, bounds_dtype)
+    # created stale: the first write rebuilds every page
+    ctrl = torch.tensor([1, 0], dtype=torch.int32, device=_ctrl_device(cache.device))
+    if device_ctrl(cache.device):
+        from torch._dynamo import mark_static_address
+
+        # addresses that hold for the buffer's life: CUDA graphs may keep them (an unguarded mark, no recompile)
+        for t in (*bounds, ctrl):
+            mark_static_address(t, guard=False)
+    st = PagedKVState(None, (page_size, bounds_dtype, tuple(view.shape)), bounds, ctrl, _NEXT_RANK[0],
+                      mirror=device_ctrl(cache.device))
     _NEXT_RANK[0] += 1
-    st._flags[1] = 0
     key = id(cache)
     st.cache_ref = weakref.ref(cache, lambda _r, k=key, s=weakref.ref(st): _forget(k, s))
     old = _STATES.get(key)
@@ -213,21 +310,23 @@ def enter(slots: Sequence[BoundsSlot], args: Sequence, dense_layers: int) -> Lis
         if st is not None and st.cache_ref() is cache:
             _NEXT_RANK[0] = 0  # a ranked buffer: the next new one starts a new cache's layers
         st = state_for(cache, slot.page_size, slot.bounds_dtype, slot.perm, slot.rows)
-        flags = st._flags
         version = tensor_version(cache)
         if version is None:  # an inference tensor: no way to see other writers, so the bounds are rebuilt
             runtime_stats["inference_cache_rebuilds"] += 1
             st.version = -1
-        if version is None or version != st.version or flags[0]:
+        stale = version is None or version != st.version or st.stale
+        if stale:
             if st.version != -1 and version != st.version:
                 runtime_stats["foreign_writes"] += 1
-            flags[0] = 1  # the graph's write op rebuilds
             st.policy_state.clear()  # a new sequence for stateful policies
             runtime_stats["bounds_rebuilds"] += 1
         else:
             runtime_stats["bounds_updates"] += 1
         dense = st.rank < dense_layers
-        flags[1] = dense
+        # stale: the graph's write op rebuilds; else ctrl[0] = 0 (a device kernel leaves it set: cleared here)
+        _push_flags(st, stale, dense)
+        if st.mirror:
+            st._rebuild = stale
         if slot.decode_sites:
             runtime_stats["dense_layer_calls" if dense else "decode_calls"] += slot.decode_sites
         extra.extend((*st.bounds, st.ctrl))
@@ -239,7 +338,10 @@ def leave(slots: Sequence[BoundsSlot], args: Sequence) -> None:
     for slot in slots:
         cache = args[slot.input_index]
         v = tensor_version(cache)
-        _STATES[id(cache)].version = -1 if v is None else v
+        st = _STATES[id(cache)]
+        st.version = -1 if v is None else v
+        if st.mirror:  # the call ran the graph's write op, which rebuilt the bounds if ctrl[0] asked for it
+            st._rebuild = False
 
 
 def native_unavailable_reason() -> Optional[str]:
@@ -295,7 +397,9 @@ def paged_attention(
     kmax, kmin, kabs : torch.Tensor
         The key cache's page bounds (kept by ``tinyserve::cache_write``).
     ctrl : torch.Tensor
-        int32 ``[2]`` CPU tensor; ``ctrl[1] != 0`` attends densely (a dense layer).
+        int32 ``[2]``; ``ctrl[0] != 0`` rebuilds the bounds first, ``ctrl[1] != 0`` attends densely (a dense
+        layer). A CPU tensor is read in place; a device one through the host mirror of its state
+        (:class:`PagedKVState`), without a device sync (read from the device only when no state owns ``kmax``).
     valid_len : torch.Tensor
         int64 ``[1]`` or ``[B]``: newest written position + 1.
     attn_mask : torch.Tensor, optional
@@ -312,12 +416,15 @@ def paged_attention(
     """
     bounds = PageBounds(kmax, kmin, kabs)
     sel = SelectionSpec.from_list(spec)
-    flags = ctrl.tolist()  # a CPU tensor: a read of host memory, no device sync
-    if flags[0]:  # never read stale bounds (the graph's write op clears this first)
+    st = _state_of_bounds(kmax)
+    if st is not None and st.mirror and st.ctrl.data_ptr() == ctrl.data_ptr():
+        flags = st._flags.tolist()  # what the (device) ctrl holds, as the host pushed it: no sync
+    else:
+        flags = ctrl.tolist()  # a CPU ctrl: a read of host memory; a device ctrl of no known state: a sync
+    if flags[0]:  # never read stale bounds (a CPU write op clears this first; a device ctrl keeps it for the call)
         rebuild_bounds_impl(k_cache, kmax, kmin, kabs, sel.page_size)
     B = q.shape[0]
     vl = valid_len.reshape(-1).to(torch.int64).expand(B)
-    st = _state_of_bounds(kmax)
     ctx = DecodeContext(q, k_cache, v_cache, bounds, vl, attn_mask, scale, sel,
                         st.policy_state if st is not None else {}, kernel)
     return get_policy("full" if flags[1] else policy)(ctx)
