@@ -28,8 +28,8 @@ make every row dense (:meth:`.spec.SelectionSpec.dense_cache`), only launch 3 ru
 
 Workspace (scores, candidate lists, logits, partials, arrival counters) is sized from the shapes and allocated
 once per shape and device (:func:`_workspace`); the arrival counters are reset by the program that reads them
-last, so every call leaves them at zero. One workspace serves calls issued in order on one stream: calls of one
-shape on several concurrent streams need ``workspace=`` of their own.
+last, so every call leaves them at zero. One workspace serves calls issued in order on one stream (calls of one
+shape on concurrent streams would share it: not supported).
 
 Page bounds are fp32, bf16 (upcast exactly) or int8 (``code * step`` with the page's
 ``step = max(kabs / 126, 2^-126)``, as :func:`.reference.bounds_f32`). Scores and softmax are fp32; on a GPU,
@@ -728,22 +728,38 @@ class _Workspace:
 
 _WORKSPACES: "dict" = {}
 _MAX_WORKSPACES = 32
+_SIDE_STREAMS: "dict" = {}  #: device -> the stream workspaces are allocated on
 
 
 def _workspace(plan: _Plan, B, Hkv, G, P, D, spec: SelectionSpec, device) -> _Workspace:
     """The workspace of a shape, allocated once per shape and device (the oldest of more than 32 is dropped).
 
-    While a CUDA graph is being captured a shape seen for the first time gets a workspace of its own, not kept:
-    memory allocated during a capture belongs to that graph's pool."""
+    On CUDA it is allocated on a side stream of its own, so that it never comes from a CUDA graph's memory pool:
+    Inductor's CUDA graph trees route the allocations of the stream they warm up on to the graph's pool and
+    refuse a tensor there that outlives the call. A shape first seen while a graph is being captured gets a
+    workspace of its own instead, not kept (its arrival counters zeroed by a memset the graph replays)."""
     key = (str(device), B, Hkv, G, P, D, plan.n_splits, tuple(spec.to_list()))
     ws = _WORKSPACES.get(key)
-    if ws is None:
+    if ws is not None:
+        return ws
+    if device.type != "cuda":
         ws = _Workspace(plan, B, Hkv, G, P, D, device)
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            if len(_WORKSPACES) >= _MAX_WORKSPACES:
-                _WORKSPACES.pop(next(iter(_WORKSPACES)))
-            _WORKSPACES[key] = ws
+    elif torch.cuda.is_current_stream_capturing():
+        return _Workspace(plan, B, Hkv, G, P, D, device)
+    else:
+        main = torch.cuda.current_stream(device)
+        side = _SIDE_STREAMS.get(device)
+        if side is None:
+            side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            ws = _Workspace(plan, B, Hkv, G, P, D, device)
+        main.wait_stream(side)  # the counters' zeros are written before any launch reads them
+        for t in vars(ws).values():
+            t.record_stream(main)  # used on the main stream: freed (evicted) only after its work there
+    if len(_WORKSPACES) >= _MAX_WORKSPACES:
+        _WORKSPACES.pop(next(iter(_WORKSPACES)))
+    _WORKSPACES[key] = ws
     return ws
 
 
