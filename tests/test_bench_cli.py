@@ -17,14 +17,15 @@ from bench import __main__ as cli  # noqa: E402
 from tinyserve_compile.config import TinyServeConfig  # noqa: E402
 
 #: the fields of TinyServeConfig that are not part of the selection rule
-NOT_SELECTION = {"dense_layers", "policy", "lower", "kernel", "strict", "decode_linear", "inductor_options"}
+NOT_SELECTION = {"dense_layers", "policy", "lower", "kernel", "strict", "decode_linear", "inductor_options",
+                 "cudagraphs"}
 SELECTION = [f.name for f in dataclasses.fields(TinyServeConfig) if f.name not in NOT_SELECTION]
 PRESENT = [c for c, (module, _) in cli.COMMANDS.items() if (ROOT / "bench" / f"{module}.py").exists()]
 
 
 def test_commands_are_the_documented_ones():
-    assert list(cli.COMMANDS) == ["op", "linear", "decode", "onnx", "gpu", "accuracy", "study", "coverage", "clients",
-                                  "serve", "serve-http", "paged-op", "ceilings", "ab", "report"]
+    assert list(cli.COMMANDS) == ["op", "linear", "decode", "onnx", "gpu", "gpu-check", "accuracy", "study",
+                                  "coverage", "clients", "serve", "serve-http", "paged-op", "ceilings", "ab", "report"]
     res = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert res.returncode == 0, res.stderr

@@ -129,3 +129,88 @@ def test_inductor_options_and_module_guards_in_rows(tmp_path):
         assert json.loads(by[p]["inductor_options"]) == io and by[p]["skip_module_guards"] is True
     assert json.loads(by["tinyserve"]["options"])["inductor_options"] == io
     assert by["tinyserve"]["sparse_sites"] >= 2
+
+
+def test_cudagraphs_providers_and_their_compile_calls():
+    """The providers run in the order given; the CUDA-graphs ones compile with mode="reduce-overhead", or through
+    options where options are given (torch.compile takes one of the two), and are skipped off CUDA."""
+    names = [n for n, _ in bd.provider_names(["eager", "inductor-cudagraphs", "tinyserve-cudagraphs", "inductor",
+                                              "tinyserve"], True, None)]
+    assert names == ["eager", "inductor-cudagraphs", "tinyserve-cudagraphs", "inductor", "tinyserve",
+                     "tinyserve-paper"]
+    assert set(bd.STOCK) == {"eager", "inductor", "inductor-cudagraphs"}
+    assert bd.compile_call("eager", None) == {}
+    assert bd.compile_call("inductor", None) == {"backend": "inductor", "dynamic": False, "options": None}
+    assert bd.compile_call("inductor-cudagraphs", None) == {"backend": "inductor", "dynamic": False,
+                                                            "mode": "reduce-overhead"}
+    assert bd.compile_call("tinyserve-cudagraphs", {}) == {"backend": "tinyserve", "dynamic": False,
+                                                           "mode": "reduce-overhead"}
+    # with options: Inductor's own CUDA-graphs setting, tinyserve's cudagraphs option
+    call = bd.compile_call("inductor-cudagraphs", None, {"freezing": True})
+    assert "mode" not in call and call["options"]["triton.cudagraphs"] is True and call["options"]["freezing"]
+    call = bd.compile_call("tinyserve-cudagraphs B64", {"token_budget": 64})
+    assert call["options"] == {"token_budget": 64, "cudagraphs": True} and "mode" not in call
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert "CUDA device" in bd.skip_reason("inductor-cudagraphs", cpu, None)
+    assert bd.skip_reason("tinyserve", cpu, {"token_budget": 64}) is None
+    assert bd.skip_reason("inductor-cudagraphs", cuda, None) is None
+    assert bd.wants_cudagraphs("tinyserve-cudagraphs B64") and not bd.wants_cudagraphs("tinyserve-paper")
+
+
+def test_cache_keyword_follows_the_transformers_version():
+    """transformers 5.24 takes the cache as `cache`, 5.17 and 4.x as `past_key_values` (5.17 drops a `cache=`
+    silently: the static cache would never be written)."""
+    from bench.harness import allocate_cache, cache_kwarg
+    from transformers import StaticCache
+
+    model, _ = bd.model_for("tiny", 64, torch.float32, torch.device("cpu"))
+    import inspect
+
+    want = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert cache_kwarg(model) == want
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return input_ids
+
+    assert cache_kwarg(Old()) == "past_key_values"
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    allocate_cache(model, cache, batch=2)  # lazily created layers, allocated and rolled back to empty
+    assert all(layer.keys.shape[0] == 2 and int(layer.cumulative_length) == 0 and not layer.keys.any()
+               for layer in cache.layers)
+
+
+def test_step_profile_counts_host_reads_on_cpu():
+    from bench.timing import step_profile
+
+    x = torch.arange(4.0)
+    prof = step_profile(lambda: [x.sum().item() for _ in range(3)], torch.device("cpu"))
+    assert prof["item_calls"] == 3 and prof["host_syncs"] == 3
+    assert prof["gpu_kernels"] is None and prof["cudagraph_replayed"] is None
+
+
+def test_llama3_8b_shape_and_layers():
+    """The Llama-3-8B shape, cut to its first layers, made on the device in its dtype (the meta device here)."""
+    model = bd._random_llama("llama3-8b", 1, "meta", torch.bfloat16)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+            cfg.vocab_size, cfg.num_hidden_layers) == (4096, 32, 8, 128, 14336, 128256, 1)
+    assert next(model.parameters()).dtype == torch.bfloat16 and next(model.parameters()).device.type == "meta"
+    assert bd.SHAPES["llama3-8b"]["num_hidden_layers"] == 32
+    assert bd.model_shape("random") == "smollm2" and bd.model_kind("auto", 32768) == "random"
+
+
+def test_time_budget_skips_and_points(tmp_path):
+    """--points runs those (context, batch) pairs; a spent --time-budget skips the compiled providers (eager still
+    runs) and says so in their records; the JSON is there."""
+    out = tmp_path / "decode.json"
+    rows = bd.main(["--model", "tiny", "--points", "48x1", "--providers", "eager,tinyserve",
+                    "--paper", "--options", json.dumps(OPTS), "--steps", "1", "--rounds", "2", "--warmup", "1",
+                    "--warm-compile", "--prefill-cache", str(tmp_path / "snap"), "--time-budget", "0",
+                    "--no-profile", "--json", str(out)])
+    assert [(r["context"], r["batch"], r["provider"]) for r in rows] == [
+        (48, 1, "eager"), (48, 1, "tinyserve"), (48, 1, "tinyserve-paper")]
+    assert rows[0]["ms_per_token"] > 0
+    assert all(r["ms_per_token"] is None and r["skipped"].startswith("time budget") for r in rows[1:])
+    assert rows[0]["steps"] == 1  # the interleaved rounds were dropped: the budget was spent
+    assert [r["provider"] for r in json.loads(out.read_text())] == [r["provider"] for r in rows]

@@ -1,0 +1,268 @@
+"""The two ends of ``bench/gpu_check.sh``: what the machine is (``env``) and what the steps measured
+(``summary``).
+
+``python -m bench gpu-check env --out DIR [--dry-run]``
+    Prints and writes ``DIR/env.json``: Python, torch (and its CUDA), Triton and transformers versions, the
+    device's name and memory, the driver, and the git commit. Exit status 3 when no CUDA device is usable
+    (unless ``--dry-run``), or when torch, triton, transformers or tinyserve_compile does not import.
+
+``python -m bench gpu-check summary --out DIR --seconds N --limit S``
+    Reads ``DIR/steps.tsv`` (one line per step: name, exit status, seconds, limit), ``env.json`` and every
+    step's JSON, writes ``DIR/summary.json`` and ``DIR/summary.csv`` and prints a short table, the targets
+    met or MISSED, and the steps' states: the last thing the check prints. Exit status 0 when every step
+    passed, 1 otherwise.
+
+``summary.json`` holds: ``env``; ``steps`` (name, rc, seconds, limit, state); ``kernel_check`` (shapes, failures,
+the worst error as a share of the tolerance, the selection paths per setting); ``kernel_bench`` (one dict per
+timed shape: ms under CUDA graphs and plain, the speed-ups, GB/s and shares of the measured copy peak and of
+the datasheet) and ``kernel_targets``; ``decode`` (one dict per provider and point: ms per token,
+``vs_best_stock``, compile s, layers, the profiled step's kernels, launches, host syncs, CUDA graphs on/off and
+why, or why it was skipped) and ``decode_targets``; ``ok``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import List
+
+#: the decode targets of the check: step -> one (label, minimum speed-up of the best tinyserve row over the best
+#: stock provider) per point, in the order the step runs its points. The dry run runs the same steps at tiny
+#: points (its ratios mean nothing).
+DECODE_TARGETS = {
+    "decode_smollm": (("SmolLM2 shape 8K B1", 0.95), ("SmolLM2 shape 32K B1", 1.3)),
+    "decode_8b": (("Llama-3-8B shape 32K B8", 2.2), ("Llama-3-8B shape 128K B4", 3.0)),
+}
+#: the decode record fields summary.json keeps
+DECODE_KEYS = ("step", "provider", "context", "batch", "ms_per_token", "vs_best_stock", "best_stock", "compile_s",
+               "cold_compile", "floor_ms", "model", "shape", "layers", "full_model_layers", "dtype", "device",
+               "compile_mode", "cudagraphs_asked", "skipped", "failed", "complete", "cudagraphs", "cudagraphs_why", "gpu_kernels_per_step",
+               "launch_calls_per_step", "graph_launches_per_step", "sync_calls_per_step", "dtoh_copies_per_step",
+               "item_calls_per_step", "host_syncs_per_step", "sparse_sites", "tinyserve_cudagraphs")
+#: the kernel bench fields summary.json keeps
+KERNEL_KEYS = ("setting", "stages", "kept", "bounds_dtype", "context", "batch", "dtype", "ok", "tol_ratio",
+               "pages_agree", "oracle", "sparse_graph_ms",
+               "sparse_ms", "best_sdpa", "speedup_vs_sdpa", "speedup_basis", "speedup_vs_sdpa_plain",
+               "speedup_vs_sdpa_graph", "speedup_vs_dense", "sparse_gbs", "sparse_pct_peak", "sparse_pct_datasheet",
+               "sparse_graph_error")
+
+
+def _commit(root: str) -> str:
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def env(out: str, dry_run: bool = False) -> int:
+    """Write ``out/env.json`` and print it; 3 when the check cannot run here (see the module doc)."""
+    info = dict(python=sys.version.split()[0], platform=platform.platform(), dry_run=dry_run,
+                commit=_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    rc = 0
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, cuda=torch.version.cuda, cuda_available=torch.cuda.is_available())
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            info.update(device=torch.cuda.get_device_name(0), device_memory_gib=round(props.total_memory / 2**30, 1),
+                        multiprocessors=props.multi_processor_count, driver=_driver())
+        else:
+            info.update(device=f"CPU ({platform.machine()})", driver="none")
+            rc = 0 if dry_run else 3
+    except ImportError as e:
+        info["error"] = f"torch: {e}"
+        rc = 3
+    for mod in ("triton", "transformers", "tinyserve_compile"):
+        try:
+            info[mod] = getattr(__import__(mod), "__version__", "installed")
+        except ImportError as e:
+            info[mod] = f"missing ({e})"
+            rc = 3
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "env.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    for k, v in info.items():
+        print(f"{k}: {v}")
+    return rc
+
+
+def _load(out: str, path: str):
+    path = os.path.join(out, path)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _state(rc: int) -> str:
+    return "ok" if rc == 0 else ("TIMED OUT" if rc in (124, 137) else f"FAILED (rc {rc})")
+
+
+def _x(v, fmt="{:.2f}x") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def decode_targets(step: str, rows: List[dict], dry_run: bool) -> List[dict]:
+    """The targets of one decode step (:data:`DECODE_TARGETS`), one per point in the order the rows have them: the
+    best tinyserve row against the best stock provider of the point (``met`` None when nothing was measured)."""
+    points = list(dict.fromkeys((r["context"], r["batch"]) for r in rows))
+    out = []
+    for (label, want), point in zip(DECODE_TARGETS.get(step, ()), points + [None] * 2):
+        rs = [r for r in rows if point is not None and (r["context"], r["batch"]) == point]
+        ts = [r for r in rs if r["provider"].startswith("tinyserve") and r.get("vs_best_stock") is not None]
+        best = max(ts, key=lambda r: r["vs_best_stock"], default=None)
+        where = "" if point is None or not dry_run else f" (dry run at {point[0]} x B{point[1]})"
+        t = dict(step=step, target=f"{label}: tinyserve >= {want:g}x the best stock provider{where}", want=want,
+                 context=None if point is None else point[0], batch=None if point is None else point[1],
+                 value=None if best is None else best["vs_best_stock"], by=None if best is None else best["provider"],
+                 vs=None if best is None else best.get("best_stock"), dry_run=dry_run)
+        t["met"] = None if best is None else best["vs_best_stock"] >= want
+        out.append(t)
+    return out
+
+
+def summary(out: str, seconds: float, limit: int = 0) -> int:
+    """Write ``summary.json`` and ``summary.csv`` under ``out`` and print the summary (see the module doc).
+    ``seconds``: the check's wall time before the summary; ``limit``: the summary's own time limit (counted in
+    ``limits_total`` beside the steps' limits)."""
+    steps = []
+    tsv = os.path.join(out, "steps.tsv")
+    if os.path.exists(tsv):
+        with open(tsv) as f:
+            for r in csv.reader(f, delimiter="\t"):
+                steps.append(dict(step=r[0], rc=int(r[1]), seconds=int(r[2]), limit=int(r[3]), state=_state(int(r[1]))))
+    info = _load(out, "env.json") or {}
+    dry = bool(info.get("dry_run"))
+    s: dict = dict(env=info, steps=steps, total_seconds=seconds, summary_limit=limit,
+                   limits_total=sum(x["limit"] for x in steps) + limit,
+                   ok=bool(steps) and all(x["rc"] == 0 for x in steps))
+    table: List[dict] = []  # summary.csv
+    lines = []
+
+    bench = _load(out, "kernel/bench_kernel_gpu.json")
+    if bench and any(r.get("ok") is not None for r in bench.get("rows", [])):
+        rows = [r for r in bench["rows"] if r.get("ok") is not None]
+        s["kernel_check"] = c = dict(shapes=len(rows), failures=sum(r["ok"] is False for r in rows),
+                                     worst_tol_ratio=max(r["tol_ratio"] for r in rows),
+                                     min_pages_agree=min(r["pages_agree"] for r in rows),
+                                     paths={st: sorted({f"{r['stages']}/{r['kept']}" for r in rows
+                                                        if r["setting"] == st})
+                                            for st in dict.fromkeys(r["setting"] for r in rows)})
+        lines.append(f"kernel check: {c['shapes']} shapes, {c['failures']} failures, worst error "
+                     f"{c['worst_tol_ratio']:.2f}x tolerance, same selection as the reference in >= "
+                     f"{c['min_pages_agree']:.0%} of KV heads; paths "
+                     + ", ".join(f"{k} {' '.join(v)}" for k, v in c["paths"].items()))
+
+    if bench and any(r.get("sparse_ms") is not None for r in bench.get("rows", [])):
+        meta = bench.get("meta", {})
+        s["kernel_peak"] = dict(copy_gbs=meta.get("copy_gbs"), datasheet_gbs=meta.get("datasheet_gbs"))
+        s["kernel_bench"] = [{k: r.get(k) for k in KERNEL_KEYS} for r in bench["rows"] if r.get("sparse_ms")]
+        s["kernel_targets"] = bench.get("targets", [])
+        lines.append(f"op alone (Hq=32 Hkv=8 D=128 budget 2048; HBM peak: copy {_x(meta.get('copy_gbs'), '{:.0f}')}"
+                     f" GB/s measured, {_x(meta.get('datasheet_gbs'), '{:.0f}')} datasheet):")
+        lines.append(f"  {'setting':>8} {'ctx':>6} {'B':>2} {'sparse ms':>9} {'x sdpa':>7} {'(plain)':>7} "
+                     f"{'%peak':>6}  basis")
+        for r in s["kernel_bench"]:
+            ms = r["sparse_graph_ms"] or r["sparse_ms"]
+            basis = "graphs" if r["speedup_basis"] == "cudagraph" else "plain"
+            lines.append(f"  {r['setting']:>8} {r['context']:>6} {r['batch']:>2} {_x(ms, '{:.4f}'):>9} "
+                         f"{_x(r['speedup_vs_sdpa']):>7} {_x(r['speedup_vs_sdpa_plain']):>7} "
+                         f"{_x(r['sparse_pct_peak'], '{:.0f}%'):>6}  {basis} vs {r['best_sdpa'] or '-'}")
+            table.append(dict(section="op", step="kernel", point=f"{r['context']}x{r['batch']}",
+                              name=f"sparse {r['setting']}", ms=ms, ratio=r["speedup_vs_sdpa"],
+                              ratio_plain=r["speedup_vs_sdpa_plain"], pct_peak=r["sparse_pct_peak"],
+                              basis=r["speedup_basis"]))
+
+    s["decode"], s["decode_targets"] = [], []
+    for st in steps:
+        rows = _load(out, f"{st['step']}/decode.json")
+        if not rows:
+            continue
+        for r in rows:
+            s["decode"].append(dict({k: r.get(k) for k in DECODE_KEYS}, step=st["step"]))
+        s["decode_targets"] += decode_targets(st["step"], rows, dry)
+    if s["decode"]:
+        lines.append("decode: ms per step, x the best stock provider, and in the profiled step: CUDA graphs, kernels, "
+                     "launches, host syncs")
+        last = None
+        for r in s["decode"]:
+            if (r["step"], r["context"], r["batch"]) != last:
+                last = (r["step"], r["context"], r["batch"])
+                lines.append(f"  {r['step']}: {r['model']} {r['layers']} of {r['full_model_layers']} layers, "
+                             f"{r['context']} x B{r['batch']} {r['dtype']}")
+            if r["ms_per_token"] is None:
+                why = r["skipped"] or "not measured (cut short)"
+                lines.append(f"    {r['provider']:<21} {why[:80]}")
+            else:
+                lines.append(f"    {r['provider']:<21} {r['ms_per_token']:8.3f} {_x(r['vs_best_stock']):>6} "
+                             f"{r['cudagraphs'] or '-':>4} {_x(r['gpu_kernels_per_step'], '{:.0f}'):>5} "
+                             f"{_x(r['launch_calls_per_step'], '{:.0f}'):>5} "
+                             f"{_x(r['host_syncs_per_step'], '{:.0f}'):>3}"
+                             + (f"  off: {r['cudagraphs_why'][:60]}" if r["cudagraphs"] == "off"
+                                and r["cudagraphs_why"] != "not asked for" else ""))
+            table.append(dict(section="decode", step=r["step"], point=f"{r['context']}x{r['batch']}",
+                              name=r["provider"], ms=r["ms_per_token"], ratio=r["vs_best_stock"],
+                              cudagraphs=r["cudagraphs"], kernels=r["gpu_kernels_per_step"],
+                              launches=r["launch_calls_per_step"], host_syncs=r["host_syncs_per_step"],
+                              skipped=r["skipped"]))
+
+    lines.append("targets" + (" (dry run: CPU numbers, met/MISSED meaningless)" if dry else "") + ":")
+    for t in s.get("kernel_targets", []):
+        state = "not run" if t.get("met") is None else f"{t['worst']:.2f} -> {'met' if t['met'] else 'MISSED'}"
+        lines.append(f"  op {t['target']}: {state}")
+    for t in s["decode_targets"]:
+        state = "not run" if t["met"] is None else \
+            f"{t['value']:.2f}x ({t['by']} vs {t['vs']}) -> {'met' if t['met'] else 'MISSED'}"
+        lines.append(f"  {t['target']}: {state}")
+
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(s, f, indent=1)
+    keys = list(dict.fromkeys(k for r in table for k in r)) or ["section"]
+    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(table)
+
+    print(f"\n==== gpu_check summary: {info.get('device', '?')}, driver {info.get('driver', '?')}, torch "
+          f"{info.get('torch', '?')} (CUDA {info.get('cuda', '-')}), triton {info.get('triton', '?')}, transformers "
+          f"{info.get('transformers', '?')}, commit {info.get('commit', 'unknown')}"
+          + (" [DRY RUN]" if dry else ""))
+    for line in lines:
+        print(line)
+    print(f"steps ({seconds:.0f} s before the summary; limits {s['limits_total']} s with the summary's): "
+          + ", ".join(f"{x['step']} {x['state']} {x['seconds']}/{x['limit']} s" for x in steps))
+    print(f"output in {out}: summary.json, summary.csv, env.json, steps.tsv, <step>.log, <step>/*.json")
+    print("all steps passed" if s["ok"] else "SOME STEPS FAILED: see the logs in " + out)
+    return 0 if s["ok"] else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("env", "summary"))
+    ap.add_argument("--out", required=True, help="the check's output folder")
+    ap.add_argument("--dry-run", action="store_true", help="env: no CUDA device needed")
+    ap.add_argument("--seconds", type=float, default=0.0, help="summary: the check's wall time so far")
+    ap.add_argument("--limit", type=int, default=0, help="summary: its own time limit in seconds")
+    a = ap.parse_args(argv)
+    return env(a.out, a.dry_run) if a.what == "env" else summary(a.out, a.seconds, a.limit)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

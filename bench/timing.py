@@ -1,0 +1,173 @@
+"""Timing shared by the benchmarks: kernel timers (plain and under CUDA graphs), bandwidth probes, and the
+profile of one decode step (kernels, launches, host syncs, CUDA graph replays).
+
+Every function takes the device it measures on; on a CPU the kernel timers fall back to the wall clock and
+the CUDA-only fields of a profile are None.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+#: runtime API calls that launch one kernel each (the CUDA runtime's and the driver's names)
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaLaunchCooperativeKernel")
+#: runtime API calls that block the host until the device catches up (a synchronous ``cudaMemcpy`` too)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuCtxSynchronize")
+#: ATen ops that read a device scalar on the host (each one a device-to-host copy and a sync)
+ITEM_OPS = ("aten::_local_scalar_dense", "aten::item")
+#: a replay of a captured CUDA graph
+GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
+#: the vendor's peak memory bandwidth in GB/s by device name (the datasheets'), matched in this order
+DATASHEET_GBS = (("H200", 4800.0), ("H100", 3350.0), ("A100", 2039.0), ("L40", 864.0), ("4090", 1008.0))
+
+
+def sync_fn(device: torch.device) -> Callable[[], None]:
+    """``torch.cuda.synchronize`` on a CUDA device, a no-op elsewhere."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def wall_ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Median wall-clock milliseconds of ``fn()`` over ``iters`` calls after one untimed call."""
+    sync = sync_fn(device)
+    fn()
+    sync()
+    ts = []
+    for _ in range(max(1, iters)):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device, iters: int = 100) -> float:
+    """Median milliseconds of ``fn()``: ``triton.testing.do_bench`` on CUDA (each call launched from the host,
+    so launch cost counts), the wall clock elsewhere.
+
+    Parameters
+    ----------
+    fn : callable
+        What to time, without arguments.
+    device : torch.device
+        Where it runs.
+    iters : int
+        On CUDA, do_bench's ``rep`` in milliseconds (at least 50); elsewhere the number of timed calls.
+    """
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=max(50, iters), return_mode="median"))
+    return wall_ms(fn, iters, device)
+
+
+def bench_graph_ms(fn: Callable[[], object], device: torch.device, rep: int = 50) -> Tuple[Optional[float], str]:
+    """Median milliseconds of ``fn()`` replayed from one CUDA graph (``triton.testing.do_bench_cudagraph``):
+    launch cost does not count. ``(None, why)`` when it cannot be timed so (no CUDA device, or ``fn`` cannot be
+    captured: a host sync, a CPU tensor, ...); ``(ms, "")`` otherwise."""
+    if device.type != "cuda":
+        return None, "CUDA graphs need a CUDA device"
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        try:
+            ms = do_bench_cudagraph(fn, rep=rep, return_mode="median")
+        except TypeError:  # a Triton without return_mode
+            ms = do_bench_cudagraph(fn, rep=rep, quantiles=[0.5])
+        return float(ms[0] if isinstance(ms, (list, tuple)) else ms), ""
+    except Exception as e:  # noqa: BLE001  (capture errors come as RuntimeError, AssertionError, ...)
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def copy_bandwidth_gbs(device: torch.device, mb: int = 2048) -> float:
+    """Measured device memory bandwidth in GB/s: one device-to-device copy of ``mb`` MB, bytes read plus bytes
+    written over its median time (do_bench). NaN on a CPU."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(mb * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), device, 100)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * mb * 2**20 / (ms * 1e-3) / 1e9
+
+
+def read_bandwidth_gbs(device: torch.device, mb: int = 256, reps: int = 7) -> float:
+    """Read bandwidth in GB/s: median time of one ``sum`` over an ``mb`` MB fp32 buffer on ``device``."""
+    x = torch.ones(mb * 2**20 // 4, device=device)
+    sync = sync_fn(device)
+    x.sum()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def datasheet_gbs(device: torch.device) -> float:
+    """The vendor's peak memory bandwidth of ``device`` in GB/s (:data:`DATASHEET_GBS`), NaN when unknown."""
+    if device.type != "cuda":
+        return float("nan")
+    name = torch.cuda.get_device_name(device)
+    return next((gbs for key, gbs in DATASHEET_GBS if key in name), float("nan"))
+
+
+def step_profile(step: Callable[[], object], device: torch.device) -> Dict[str, object]:
+    """Counts of one call of ``step`` (one decode step, already warmed up) under ``torch.profiler``.
+
+    Returns
+    -------
+    dict
+        ``gpu_kernels`` (kernels the device ran, memcpy/memset not counted), ``launch_calls`` (runtime calls
+        that launch one kernel, :data:`LAUNCH_CALLS`), ``graph_launches`` (CUDA graph replays), ``sync_calls``
+        (:data:`SYNC_CALLS`), ``dtoh_copies`` (device-to-host copies the device ran), ``item_calls``
+        (:data:`ITEM_OPS`; each is one device-to-host copy and one stream sync), ``host_syncs`` (the largest of
+        the three: a lower bound on the times the host waited for the device) and ``cudagraph_replayed`` (a
+        graph replay was seen). The CUDA-only counts are None on a CPU, where ``host_syncs`` is the item
+        calls; ``profile_error`` says why a profile is missing.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = device.type == "cuda"
+    sync = sync_fn(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    try:
+        with profile(activities=activities) as prof:
+            with record_function("bench_step"):
+                step()
+            sync()
+        events = list(prof.events())
+    except Exception as e:  # noqa: BLE001  (a profiler that fails must not cost the step's timings)
+        return dict(profile_error=f"{type(e).__name__}: {e}"[:300])
+    marks = [e for e in events if e.name == "bench_step"]
+    t0 = min((m.time_range.start for m in marks), default=float("-inf"))
+    t1 = max((m.time_range.end for m in marks), default=float("inf"))
+    host = [e for e in events if getattr(e.device_type, "name", "CPU") == "CPU" and t0 <= e.time_range.start <= t1]
+    names = [e.name for e in host]
+
+    def count(which):
+        return sum(n in which for n in names)
+
+    items = count(ITEM_OPS) - names.count("aten::item")  # aten::item calls _local_scalar_dense: count it once
+    out: Dict[str, object] = dict(item_calls=items, gpu_kernels=None, launch_calls=None, graph_launches=None,
+                                  sync_calls=None, dtoh_copies=None, host_syncs=items, cudagraph_replayed=None)
+    if cuda:
+        dev = [e for e in events if getattr(e.device_type, "name", "") == "CUDA"]
+        kernels = [e for e in dev if not e.name.startswith(("Memcpy", "Memset"))]
+        dtoh = sum(e.name.startswith("Memcpy DtoH") or "Device -> Pageable" in e.name or "Device -> Pinned" in e.name
+                   for e in dev)
+        syncs = count(SYNC_CALLS)
+        graphs = count(GRAPH_LAUNCH)
+        out.update(gpu_kernels=len(kernels), launch_calls=count(LAUNCH_CALLS), graph_launches=graphs,
+                   sync_calls=syncs, dtoh_copies=dtoh, host_syncs=max(syncs, dtoh, items),
+                   cudagraph_replayed=graphs > 0)
+    return out
