@@ -175,6 +175,38 @@ if _HAS_TRITON:
         return last
 
     @triton.jit
+    def _select_top_resident(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK: tl.constexpr):
+        """:func:`_select_top` for ``n <= BLOCK``: the keys are loaded once and stay in registers, and the
+        threshold is found one bit a pass (32 reductions, no memory traffic between them)."""
+        # -- stage 1: every key, once (padding keys are 0: below every real key, never counted)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(val_ptr + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        key = tl.where(ok, _sort_key(x), 0)
+        # -- stage 2: the n_sel-th largest key, from the top bit down
+        prefix = tl.zeros([], dtype=tl.uint32)
+        for i in tl.static_range(32):
+            cand = prefix | (1 << (31 - i))
+            above = tl.sum((key >= cand).to(tl.int32), axis=0)
+            prefix = tl.where(above >= n_sel, cand, prefix)
+        # -- stage 3: the keys above it, the first ties in index order, written ascending
+        need = n_sel - tl.sum((key > prefix).to(tl.int32), axis=0)
+        eq = ok & (key == prefix)
+        tie_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        sel = ((key > prefix) | (eq & (tie_rank < need))) & ok & (x > float("-inf"))
+        pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + pos, offs, mask=sel)
+        tl.store(count_ptr, tl.sum(sel.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _select_any(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK: tl.constexpr, BLOCK_ALL: tl.constexpr):
+        """:func:`_select_top_resident` when ``n`` fits in ``BLOCK_ALL`` keys, else :func:`_select_top`."""
+        if n <= BLOCK_ALL:
+            _select_top_resident(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK_ALL)
+        else:
+            _select_top(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK)
+
+    @triton.jit
     def _select_top(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK: tl.constexpr):
         """Write the indices of the ``n_sel`` largest of ``val[0:n]`` (fp32), ascending, to ``out``, and their count
         to ``count``: never an index whose value is ``-inf``; ties at the threshold go to the lower index.
@@ -235,7 +267,7 @@ if _HAS_TRITON:
         Hkv, P, L, scale, slack_c, under_c, sink_pages, n_dense, n_sel, n_prog,
         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
         BLOCK_P: tl.constexpr, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, BOUNDS_KIND: tl.constexpr,
-        HAS_CTRL: tl.constexpr, SELECT: tl.constexpr, BLOCK_SEL: tl.constexpr,
+        HAS_CTRL: tl.constexpr, SELECT: tl.constexpr, BLOCK_SEL: tl.constexpr, BLOCK_ALL: tl.constexpr,
     ):
         """Group-max page scores ``score[b*Hkv + kvh, p]`` fp32 of a block of pages; with ``SELECT``, the last
         program of the head writes the top ``n_sel`` pages ``cand[b*Hkv + kvh, :]`` int32 ascending and their
@@ -305,8 +337,8 @@ if _HAS_TRITON:
             # -- stage 4: the head's last program selects its top pages
             if SELECT:
                 if _arrive(sem_ptr + pid_bh, n_prog):
-                    _select_top(score_ptr + pid_bh * P, P, n_sel, cand_ptr + pid_bh * n_sel, ncand_ptr + pid_bh,
-                                BLOCK_SEL)
+                    _select_any(score_ptr + pid_bh * P, P, n_sel, cand_ptr + pid_bh * n_sel, ncand_ptr + pid_bh,
+                                BLOCK_SEL, BLOCK_ALL)
 
     # ---- launch 2 (two stages): exact logits of the candidates, then the kept tokens or pages --------------------
 
@@ -322,7 +354,7 @@ if _HAS_TRITON:
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         S: tl.constexpr, S_PAD: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr, NP_PAD: tl.constexpr,
         MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, UPCAST: tl.constexpr, TOKENS: tl.constexpr,
-        HAS_CTRL: tl.constexpr, BLOCK_SEL: tl.constexpr,
+        HAS_CTRL: tl.constexpr, BLOCK_SEL: tl.constexpr, BLOCK_ALL: tl.constexpr,
     ):
         """Exact logits of a slice of one KV head's candidate pages (no V read), then, in the head's last
         program, the kept tokens (``TOKENS``) or pages by share of softmax mass.
@@ -434,8 +466,8 @@ if _HAS_TRITON:
                     sh = tl.where(ok & forced, float("inf"), tl.where(ok, sh, float("-inf")))
                     tl.store(share_ptr + pid_bh * n_units + u, sh, mask=u_in)
                 tl.debug_barrier()  # the shares written by every thread, before the select reads them
-                _select_top(share_ptr + pid_bh * n_units, n_units, n_keep, kept_ptr + pid_bh * n_keep,
-                            count_ptr + pid_bh, BLOCK_SEL)
+                _select_any(share_ptr + pid_bh * n_units, n_units, n_keep, kept_ptr + pid_bh * n_keep,
+                            count_ptr + pid_bh, BLOCK_SEL, BLOCK_ALL)
 
     # ---- launch 3: split-K attention over what was kept, then the combine ------------------------------------------
 
@@ -622,8 +654,14 @@ LAUNCHES = ("_score_pages_kernel", "_rank_candidates_kernel", "_attend_kernel")
 
 #: ``BOUNDS_KIND`` of :func:`_score_pages_kernel` for each storage dtype of ``kmax``/``kmin``
 _BOUNDS_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-#: elements of one select chunk (16 thresholds against BLOCK_SEL keys a step)
+#: elements of one select chunk when the keys do not fit in registers (16 thresholds against BLOCK_SEL keys a step)
 _BLOCK_SEL = 256
+#: most keys a select keeps in registers (the page scores of 128K tokens in pages of 8): loaded once, then 32
+#: one-bit passes. On an H200 (2026-12-04, the looping select alone) the select tails were most of the op's time:
+#: 0.55 of 0.57 ms at 128K, batch 1, each pass re-reading the scores from L2 in 256-key steps
+_BLOCK_ALL = 16384
+#: warps of the launches whose last program selects (a [BLOCK_ALL] key vector: 32 keys a thread at 16 warps)
+_SELECT_WARPS = 16
 #: fewest tokens a split of launch 3 visits before another split is used (CUDA; the interpreter uses 8, so that
 #: small test shapes still run several splits)
 _MIN_TOKENS_PER_SPLIT = 128
@@ -655,6 +693,11 @@ def _valid_len_view(valid_len, B: int, device):
         valid_len = torch.tensor([int(valid_len)], dtype=torch.int64, device=device)
     vl = valid_len.reshape(-1)
     return vl, (0 if vl.numel() == 1 else vl.stride(0))
+
+
+def _select_warps(n: int) -> int:
+    """Warps for a launch whose last program selects among ``n`` keys (at most 32 resident keys a thread)."""
+    return max(4, min(_SELECT_WARPS, _pow2(min(n, _BLOCK_ALL)) // (32 * 32)))
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -809,7 +852,7 @@ def _launch_select(q, k_cache, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mpe
         plan.n_dense, plan.n_cand, plan.n_prog1,
         G=G, D=D, D_PAD=_pow2(D), S=S, S_PAD=plan.S_PAD, BLOCK_P=plan.block_p, MASK_KIND=mkind,
         MASK_PER_HEAD=mper, BOUNDS_KIND=_BOUNDS_KINDS[kmax.dtype], HAS_CTRL=has_ctrl, SELECT=select,
-        BLOCK_SEL=_BLOCK_SEL,
+        BLOCK_SEL=_BLOCK_SEL, BLOCK_ALL=min(_BLOCK_ALL, _pow2(P)), num_warps=_select_warps(P),
     )
     if not select or plan.mode not in (2, 3):
         return
@@ -825,6 +868,7 @@ def _launch_select(q, k_cache, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mpe
         G=G, G_PAD=_pow2(G, 16), D=D, D_PAD=_pow2(D, 16), S=S, S_PAD=plan.S_PAD, PAGES_PER_BLOCK=plan.ppb,
         NP_PAD=_pow2(plan.n_prog2), MASK_KIND=mkind, MASK_PER_HEAD=mper, UPCAST=_upcast(q.dtype),
         TOKENS=plan.mode == 3, HAS_CTRL=has_ctrl, BLOCK_SEL=_BLOCK_SEL,
+        BLOCK_ALL=min(_BLOCK_ALL, _pow2(plan.n_units2)), num_warps=_select_warps(plan.n_units2),
     )
 
 

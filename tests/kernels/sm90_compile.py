@@ -51,17 +51,19 @@ class _CompileOnly:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             fn = self.kernel
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
             bound = inspect.signature(fn.fn).bind(*args, **kwargs).arguments
             const = {p.name for p in fn.params if p.is_constexpr}
             signature = {name: "constexpr" if name in const else _type(v) for name, v in bound.items()}
             constexprs = {name: v for name, v in bound.items() if name in const}
-            key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())))
+            key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())),
+                   tuple(sorted(options.items())))
             if key not in {c[0] for c in compiled}:
-                out = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET)
+                out = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options=options)
                 regs = getattr(out, "n_regs", None)
                 spills = getattr(out, "n_spills", None)
                 compiled.append((key, regs, spills))
-                print(f"compiled {fn.__name__} for sm_90: {len(out.asm.get('ptx', ''))} chars of PTX"
+                print(f"compiled {fn.__name__} for sm_90 {options or ''}: {len(out.asm.get('ptx', ''))} chars of PTX"
                       + (f", {regs} registers, {spills} spills" if regs is not None else ""), flush=True)
         return launch
 

@@ -184,3 +184,20 @@ def test_recorded_launches_replay_exactly_on_new_inputs(setting, dtype, monkeypa
         rec.replay()
         want = _want(q, k, v, bounds, vl, mask, spec, ctrl)
         assert_close_report(out.float(), want.float(), *TOL[dtype], f"replay {step} ({setting})")
+
+
+@pytest.mark.parametrize("setting", ["tokens", "pages", "paper"])
+def test_looping_select_equals_the_resident_one(setting, monkeypatch):
+    """Keys past ``_BLOCK_ALL`` (longer than 128K tokens in pages of 8) are selected in chunks, 4 bits a pass:
+    forced here on a small cache, the same kept sets and output as the register-resident select."""
+    spec, _ = SETTINGS[setting]
+    q, k, v, bounds, mask = _inputs(spec, 6)
+    vl = torch.tensor([L, L - 11])
+    want = tsd.select_pages_triton(q, k, *bounds, vl, mask, D ** -0.5, spec)
+    out_want = _call(q, k, v, bounds, vl, mask, spec)
+    monkeypatch.setattr(tsd, "_BLOCK_ALL", 4)
+    monkeypatch.setattr(tsd, "_BLOCK_SEL", 8)
+    tsd._WORKSPACES.clear()
+    got = tsd.select_pages_triton(q, k, *bounds, vl, mask, D ** -0.5, spec)
+    assert torch.equal(got.idx, want.idx) and torch.equal(got.ok, want.ok)
+    assert torch.equal(_call(q, k, v, bounds, vl, mask, spec), out_want)
