@@ -107,7 +107,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import llamacpp  # noqa: E402
 from bench.harness import allocate_cache, cache_kwarg  # noqa: E402
-from bench.timing import read_bandwidth_gbs, step_profile, sync_fn  # noqa: E402
+from bench.timing import machine_fields, read_bandwidth_gbs, step_profile, sync_fn  # noqa: E402
 from bench.weights import WEIGHTS, is_int4_linear, prepare_weights, tensor_nbytes, weights_dtype  # noqa: E402
 from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
 
@@ -1041,7 +1041,11 @@ def main(argv=None):
                profile=not a.no_profile, progress=progress, points=points,
                time_budget=None if a.time_budget is None else a.time_budget - (time.monotonic() - start),
                keep_going=a.keep_going)
-    dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"{platform.machine()} CPU"
+    machine = machine_fields()
+    dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else \
+        f"{platform.machine()} CPU ({machine['cpu']}, {machine['isa']})"
+    for r in rows:
+        r.update(machine)  # the ISA with every figure (the host CPU's, for a GPU run)
     print(f"# {time.strftime('%Y-%m-%d %H:%M %Z')} {dev}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, commit {_commit()}, {a.steps} steps x {a.rounds} rounds per point, "
           f"{time.perf_counter() - t0:.0f} s")

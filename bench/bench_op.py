@@ -45,6 +45,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.timing import machine_fields
 from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.cost import sparse_site_bytes
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_
@@ -301,8 +302,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     native = load_native()
     bw = read_bandwidth_gbs(256)
+    machine = machine_fields()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()} "
-          f"({os.cpu_count()} cpus); read bandwidth (sum over 256 MB) {bw:.1f} GB/s")
+          f"({os.cpu_count()} cpus, {machine['cpu']}, {machine['isa']}); read bandwidth (sum over 256 MB) {bw:.1f} GB/s")
     print("sparse kernel: " + ("native (tinyserve::sparse_decode, kernel=native)" if native else
                                f"PyTorch path (native unavailable: {native_unavailable_reason()})"))
     q = torch.randn(1, HQ, 1, D)
@@ -318,6 +320,7 @@ def main(argv=None) -> int:
                 r = bench_one(L, DTYPES[name], s, reps, native, with_torch=not args.no_torch, cold=not args.warm,
                               huge=args.huge_pages)
                 r["stream_gbps"] = round(bw, 2)
+                r.update(machine)  # the ISA with every figure
                 r["bound_ms"] = round(r["bytes"] / (bw * 1e9) * 1e3, 4)
                 rows.append(r)
                 print(f"  {fmt_ctx(L)} {name} {s}: SDPA {r['dense_ms']:.3f} ms, sparse {r['sparse_ms']:.3f} ms "

@@ -171,3 +171,41 @@ def step_profile(step: Callable[[], object], device: torch.device) -> Dict[str, 
                    sync_calls=syncs, dtoh_copies=dtoh, host_syncs=max(syncs, dtoh, items),
                    cudagraph_replayed=graphs > 0)
     return out
+
+
+def cpu_isa(flags: Optional[set] = None) -> str:
+    """The vector ISA of this CPU as every CPU figure records it: ``"AVX-512 (VNNI, BF16)"``, ``"AVX-512 (VNNI)"``,
+    ``"AVX-512"``, ``"AVX2"`` or ``"baseline"`` (from ``/proc/cpuinfo``'s flags, or ``flags`` when given)."""
+    if flags is None:
+        flags = set()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        flags = set(line.split(":", 1)[1].split())
+                        break
+        except OSError:
+            pass
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        extra = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if flag in flags]
+        return "AVX-512" + (f" ({', '.join(extra)})" if extra else "")
+    if {"avx2", "fma"} <= flags:
+        return "AVX2"
+    return "baseline"
+
+
+def cpu_model() -> str:
+    """``/proc/cpuinfo``'s model name ("unknown" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def machine_fields() -> Dict[str, str]:
+    """What every benchmark row records about the CPU it ran on: ``cpu`` (model) and ``isa`` (:func:`cpu_isa`)."""
+    return {"cpu": cpu_model(), "isa": cpu_isa()}

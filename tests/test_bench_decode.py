@@ -129,6 +129,22 @@ def test_inductor_options_and_module_guards_in_rows(tmp_path):
         assert json.loads(by[p]["inductor_options"]) == io and by[p]["skip_module_guards"] is True
     assert json.loads(by["tinyserve"]["options"])["inductor_options"] == io
     assert by["tinyserve"]["sparse_sites"] >= 2
+    from bench.timing import cpu_isa
+
+    assert all(r["isa"] == cpu_isa() and r["cpu"] for r in by.values())  # every figure says where it was measured
+
+
+@pytest.mark.parametrize("flags, isa", [
+    ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx2", "fma"},
+     "AVX-512 (VNNI, BF16)"),
+    ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}, "AVX-512"),
+    ({"avx2", "fma", "avx"}, "AVX2"),  # AMD Zen 3
+    ({"sse4_2"}, "baseline"),
+])
+def test_cpu_isa_names(flags, isa):
+    from bench.timing import cpu_isa
+
+    assert cpu_isa(flags) == isa
 
 
 def test_cudagraphs_providers_and_their_compile_calls():
