@@ -105,6 +105,10 @@ def _cudagraphs_decision(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     if any(n.op == "call_function" and n.target is torch.ops.tinyserve.paged_attention.default
            for n in gm.graph.nodes):
         return False, f"policy {config.policy} runs Python per call (tinyserve::paged_attention)"
+    if any(n.op == "call_function" and n.target is torch.ops.tinyserve.sparse_decode.default for n in gm.graph.nodes):
+        kernel = runtime.decode_kernel(torch.device("cuda"), config)
+        if kernel != "triton":  # the PyTorch path reads ctrl and the valid lengths on the host
+            return False, f"kernel={config.kernel!r} runs the PyTorch path ({kernel}), which reads the device on the host"
     return True, ""
 
 

@@ -178,6 +178,16 @@ def test_cudagraphs_decision_on_a_cuda_graph(policy, mode, want):
     assert _cudagraphs_decision(out, example_inputs, config, mode) == want
 
 
+def test_cudagraphs_off_for_the_pytorch_path_on_cuda():
+    """kernel='torch' reads ctrl and the valid lengths on the host: no CUDA graphs, and explain says why."""
+    gm, _ = _decode_graph(gpt_fast_model())
+    config = TinyServeConfig(kernel="torch", **SMALL)
+    out = run_passes(_on_fake_cuda(gm), config)
+    example_inputs = [n.meta["example_value"] for n in _placeholders(out) if not n.name.startswith(BOUNDS_PREFIX)]
+    on, why = _cudagraphs_decision(out, example_inputs, config, "reduce-overhead")
+    assert not on and "kernel='torch'" in why, why
+
+
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_bounds_slot_example_inputs_live_on_the_cache_device(device):
     slot = BoundsSlot(0, (1, 2, 64, 16), torch.float32, 16, torch.int8)
