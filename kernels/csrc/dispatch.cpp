@@ -3,10 +3,7 @@
 // between.
 // Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
 #include <ATen/core/grad_mode.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/variable.h>
+#include <torch/autograd.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -64,37 +61,66 @@ void cache_write_cpu(const at::Tensor& k_cache, const at::Tensor& kmax, const at
                           std::vector<int64_t>(spec.begin(), spec.end()));
 }
 
+// The graph node of a call whose inputs require grad: forward runs the op below autograd, backward raises (the ops
+// have no derivative). It is a torch::autograd::Function, the public C++ autograd API (torch/autograd.h, unchanged
+// from torch 2.8 to 2.15), so the node is made and attached by torch's own header: torch 2.13 holds nodes in
+// c10::intrusive_ptr where earlier releases hold them in std::shared_ptr, and the internal calls that take one
+// (torch::autograd::set_history with a NotImplemented node) compile on one side of that change only.
+struct NoDerivative : torch::autograd::Function<NoDerivative> {
+  // `inputs`, the tensors that require grad, are not read here: Function::apply takes the node's edges from them
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                                                const c10::OperatorHandle* op, c10::DispatchKeySet ks,
+                                                torch::jit::Stack* stack) {
+    (void)inputs;
+    ctx->saved_data["op"] = op->schema().name();
+    op->redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+    torch::autograd::variable_list outputs;  // the tensor returns; integer ones get no grad_fn (Function's rule)
+    const size_t n_out = op->schema().returns().size();
+    for (size_t i = stack->size() - n_out; i < stack->size(); ++i) {
+      if ((*stack)[i].isTensor()) outputs.push_back((*stack)[i].toTensor());
+    }
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    (void)grad_outputs;
+    TORCH_CHECK(false, "the derivative of ", ctx->saved_data["op"].toStringRef(),
+                " is not implemented: backward cannot pass through this op");
+    return {};
+  }
+};
+
 // The AutogradCPU kernel of the ops registered here (boxed, one for all). It replaces torch.library.custom_op's
 // Python autograd and ADInplaceOrView kernels on CPU, which cost about 30 us per call, and does what they did:
 // bumps the version counters of the arguments the schema says it writes, hands the call to the keys below
 // ADInplaceOrView (CPU for real tensors, Python for fake ones under torch.compile's tracing), and when an input
-// requires grad under grad mode gives the outputs a grad_fn that raises on backward (the ops have no derivative).
+// requires grad under grad mode gives the outputs a grad_fn that raises on backward (NoDerivative).
 void autograd_passthrough(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t n = args.size();
   const size_t first = stack->size() - n;
   const bool grad = at::GradMode::is_enabled();
-  bool needs_history = false;
-  std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> inputs;  // those that require grad under grad mode
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[first + i];
     if (!v.isTensor()) continue;
     const at::Tensor& t = v.toTensor();
     if (!t.defined()) continue;
-    if (grad && t.requires_grad()) {
-      needs_history = true;
-      inputs.push_back(t);
-    }
-    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) torch::autograd::impl::bump_version(t);
+    if (grad && t.requires_grad()) inputs.push_back(t);
+    // TensorImpl::bump_version: c10's own call, what torch::autograd::impl::bump_version wraps
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) t.unsafeGetTensorImpl()->bump_version();
   }
-  op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
-  if (!needs_history) return;
-  auto node = c10::make_intrusive<torch::autograd::NotImplemented>(op.schema().name());
-  node->set_next_edges(torch::autograd::collect_next_edges(at::ArrayRef<at::Tensor>(inputs)));
+  if (inputs.empty()) {
+    op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+    return;
+  }
+  const torch::autograd::variable_list outputs = NoDerivative::apply(at::TensorList(inputs), &op, ks, stack);
+  // the same tensors with their grad_fn set, back in their places among the returns
+  size_t next = 0;
   const size_t n_out = op.schema().returns().size();
   for (size_t i = stack->size() - n_out; i < stack->size(); ++i) {
-    if ((*stack)[i].isTensor() && (*stack)[i].toTensor().is_floating_point())
-      torch::autograd::set_history((*stack)[i].toTensor(), node);
+    if ((*stack)[i].isTensor()) (*stack)[i] = outputs[next++];
   }
 }
 
