@@ -11,8 +11,8 @@ continuous batching's paged buffer, ``paged_sparse_decode``, ``paged_write`` and
 ``tinyserve::paged_sparse_decode`` and ``tinyserve::cache_write``.
 
 If anything fails (no compiler, no ninja, a build error), :func:`load_native` returns
-False and :func:`native_unavailable_reason` says why; callers then use the PyTorch path.
-Nothing is built at import time.
+False, warns once (a ``RuntimeWarning``) and :func:`native_unavailable_reason` says why, naming the torch
+version the build ran against; callers then use the PyTorch path. Nothing is built at import time.
 
 Environment
 -----------
@@ -34,6 +34,7 @@ import platform
 import sys
 import threading
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -119,7 +120,8 @@ def native_unavailable_reason() -> Optional[str]:
 def load_native(verbose: bool = False) -> bool:
     """Build (first time) and load the native kernels; True when :func:`native_module` is usable.
 
-    Thread-safe and cached: the build is attempted once per process.
+    Thread-safe and cached: the build is attempted once per process. A failure (other than
+    ``TINYSERVE_DISABLE_NATIVE``) warns once with :func:`native_unavailable_reason`.
     """
     if _state["loaded"] is not None:
         return _state["loaded"]
@@ -131,14 +133,24 @@ def load_native(verbose: bool = False) -> bool:
             _state["reason"] = None if _state["loaded"] else _state["reason"]
         except Exception as e:  # any build or load failure means: fall back to the PyTorch path
             _state["loaded"] = False
-            _state["reason"] = f"native kernel build failed ({type(e).__name__}): {_summary(e)}"
+            _state["reason"] = (f"native kernel build failed against torch {torch.__version__} "
+                                f"({type(e).__name__}): {_summary(e)}")
+        if not _state["loaded"] and not _disabled():
+            warnings.warn(f"tinyserve-compile: {_state['reason']}; the PyTorch path runs instead", RuntimeWarning,
+                          stacklevel=2)
         return _state["loaded"]
 
 
+def _disabled() -> bool:
+    return os.environ.get("TINYSERVE_DISABLE_NATIVE", "") not in ("", "0")
+
+
 def _summary(e: Exception) -> str:
-    """The first compiler error line of a failed build (else the exception's last lines)."""
+    """The first compiler error lines of a failed build (else the exception's last lines)."""
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower()]
+    # a compiler's diagnostics (`file:line:col: error: ...`) first: cpp_extension's own first line, "Error building
+    # extension ...: [1/9] c++ ...", names no cause
+    errors = [ln for ln in lines if ": error:" in ln] or [ln for ln in lines if "error" in ln.lower()]
     picked = errors[:2] if errors else lines[-3:]
     return " | ".join(picked)[:600] if picked else type(e).__name__
 
@@ -196,7 +208,7 @@ def build_guard(build_dir: str):
 
 
 def _load(verbose: bool) -> bool:
-    if os.environ.get("TINYSERVE_DISABLE_NATIVE", "") not in ("", "0"):
+    if _disabled():
         _state["reason"] = "disabled by TINYSERVE_DISABLE_NATIVE"
         return False
     if not torch.backends.openmp.is_available() and not torch.__config__.parallel_info().count("OpenMP"):
@@ -265,7 +277,8 @@ def _load(verbose: bool) -> bool:
     problem = _self_check(module)
     _state["module"] = module
     if problem:
-        _state["reason"] = f"native kernel self-check failed ({isa} build in {build_dir}): {problem}"
+        _state["reason"] = (f"native kernel self-check failed ({isa} build against torch {torch.__version__} in "
+                            f"{build_dir}): {problem}")
         return False
     # only kernels that passed their self-check become the dispatcher's CPU kernels of tinyserve::sparse_decode
     # and tinyserve::cache_write
