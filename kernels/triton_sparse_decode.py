@@ -159,7 +159,7 @@ if _HAS_TRITON:
     def _sort_key(x):
         """uint32 keys in the order of the fp32 values ``x`` (``-inf`` lowest, ``+inf`` highest)."""
         bits = x.to(tl.uint32, bitcast=True)
-        return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+        return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)  # ^: not ~ (Triton 3.5 interpreter)
 
     @triton.jit
     def _arrive(sem_ptr, n_prog):

@@ -82,7 +82,9 @@ def test_compiled_llama_triton_equals_torch(candidate_factor, monkeypatch):
         step = torch.compile(model, backend="tinyserve", options={**opts, "kernel": kernel})
         runs[kernel] = _greedy(model, step, ids, 4)
         assert tc.counters["rewritten"] == 3, tc.explain()  # the dense layer too (dense at run time)
-    assert len(calls) == 4 * 2, f"the Triton launcher ran {len(calls)} times, expected 4 steps x 2 sparse layers"
+    # every layer runs the launcher, the dense one too: ctrl's dense flag is read on the device, so that a CUDA
+    # graph replays the same launches whatever the flags say
+    assert len(calls) == 4 * 3, f"the Triton launcher ran {len(calls)} times, expected 4 steps x 3 layers"
     (t_toks, t_logits), (x_toks, x_logits) = runs["torch"], runs["triton"]
     d = (x_logits - t_logits).abs()
     assert torch.allclose(x_logits, t_logits, atol=1e-4, rtol=1e-4), f"max |logit diff| {float(d.max()):.3e}"
