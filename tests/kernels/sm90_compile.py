@@ -1,6 +1,6 @@
 """Compile every Triton kernel of the decode step for an H100/H200 (sm_90) without a GPU.
 
-Run as a script in a process of its own (the kernels must not be interpreted): each launch of the op's kernels
+Run as a script in a process of its own (``--quick``: bf16 only, no mask and an additive per-head mask) (the kernels must not be interpreted): each launch of the op's kernels
 (:data:`triton_sparse_decode.LAUNCHES`) and of the cache write is intercepted and, instead of running, compiled
 through Triton's whole pipeline (front end, MLIR, LLVM, ``ptxas``) for ``GPUTarget("cuda", 90, 32)``, with the
 argument types of the real call on CPU tensors. Prints one line per compiled specialisation and exits non-zero
@@ -68,7 +68,8 @@ class _CompileOnly:
         return launch
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # bf16, no mask and an additive per-head mask
     from triton.backends.nvidia import compiler as nv  # noqa: F401  (the NVIDIA backend, with its ptxas)
 
     from tinyserve_compile.kernels import triton_bounds as tb
@@ -86,7 +87,7 @@ def main() -> int:
              SelectionSpec(16, 2048, 0, 1, 0, False, torch.float32),  # the paper's rule
              SelectionSpec(8, 512, 1, 2, 0, False, torch.bfloat16),  # two stages keeping pages
              SelectionSpec(8, 8192, 0, 1, 0, False, torch.float32)]  # a cache dense by shape
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32):
         q = torch.randn(B, Hkv * G, 1, D, dtype=dtype)
         k = torch.randn(B, Hkv, L, D, dtype=dtype)
         v = torch.randn_like(k)
@@ -96,7 +97,8 @@ def main() -> int:
             bounds = ref.page_bounds(k[:, :, :64], spec.page_size, dtype=spec.bounds_dtype)
             P = -(-L // spec.page_size)
             bounds = ref.PageBounds(*(t.new_zeros((B, Hkv, P) + tuple(t.shape[3:])) for t in bounds))
-            for mask in (None, torch.ones(B, 1, 1, L, dtype=torch.bool), torch.zeros(B, Hkv * G, 1, L, dtype=dtype)):
+            masks = [None, torch.ones(B, 1, 1, L, dtype=torch.bool), torch.zeros(B, Hkv * G, 1, L, dtype=dtype)]
+            for mask in masks[::2] if quick else masks:
                 tsd.sparse_decode_triton(q, k, v, *bounds, vl, mask, D ** -0.5, spec, ctrl=ctrl)
             pos = torch.tensor([L - 1])
             tb.cache_write_triton(k, *bounds, ctrl, pos, k[:, :, :1].clone(), spec.page_size)

@@ -3,8 +3,8 @@
 The interpreter runs the kernels' logic on CPU tensors but never lowers them; a kernel can pass there and fail
 to compile for the GPU (an unsupported op, a type Triton cannot lower, a register or shared-memory limit that
 ``ptxas`` enforces). ``sm90_compile.py`` intercepts each launch of the op's and the cache write's kernels, with
-the argument types of real calls (bf16, fp16, fp32; the defaults, the paper rule, two stages keeping pages, a
-dense cache; no mask, a bool and an additive mask) and compiles it through Triton's whole pipeline to a
+the argument types of real calls (bf16; the defaults, the paper rule, two stages keeping pages, a dense cache;
+no mask and an additive mask) and compiles it through Triton's whole pipeline to a
 cubin for ``GPUTarget("cuda", 90, 32)``.
 """
 from __future__ import annotations
@@ -21,7 +21,9 @@ pytest.importorskip("triton")
 def test_every_kernel_compiles_for_sm90():
     script = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=900)
+    # --quick: bf16 (the GPU's dtype) with no mask and an additive per-head one, every setting; the whole grid
+    # (fp16, fp32, bool masks too) is `python tests/kernels/sm90_compile.py` (about 5 minutes cold on 2 cores)
+    run = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, env=env, timeout=900)
     if run.returncode == 3:
         pytest.skip(f"Triton's NVIDIA backend is not installed: {run.stdout.strip()[-300:]}")
     assert run.returncode == 0, f"sm_90 compile failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
