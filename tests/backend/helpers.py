@@ -44,3 +44,19 @@ def worst(a: torch.Tensor, b: torch.Tensor) -> str:
     d = (a.float() - b.float()).abs()
     i = int(d.argmax())
     return f"max |diff| {d.max().item():.3e} at flat index {i}: {a.flatten()[i].item():.6f} vs {b.flatten()[i].item():.6f}"
+
+
+def decode_graph(model):
+    """``(gm, example_inputs)``: the FX graph Dynamo captures of a gpt-fast style model's decode step (its second
+    call, after a 40-token prefill), before any backend pass."""
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    compiled = torch.compile(model, backend=grab)
+    with torch.no_grad():
+        compiled(prompt(40, seed=1), torch.arange(40))
+        compiled(torch.tensor([[3]]), torch.tensor([40]))
+    return graphs[-1]

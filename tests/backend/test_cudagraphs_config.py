@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tinyserve_compile as tc
-from helpers import prompt, worst
+from helpers import decode_graph, prompt, worst
 from models import GptFastModel, gpt_fast_model
 from test_negative import _inputs, good
 from tinyserve_compile import runtime
@@ -108,20 +108,6 @@ def test_reduce_overhead_on_cpu_reports_why_off_and_matches_eager():
 
 
 # ---- a CUDA decode graph, with fake CUDA example values --------------------------------------------------------
-def _decode_graph(model):
-    graphs = []
-
-    def grab(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    compiled = torch.compile(model, backend=grab)
-    with torch.no_grad():
-        compiled(prompt(40, seed=1), torch.arange(40))
-        compiled(torch.tensor([[3]]), torch.tensor([40]))
-    return graphs[-1]
-
-
 def _on_fake_cuda(gm):
     """``gm`` (a copy) with every example value a fake CUDA tensor of the same shape, strides and dtype."""
     gm = _copy(gm)
@@ -146,7 +132,7 @@ def _placeholders(gm):
 
 
 def test_cuda_decode_graph_has_no_cpu_placeholder_and_static_bounds():
-    gm, _ = _decode_graph(gpt_fast_model())
+    gm, _ = decode_graph(gpt_fast_model())
     cuda_gm = _on_fake_cuda(gm)
     assert all(n.meta["example_value"].device.type == "cuda" for n in _placeholders(cuda_gm))
     out = run_passes(cuda_gm, TinyServeConfig(**SMALL))
@@ -171,7 +157,7 @@ def test_cuda_decode_graph_has_no_cpu_placeholder_and_static_bounds():
     ("h2o", "reduce-overhead", (False, "policy h2o runs Python per call (tinyserve::paged_attention)")),
 ])
 def test_cudagraphs_decision_on_a_cuda_graph(policy, mode, want):
-    gm, _ = _decode_graph(gpt_fast_model())
+    gm, _ = decode_graph(gpt_fast_model())
     config = TinyServeConfig(policy=policy, **SMALL)
     out = run_passes(_on_fake_cuda(gm), config)
     example_inputs = [n.meta["example_value"] for n in _placeholders(out) if not n.name.startswith(BOUNDS_PREFIX)]
@@ -180,7 +166,7 @@ def test_cudagraphs_decision_on_a_cuda_graph(policy, mode, want):
 
 def test_cudagraphs_off_for_the_pytorch_path_on_cuda():
     """kernel='torch' reads ctrl and the valid lengths on the host: no CUDA graphs, and explain says why."""
-    gm, _ = _decode_graph(gpt_fast_model())
+    gm, _ = decode_graph(gpt_fast_model())
     config = TinyServeConfig(kernel="torch", **SMALL)
     out = run_passes(_on_fake_cuda(gm), config)
     example_inputs = [n.meta["example_value"] for n in _placeholders(out) if not n.name.startswith(BOUNDS_PREFIX)]

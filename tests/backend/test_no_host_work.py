@@ -6,30 +6,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from helpers import prompt
+from helpers import decode_graph, prompt
 from models import gpt_fast_model
 from tinyserve_compile.backend import _copy
 from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.passes import run_passes
 
 
-def _decode_graph():
-    model = gpt_fast_model()
-    graphs = []
-
-    def grab(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    compiled = torch.compile(model, backend=grab)
-    with torch.no_grad():
-        compiled(prompt(40, seed=1), torch.arange(40))
-        compiled(torch.tensor([[3]]), torch.tensor([40]))
-    return graphs[-1]
-
-
 def test_decode_graph_runs_under_fake_tensor_mode():
-    gm, example_inputs = _decode_graph()
+    gm, example_inputs = decode_graph(gpt_fast_model())
     for opts in ({}, {"policy": "h2o"}, {"kernel": "torch"}):
         cfg = TinyServeConfig(token_budget=32, page_size=16, **opts)
         rewritten = run_passes(_copy(gm), cfg)

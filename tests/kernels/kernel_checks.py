@@ -126,3 +126,14 @@ def dense_sdpa(q, k, v, valid_len, attn_mask=None, scale=None, keep_kv=None, use
 
 def default_scale(d: int) -> float:
     return 1.0 / math.sqrt(d)
+
+
+def assert_equal_report(actual, expected, what):
+    """Assert bit-equal tensors (NaN equal to NaN), naming how many elements differ and the first of them."""
+    if torch.equal(actual, expected):
+        return
+    a, e = actual.double(), expected.double()
+    bad = ~((a == e) | (torch.isnan(a) & torch.isnan(e)))
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    raise AssertionError(f"{what}: {int(bad.sum())}/{a.numel()} differ; first at {idx}: "
+                         f"actual={float(a[idx]):.8e} expected={float(e[idx]):.8e}")

@@ -20,7 +20,7 @@ from triton_interp import _import_interpreted  # noqa: E402
 
 tb = _import_interpreted("tinyserve_compile.kernels.triton_bounds")
 
-from kernel_checks import DTYPES, make_gen, randn  # noqa: E402
+from kernel_checks import DTYPES, assert_equal_report, make_gen, randn  # noqa: E402
 from tinyserve_compile.kernels import PageBounds, allocate_bounds, update_bounds_  # noqa: E402
 from tinyserve_compile.kernels import reference as ref  # noqa: E402
 
@@ -28,16 +28,6 @@ from tinyserve_compile.kernels import reference as ref  # noqa: E402
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def _assert_equal_report(actual, expected, what):
-    if torch.equal(actual, expected):
-        return
-    a, e = actual.double(), expected.double()
-    bad = ~((a == e) | (torch.isnan(a) & torch.isnan(e)))
-    idx = tuple(int(i) for i in bad.nonzero()[0])
-    raise AssertionError(f"{what}: {int(bad.sum())}/{a.numel()} differ; first at {idx}: "
-                         f"actual={float(a[idx]):.8e} expected={float(e[idx]):.8e}")
 
 
 BOUNDS_DTYPES = {"b32": torch.float32, "b16": torch.bfloat16, "b8": torch.int8}
@@ -67,7 +57,7 @@ def test_update_equals_update_bounds(pos_kind, bname):
     update_bounds_(k, want, positions, S)
     tb.update_bounds_triton(k, *bounds, positions, S)
     for name, got, w in zip(("kmax", "kmin", "kabs"), bounds, want):
-        _assert_equal_report(got, w, name)
+        assert_equal_report(got, w, name)
 
 
 BOUNDS_DTYPES = {"b32": torch.float32, "b16": torch.bfloat16, "b8": torch.int8}
@@ -99,7 +89,7 @@ def test_rebuild_equals_reference(dname, bname):
     got.kmin.fill_(-55)
     tb.rebuild_bounds_triton(k, *got, S)
     for name, g, w in zip(("kmax", "kmin", "kabs"), got, want):
-        _assert_equal_report(g, w, f"{name} ({dname} keys, {bdt} bounds)")
+        assert_equal_report(g, w, f"{name} ({dname} keys, {bdt} bounds)")
     if bdt == torch.int8:  # the decoded box contains every key
         kmax, kmin = ref.bounds_f32(got)
         pk = ref._paged(k.float(), S, 0.0)  # [B,H,P,S,D]
@@ -127,4 +117,4 @@ def test_rebuild_equals_reference_any_scale(exp, seed, S, bname, dname):
     got = allocate_bounds(k, S, BOUNDS_DTYPES[bname])
     tb.rebuild_bounds_triton(k, *got, S)
     for name, g, w in zip(("kmax", "kmin", "kabs"), got, want):
-        _assert_equal_report(g, w, f"{name} (scale 2^{exp}, {dname} keys, {bname} bounds, S={S})")
+        assert_equal_report(g, w, f"{name} (scale 2^{exp}, {dname} keys, {bname} bounds, S={S})")

@@ -30,7 +30,7 @@ from triton_interp import _import_interpreted  # noqa: E402
 
 tb = _import_interpreted("tinyserve_compile.kernels.triton_bounds")
 
-from kernel_checks import DTYPES, make_gen, randn  # noqa: E402
+from kernel_checks import DTYPES, assert_equal_report, make_gen, randn  # noqa: E402
 from no_host_sync import VIEWS_AND_ALLOCATIONS, ForbidHostSync, count_triton_launches  # noqa: E402
 from tinyserve_compile.kernels import PageBounds  # noqa: E402
 from tinyserve_compile.kernels import reference as ref  # noqa: E402
@@ -55,16 +55,6 @@ POSITIONS = {
     "descending_strided": lambda: torch.arange(40, 0, -1, dtype=torch.int16)[::5],  # [40, 35, ..., 5], stride 5
     "outside": lambda: torch.tensor([-1, 5, 43, 60, 40, -9], dtype=torch.int64),  # 43: in the last page's padding
 }
-
-
-def _assert_equal_report(actual, expected, what):
-    if torch.equal(actual, expected):
-        return
-    a, e = actual.double(), expected.double()
-    bad = ~((a == e) | (torch.isnan(a) & torch.isnan(e)))
-    idx = tuple(int(i) for i in bad.nonzero()[0])
-    raise AssertionError(f"{what}: {int(bad.sum())}/{a.numel()} differ; first at {idx}: "
-                         f"actual={float(a[idx]):.8e} expected={float(e[idx]):.8e}")
 
 
 def _inputs(dtype, bdt, S, pos_kind, stale, seed):
@@ -99,14 +89,14 @@ def _check_write(dtype, bdt, S, pos_kind, stale, seed):
     want_k, want = _expected(k, bounds, ctrl, positions, src, S)
     tb.cache_write_triton(k, *bounds, ctrl, positions, src, S)
     what = f"({pos_kind}, {dtype} keys, {bdt} bounds, S={S}, stale={stale})"
-    _assert_equal_report(k, want_k, f"k_cache {what}")
+    assert_equal_report(k, want_k, f"k_cache {what}")
     for name, got, w in zip(("kmax", "kmin", "kabs"), bounds, want):
-        _assert_equal_report(got, w, f"{name} {what}")
+        assert_equal_report(got, w, f"{name} {what}")
     for name, got, w in zip(("kmax", "kmin", "kabs"), bounds, ref.page_bounds(k, S, dtype=bdt)):
-        _assert_equal_report(got, w, f"{name} against a rebuild {what}")
+        assert_equal_report(got, w, f"{name} against a rebuild {what}")
     assert ctrl.tolist() == [stale, 7], f"the kernel wrote ctrl: {ctrl.tolist()} {what}"
     if pos_kind == "unordered_dup":  # position 2 holds the row of its last n (4), not of its first (1)
-        _assert_equal_report(k[:, :, 2], src[:, :, 4], f"duplicate position {what}")
+        assert_equal_report(k[:, :, 2], src[:, :, 4], f"duplicate position {what}")
 
 
 @pytest.mark.parametrize("stale", [0, 1])
@@ -169,9 +159,9 @@ def test_one_launch_and_no_host_sync(pos_kind, stale):
     assert mode.violations == []
     assert all(name.startswith(VIEWS_AND_ALLOCATIONS) for name in mode.seen), mode.seen
     assert launches == [("_cache_write_kernel", (max(positions.numel(), min(P, 32)), B * H))], launches
-    _assert_equal_report(k, want_k, "k_cache")
+    assert_equal_report(k, want_k, "k_cache")
     for name, got, w in zip(("kmax", "kmin", "kabs"), bounds, want):
-        _assert_equal_report(got, w, name)
+        assert_equal_report(got, w, name)
 
 
 def test_op_path_one_launch_clears_a_host_flag():
@@ -186,9 +176,9 @@ def test_op_path_one_launch_clears_a_host_flag():
     assert mode.violations == []
     assert [name for name, _ in launches] == ["_cache_write_kernel"], launches
     assert ctrl.tolist() == [0, 7]
-    _assert_equal_report(k, want_k, "k_cache")
+    assert_equal_report(k, want_k, "k_cache")
     for name, got, w in zip(("kmax", "kmin", "kabs"), bounds, want):
-        _assert_equal_report(got, w, name)
+        assert_equal_report(got, w, name)
 
 
 def test_ctrl_is_read_in_the_kernel():
@@ -203,13 +193,13 @@ def test_ctrl_is_read_in_the_kernel():
     tb.cache_write_triton(k0, *bounds0, ctrl, positions, src, S)
     ctrl[0] = 1
     tb.cache_write_triton(k1, *bounds1, ctrl, positions, src, S)
-    _assert_equal_report(k0, k1, "k_cache (the write does not depend on the flag)")
+    assert_equal_report(k0, k1, "k_cache (the write does not depend on the flag)")
     rebuilt = ref.page_bounds(k0, S, dtype=torch.bfloat16)
     others = [p for p in range(bounds0.kabs.shape[2]) if p != page]
     for name, g0, g1, old, w in zip(("kmax", "kmin", "kabs"), bounds0, bounds1, garbage, rebuilt):
-        _assert_equal_report(g0[:, :, others], old[:, :, others], f"{name}: flag 0 leaves pages not written")
-        _assert_equal_report(g0[:, :, page], w[:, :, page], f"{name}: flag 0 recomputes the written page")
-        _assert_equal_report(g1, w, f"{name}: flag 1 rebuilds every page")
+        assert_equal_report(g0[:, :, others], old[:, :, others], f"{name}: flag 0 leaves pages not written")
+        assert_equal_report(g0[:, :, page], w[:, :, page], f"{name}: flag 0 recomputes the written page")
+        assert_equal_report(g1, w, f"{name}: flag 1 rebuilds every page")
     assert not torch.equal(bounds0.kabs, bounds1.kabs)
 
 
