@@ -2,9 +2,11 @@
 # The edges of the supported range (issue 38), each in a virtualenv of its own, installed from the package index:
 #   oldest: torch 2.9 and transformers 4.56 (pyproject's lower bounds): the native build, the native kernel tests,
 #           the conformance table, and the backend on HF models' decode loops and generate();
-#   newest: the newest torch release (2.15): the native build, the native kernel tests, the conformance table.
+#   newest: the newest torch release (2.15): the native build, the native kernel tests, the conformance table;
+#   isa:    in the main virtualenv, the native kernel built without AVX-512 (TINYSERVE_NATIVE_ISA=avx2, as an
+#           AVX2-only CPU builds it) and portable (=default, x86-64-v2), each through its kernel tests.
 # PIP_CONFIG_FILE=/dev/null lifts this machine's local pip cap (torch<=2.14.1) for these installs only.
-# Usage: bash .ci/matrix.sh [oldest|newest ...]   (default: both)
+# Usage: bash .ci/matrix.sh [oldest|newest|isa ...]   (default: all three)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${CI_VENVS:-.ci-venvs}
@@ -29,13 +31,26 @@ ok = n.load_native(); print('torch', torch.__version__, 'transformers', transfor
     echo "=== matrix edge '$name' passed in $(( $(date +%s) - t0 )) s"
 }
 
+isa_edge() {  # the native kernel's AVX2 and portable builds on this machine, in the main virtualenv
+    local isa t0
+    for isa in avx2 default; do
+        t0=$(date +%s)
+        echo "=== matrix edge 'isa': TINYSERVE_NATIVE_ISA=$isa"
+        TINYSERVE_NATIVE_ISA=$isa TINYSERVE_CACHE_DIR="$ROOT/native-$isa" .venv/bin/python -m pytest -q \
+            -p no:cacheprovider tests/kernels/test_native_sparse_decode.py tests/kernels/test_native_bounds.py \
+            tests/kernels/test_native_linear.py
+        echo "=== matrix edge 'isa' ($isa) passed in $(( $(date +%s) - t0 )) s"
+    done
+}
+
 EDGES=("$@")
-[ ${#EDGES[@]} -eq 0 ] && EDGES=(oldest newest)
+[ ${#EDGES[@]} -eq 0 ] && EDGES=(oldest newest isa)
 for e in "${EDGES[@]}"; do
     case $e in
         # torch 2.9 ships Triton 3.5, whose interpreter (the conformance table's Triton column) needs numpy < 2.4
         oldest) edge oldest 2.9.1 4.56.2 "numpy<2.4" "${NATIVE_TESTS[@]}" "${HF_TESTS[@]}" ;;
         newest) edge newest 2.15.0 5.24.0 numpy "${NATIVE_TESTS[@]}" ;;
-        *) echo "unknown edge $e (oldest, newest)"; exit 2 ;;
+        isa) isa_edge ;;
+        *) echo "unknown edge $e (oldest, newest, isa)"; exit 2 ;;
     esac
 done

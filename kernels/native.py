@@ -19,7 +19,8 @@ Environment
 ``TINYSERVE_DISABLE_NATIVE=1``
     Never build or load; the PyTorch path runs.
 ``TINYSERVE_NATIVE_ISA``
-    ``avx512``, ``avx2`` or ``default``: override the detected vector ISA (testing).
+    ``avx512``, ``avx2`` or ``default``: override the detected vector ISA (testing: ``avx2`` on an AVX-512 machine
+    builds without AVX-512, ``default`` builds for x86-64-v2; .ci/matrix.sh's ``isa`` edge runs both).
 ``TINYSERVE_NATIVE_CFLAGS``
     Extra compiler flags (development, e.g. ``-DTS_PROFILE`` for phase timings on stderr).
 ``TINYSERVE_CACHE_DIR``
@@ -86,7 +87,11 @@ def _flags(isa: str):
     """Compiler and linker flags for ``isa``."""
     cflags = ["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"]
     if platform.machine().lower() in ("x86_64", "amd64"):
-        cflags.append("-march=native" if isa != "default" else "-march=x86-64")
+        # "default": the portable build, x86-64-v2 (SSE4.2, no AVX); "avx2" on an AVX-512 machine: its AVX-512
+        # code paths compiled out (-mno-avx512f drops every AVX-512 subset), as an AVX2-only CPU (Zen 3) builds it
+        cflags.append("-march=native" if isa != "default" else "-march=x86-64-v2")
+        if isa == "avx2":
+            cflags.append("-mno-avx512f")
     else:
         cflags.append("-mcpu=native")
     if isa == "avx512":
