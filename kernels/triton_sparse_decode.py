@@ -123,6 +123,23 @@ if _HAS_TRITON:
         return qk
 
     @triton.jit
+    def _masked_logits(q, k_base, pos, tok_ok, offs_d, d_ok, stride_kl, stride_kd, scale, mask_ptr, b, heads, g_ok,
+                       stride_mb, stride_mh, stride_ml, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr,
+                       UPCAST: tl.constexpr):
+        """Scaled, masked logits ``[G_PAD, T]`` fp32 of the group's queries ``q`` against the keys at ``pos``
+        (``-inf`` where ``tok_ok`` is False)."""
+        k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                    mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            qk = tl.dot(q, tl.trans(_exact_f32(k)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * scale
+        qk = _apply_mask(qk, mask_ptr, b, heads, pos, g_ok, tok_ok, stride_mb, stride_mh, stride_ml,
+                         MASK_KIND, MASK_PER_HEAD)
+        return tl.where(tok_ok[None, :], qk, float("-inf"))
+
+    @triton.jit
     def _softmax_pv_block(qk, m_i, l_i, acc, v_base, pos, stride_vl_, offs_d, stride_vd, tok_ok, d_ok,
                           UPCAST: tl.constexpr):
         """One block of the split-K online softmax: logits ``qk`` [G_PAD, BLOCK] of the tokens at ``pos``
@@ -405,16 +422,8 @@ if _HAS_TRITON:
                 page = tl.load(cand_ptr + pid_bh * n_cand + jp, mask=j_ok, other=0).to(tl.int64)
                 pos = page * S + t_slot
                 tok_ok = j_ok & (t_slot < S) & (pos < lim)
-                k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
-                            mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
-                if UPCAST:
-                    qk = tl.dot(q, tl.trans(_exact_f32(k)), input_precision="ieee")
-                else:
-                    qk = tl.dot(q, tl.trans(k))
-                qk = qk * scale
-                qk = _apply_mask(qk, mask_ptr, b, heads, pos, g_ok, tok_ok, stride_mb, stride_mh, stride_ml,
-                                 MASK_KIND, MASK_PER_HEAD)
-                qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+                qk = _masked_logits(q, k_base, pos, tok_ok, offs_d, d_ok, stride_kl, stride_kd, scale, mask_ptr, b,
+                                    heads, g_ok, stride_mb, stride_mh, stride_ml, MASK_KIND, MASK_PER_HEAD, UPCAST)
                 # -- stage 2: running softmax statistics of the program's candidates
                 m_new = tl.maximum(m_i, tl.max(qk, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -499,16 +508,8 @@ if _HAS_TRITON:
             pos = page * S + t_slot
             tok_ok = j_ok & (t_slot < S) & (pos < lim)
             # -- stage 2: logits of all G heads, masked
-            k = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
-                        mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                qk = tl.dot(q, tl.trans(_exact_f32(k)), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = qk * scale
-            qk = _apply_mask(qk, mask_ptr, b, heads, pos, g_ok, tok_ok, stride_mb, stride_mh, stride_ml,
-                             MASK_KIND, MASK_PER_HEAD)
-            qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+            qk = _masked_logits(q, k_base, pos, tok_ok, offs_d, d_ok, stride_kl, stride_kd, scale, mask_ptr, b, heads,
+                                g_ok, stride_mb, stride_mh, stride_ml, MASK_KIND, MASK_PER_HEAD, UPCAST)
             # -- stage 3: online softmax (rows with no finite logit stay at zero), then P.V
             m_i, l_i, acc = _softmax_pv_block(qk, m_i, l_i, acc, v_base, pos, stride_vl_, offs_d, stride_vd, tok_ok,
                                               d_ok, UPCAST)
