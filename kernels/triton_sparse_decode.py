@@ -123,6 +123,15 @@ if _HAS_TRITON:
         return qk
 
     @triton.jit
+    def _group_queries(q_ptr, b, heads, g_ok, offs_d, d_ok, stride_qb, stride_qh, stride_qd, UPCAST: tl.constexpr):
+        """The query heads ``heads`` of row ``b``: ``[G_PAD, D_PAD]``, fp32 when ``UPCAST``."""
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = _exact_f32(q)
+        return q
+
+    @triton.jit
     def _masked_logits(q, k_base, pos, tok_ok, offs_d, d_ok, stride_kl, stride_kd, scale, mask_ptr, b, heads, g_ok,
                        stride_mb, stride_mh, stride_ml, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr,
                        UPCAST: tl.constexpr):
@@ -397,10 +406,7 @@ if _HAS_TRITON:
             g_ok = offs_g < G
             d_ok = offs_d < D
             heads = kvh * G + offs_g
-            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                        mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                q = _exact_f32(q)
+            q = _group_queries(q_ptr, b, heads, g_ok, offs_d, d_ok, stride_qb, stride_qh, stride_qd, UPCAST)
             offs_t = tl.arange(0, BLOCK_T)
             t_page = offs_t // S_PAD
             t_slot = offs_t % S_PAD
@@ -489,10 +495,7 @@ if _HAS_TRITON:
         """Online softmax over list entries ``[start, end)`` of whole pages: page ``j`` itself for a dense row,
         else ``cand[j]`` (or ``cand[kept[j]]`` with ``INDIRECT``); returns ``(m_i, l_i, acc)``."""
         BLOCK_T: tl.constexpr = PAGES_PER_BLOCK * S_PAD
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            q = _exact_f32(q)
+        q = _group_queries(q_ptr, b, heads, g_ok, offs_d, d_ok, stride_qb, stride_qh, stride_qd, UPCAST)
         offs_t = tl.arange(0, BLOCK_T)
         t_page = offs_t // S_PAD
         t_slot = offs_t % S_PAD
