@@ -2,7 +2,7 @@
 
 Each method runs over a stack of distinct weights larger than the last-level cache, so every call streams its
 weight from memory; GB/s is weight bytes over time, next to the read bandwidth measured in the same run
-(``bench_op.read_bandwidth_gbs``). Methods:
+(``bench.timing.read_bandwidth_gbs``). Methods:
 
 ``aten``      ``F.linear`` (what inductor emits for a decode linear: ``extern_kernels.mm``/``addmm``)
 ``mv``        ``torch.mv`` (one row only)
@@ -112,7 +112,7 @@ def _int4_methods(N, K):
 
 
 def run(rows_list, threads_list, dtypes, reps, autotune, shapes=SHAPES, stack_bytes=STACK_BYTES):
-    from bench.bench_op import read_bandwidth_gbs
+    from bench.timing import read_bandwidth_gbs
 
     records = []
     default_threads = torch.get_num_threads()

@@ -45,7 +45,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.timing import machine_fields
+from bench.timing import machine_fields, read_bandwidth_gbs
 from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.cost import sparse_site_bytes
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_
@@ -70,18 +70,6 @@ SETTINGS = {
     # the earlier defaults (bf16 bounds, c=2, whole pages), for side-by-side runs
     "previous": dict(page=8, budget=2048, sink=1, cf=2, bounds="bfloat16", extra=0, tokens=False),
 }
-
-
-def read_bandwidth_gbs(mb: int = 256, reps: int = 7) -> float:
-    """Machine read bandwidth in GB/s: median time of one ``sum`` over a ``mb`` MB fp32 buffer."""
-    x = torch.ones(mb * 2**20 // 4)
-    x.sum()  # warm (page faults)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def sdpa_materializes_repeat(q, k, v) -> str:
@@ -301,7 +289,7 @@ def main(argv=None) -> int:
     reps = args.reps or (11 if args.quick else 41)
     t_start = time.perf_counter()
     native = load_native()
-    bw = read_bandwidth_gbs(256)
+    bw = read_bandwidth_gbs(mb=256)
     machine = machine_fields()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()} "
           f"({os.cpu_count()} cpus, {machine['cpu']}, {machine['isa']}); read bandwidth (sum over 256 MB) {bw:.1f} GB/s")

@@ -39,10 +39,10 @@ from typing import Dict, List, Optional
 import torch
 
 try:
-    from .bench_op import read_bandwidth_gbs
+    from .timing import read_bandwidth_gbs
     from .output import bar_png, write_rows
 except ImportError:  # run as a script
-    from bench_op import read_bandwidth_gbs
+    from timing import read_bandwidth_gbs
     from output import bar_png, write_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))

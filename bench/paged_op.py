@@ -110,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from tinyserve_compile.kernels.paged_sparse_decode import paged_sparse_decode, paged_write_
     from tinyserve_compile.kernels.reference import bounds_itemsize
     from tinyserve_compile.kernels.spec import SelectionSpec
-    from bench.bench_op import read_bandwidth_gbs
+    from bench.timing import read_bandwidth_gbs
 
     torch.set_grad_enabled(False)
     if a.threads:

@@ -352,7 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model, name = load_model(a.model)
     prompt_lens = [int(x) for x in a.prompt_lens.split(",")]
     reqs = workload(a.model, model.config.vocab_size, a.requests, prompt_lens, a.interval)
-    from bench.bench_op import read_bandwidth_gbs
+    from bench.timing import read_bandwidth_gbs
 
     stream = read_bandwidth_gbs()
     rows = []
