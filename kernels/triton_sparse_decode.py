@@ -42,6 +42,8 @@ so the package imports without it.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from typing import Optional
 
@@ -751,6 +753,12 @@ class _Plan:
         self.n_splits = max(1, min(int(n_splits), 1024))
 
 
+@functools.lru_cache(maxsize=64)
+def _plan(B, Hkv, G, L, D, P, spec: SelectionSpec, device: torch.device, n_splits: Optional[int]) -> _Plan:
+    """The :class:`_Plan` of a shape, made once (a call's only per-shape work besides its workspace)."""
+    return _Plan(B, Hkv, G, L, D, P, spec, device, n_splits)
+
+
 class _Workspace:
     """Every buffer one call writes besides its output, sized by a :class:`_Plan` (see :func:`_workspace`)."""
 
@@ -882,7 +890,7 @@ def _prepare(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, spec, ctrl, n_s
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     P = kmax.shape[2]
-    plan = _Plan(B, Hkv, Hq // Hkv, L, D, P, spec, q.device, n_splits)
+    plan = _plan(B, Hkv, Hq // Hkv, L, D, P, spec, q.device, n_splits)
     ws = _workspace(plan, B, Hkv, Hq // Hkv, P, D, spec, q.device)
     vl, vls = _valid_len_view(valid_len, B, q.device)
     mask, mstr, mkind, mper = _mask_view(attn_mask, B, Hq, L, ws.scores)
@@ -903,6 +911,7 @@ def page_scores_triton(q, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: S
     keys = torch.empty(B, Hkv, length, D, dtype=q.dtype, device="meta")  # only its shape is read
     plan, ws, vl, vls, mask, mstr, mkind, mper, ctrl_t, _, _ = _prepare(
         q, keys, kmax, kmin, kabs, valid_len, attn_mask, spec, None, None)
+    plan = copy.copy(plan)  # the cached plan stays as it is
     plan.n_dense = -1
     _launch_select(q, keys, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mper, ctrl_t, False, scale, spec, plan, ws,
                    select=False)
