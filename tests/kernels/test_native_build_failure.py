@@ -82,3 +82,16 @@ def test_explain_shows_the_failed_build(failed_build):
     assert rep.native_kernel.startswith("unavailable, PyTorch path used: native kernel build failed against torch "
                                         f"{torch.__version__}"), rep
     assert COMPILER_ERROR in rep.native_kernel and rep.native_kernel in str(rep), rep
+
+
+@pytest.mark.skipif(__import__("platform").machine().lower() not in ("x86_64", "amd64"), reason="x86-64 flags")
+def test_forced_isa_builds_leave_avx512_out():
+    """TINYSERVE_NATIVE_ISA=avx2 compiles the AVX-512 paths out even on an AVX-512 machine (as a Zen 3 builds), and
+    =default is the portable x86-64-v2 build: the flags the CI matrix's isa edge relies on."""
+    from tinyserve_compile.kernels import native
+
+    avx2, _ = native._flags("avx2")
+    assert "-mno-avx512f" in avx2 and "-march=native" in avx2 and "-DCPU_CAPABILITY=AVX2" in avx2
+    portable, _ = native._flags("default")
+    assert "-march=x86-64-v2" in portable and "-mno-avx512f" not in portable
+    assert "-mno-avx512f" not in native._flags("avx512")[0]
