@@ -26,7 +26,6 @@ COMMANDS = {
     "serve-http": ("serve_http", "what the HTTP server's threads cost: one CB workload in-process and via the server"),
     "paged-op": ("paged_op", "the paged op alone (native, PyTorch path, stock CB's gather + SDPA), one layer"),
     "ceilings": ("ceilings", "read bandwidth of the op's access patterns (pages, rows, sequential) on this machine"),
-    "ab": ("ab", "one backend change on and off, side by side in one process (python -m bench ab --help lists them)"),
     "report": ("report", "markdown tables and PNG plots from the accuracy and study results"),
 }
 

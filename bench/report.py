@@ -167,14 +167,6 @@ def site_bytes_share(policy: str, ctx: int, budget: int, page_size: int, candida
                                  candidate_extra) / dense
     if policy in ("oracle", "h2o"):
         return 0.5 + kept / 2
-    try:
-        from .prototypes import HIER, HIER_SKETCH, SKETCH, proto_site_bytes
-    except ImportError:
-        from prototypes import HIER, HIER_SKETCH, SKETCH, proto_site_bytes
-    if policy in HIER or policy in SKETCH or policy in HIER_SKETCH:
-        bi = 2 if bounds_dtype == "bfloat16" else 4
-        return proto_site_bytes(policy, ctx, n_kv_heads, head_dim, itemsize, page_size, budget, candidate_factor,
-                                bi) / dense
     if policy == "full":
         return 1.0
     return kept
@@ -499,7 +491,7 @@ def plot_window_frontier(summary: List[dict], path: str, title: str = ""):
             ax.set_title(f"{title} budget {b}: mean, bars min..max over windows", fontsize=9)
             ax.set_xlabel("bytes read per sparse layer and step at 8K (% of dense K+V)", fontsize=8)
             ax.grid(alpha=0.3)
-    fig.text(0.01, 0.005, "colour: c=1 blue, c=2 orange, c=4 green, oracle red, prototypes brown (*); marker: pages "
+    fig.text(0.01, 0.005, "colour: c=1 blue, c=2 orange, c=4 green, oracle red; marker: pages "
              "8 o, 12 D, 16 s, fp32 bounds x; hollow: no sink; dashed: quality target, dotted: 8K bytes target "
              "(budget 2048)", fontsize=7.5)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
@@ -540,8 +532,7 @@ def window_report(results_dir: str = "results", img_dir: str = "docs/img", prefi
         offs = sorted({r["offset"] for r in full})
         fulls = ", ".join(f"{r['ppl']:.2f}" for r in sorted(full, key=lambda r: r["offset"]))
         if half == "tune" or "tune" not in dump:
-            parts += ["### Bytes read per sparse layer and step (share of dense K+V, `tinyserve_compile.cost`; "
-                      "prototypes: `bench.prototypes.proto_site_bytes`)", "", bytes_table(summ), ""]
+            parts += ["### Bytes read per sparse layer and step (share of dense K+V, `tinyserve_compile.cost`)", "", bytes_table(summ), ""]
         parts += [f"### {'Tuning' if half == 'tune' else 'Held-out'} text: {len(offs)} windows at token offsets "
                   f"{', '.join(map(str, offs))} (full-attention ppl {fulls}; {full[0]['steps']} teacher-forced "
                   f"predictions each, context {full[0]['ctx']})", "",

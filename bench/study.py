@@ -57,7 +57,6 @@ def grid(name: str, budget: int) -> List[Sparse]:
     ``defaults`` (the backend's own options, pages of 8, a sink): int8 bounds with ``candidate_extra``
     512/1024 keeping tokens (1024: the defaults), int8 with 1024 extra keeping pages, bf16 with 1024 extra
     keeping tokens, and int8 with c=2.
-    ``none``: nothing (with ``--extra``: only the extra configurations).
     """
     b = dict(token_budget=budget, dense_layers=2)
     one = [Sparse(**b, page_size=S, sink_pages=1) for S in (8, 12, 16)]
@@ -78,8 +77,6 @@ def grid(name: str, budget: int) -> List[Sparse]:
                 Sparse(**d, bounds_dtype="int8", candidate_extra=1024),
                 Sparse(**d, candidate_extra=1024, keep_tokens=True),
                 Sparse(**d, bounds_dtype="int8", candidate_factor=2)]
-    if name == "none":  # only --extra
-        return []
     raise ValueError(f"unknown grid {name!r}")
 
 
@@ -101,23 +98,18 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--half", default="tune", choices=("tune", "heldout"))
-    ap.add_argument("--grid", default="frontier", choices=("frontier", "tail", "heldout", "defaults", "none"))
+    ap.add_argument("--grid", default="frontier", choices=("frontier", "tail", "heldout", "defaults"))
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--budgets", default="512,2048")
     ap.add_argument("--only", default="", help="semicolon-separated variant names (default: the whole grid)")
-    ap.add_argument("--extra", default="", help="module whose VARIANTS(budget) adds configurations (prototypes)")
     ap.add_argument("--resume", action="store_true", help="keep the rows in --out and skip what they cover")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     cfgs: List[Sparse] = []
     names: Dict[str, str] = {}
     only = [s for s in a.only.split(";") if s]
-    extra = __import__(a.extra, fromlist=["VARIANTS"]).VARIANTS if a.extra else None
     for budget in map(int, a.budgets.split(",")):
-        pairs = [(variant_name(c), c) for c in grid(a.grid, budget)]
-        if extra is not None:
-            pairs += list(extra(budget).items())
-        for name, cfg in pairs:
+        for name, cfg in [(variant_name(c), c) for c in grid(a.grid, budget)]:
             if only and name not in only:
                 continue
             cfgs.append(cfg)

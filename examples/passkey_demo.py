@@ -42,6 +42,7 @@ import copy
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -52,12 +53,42 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's bars; the demo p
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.busy_neighbour import BusyNeighbour  # noqa: E402
+#: the neighbour: spins until its deadline (argv[1], seconds) or until it is stopped
+_BUSY_LOOP = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
+
+
+class BusyNeighbour:
+    """A separate process that spins one core at nice level ``nice``, for at most ``seconds``.
+
+    Use as a context manager; the process (this one's child) is stopped by its pid on exit.
+    """
+
+    def __init__(self, seconds: float = 120.0, nice: int = 0):
+        if seconds <= 0:
+            raise ValueError(f"seconds: must be positive, got {seconds}")
+        if nice < 0:
+            raise ValueError(f"nice: must be >= 0 (raising priority needs privileges), got {nice}")
+        self.seconds, self.nice, self.proc = seconds, nice, None
+
+    def __enter__(self) -> "BusyNeighbour":
+        nice = self.nice
+        self.proc = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(self.seconds)],
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        time.sleep(0.2)  # let it start spinning
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
 
 #: SmolLM2's trained context (max_position_embeddings)
 CONTEXT = 8192
-
 
 
 def filler_text() -> str:

@@ -25,7 +25,7 @@ PRESENT = [c for c, (module, _) in cli.COMMANDS.items() if (ROOT / "bench" / f"{
 
 def test_commands_are_the_documented_ones():
     assert list(cli.COMMANDS) == ["op", "linear", "decode", "onnx", "gpu", "gpu-check", "accuracy", "study",
-                                  "coverage", "clients", "serve", "serve-http", "paged-op", "ceilings", "ab", "report"]
+                                  "coverage", "clients", "serve", "serve-http", "paged-op", "ceilings", "report"]
     res = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert res.returncode == 0, res.stderr
