@@ -36,7 +36,7 @@ from tinyserve_compile.explain import counters
 from tinyserve_compile.kernels.linear import (GEMV_MAX_ROWS, GEMV_MAX_ROWS_BF16, INT4_BLOCK_N, int4_layout_problem,
                                                load_native_linear, native_linear_reason)
 
-from ._graph import fake
+from ._node_meta import fake
 
 __all__ = ["decode_linear"]
 

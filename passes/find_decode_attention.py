@@ -7,7 +7,7 @@ A site is rewritten (status ``"sparse"``) only when all of these hold:
   ``repeat_kv`` (or nothing, under ``enable_gqa=True``) of a ``[B, Hkv, L, D]``
   view of the buffer: the buffer itself, or a permutation of it (``[B, L, H, D]``
   caches transposed for SDPA), possibly a ``[:b]`` batch slice and a ``[:n]``
-  sequence prefix (:class:`~._graph.CacheLayout`, recorded per site);
+  sequence prefix (:class:`~._views.CacheLayout`, recorded per site);
 * the graph writes the key cache in place along its sequence dim, with a
   recognised idiom, before the attention, and does nothing else in place to it.
   The write may go through a view of the buffer (``self.k[:bs, ...]``, a
@@ -30,9 +30,9 @@ from typing import Any, List, Optional, Tuple
 
 import torch.fx as fx
 
-from ._graph import SDPA_TARGETS, CacheLayout, CacheWrite, ancestors, cache_layout, cache_writes, describe_write, \
-    fake, first_non_view, is_dtensor, is_sliding_window_write, is_written_in_place, layout_name, node_order, same_int, sdpa_args, \
-    size_node, trace_view_chain
+from ._cache_writes import CacheWrite, cache_writes, describe_write, is_sliding_window_write, is_written_in_place
+from ._node_meta import SDPA_TARGETS, ancestors, fake, is_dtensor, node_order, same_int, sdpa_args, size_node
+from ._views import CacheLayout, cache_layout, first_non_view, layout_name, trace_view_chain
 
 __all__ = ["AttentionSite", "find_decode_attention"]
 

@@ -32,7 +32,8 @@ import torch.fx as fx
 from tinyserve_compile import runtime
 from tinyserve_compile.kernels.spec import SelectionSpec
 
-from ._graph import cache_view, fake
+from ._node_meta import fake
+from ._views import cache_view
 
 __all__ = ["keep_bounds_on_cache_writes", "BOUNDS_PREFIX", "STATIC_INPUT_META"]
 

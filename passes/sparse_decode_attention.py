@@ -19,7 +19,9 @@ from tinyserve_compile import runtime
 from tinyserve_compile.explain import counters
 from tinyserve_compile.kernels.spec import SelectionSpec
 
-from ._graph import cache_view, compact_mask, decode_valid_len, fake, is_inplace, pad_mask
+from ._masks import compact_mask, decode_valid_len, pad_mask
+from ._node_meta import fake, is_inplace
+from ._views import cache_view
 
 __all__ = ["sparse_decode_attention"]
 
