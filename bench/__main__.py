@@ -17,7 +17,6 @@ COMMANDS = {
     "decode": ("bench_decode", "decode ms/token: eager, inductor and tinyserve side by side"),
     "onnx": ("bench_onnx", "decode ms/token in ONNX Runtime (dense and tinyserve exports) next to PyTorch"),
     "gpu": ("bench_kernel_gpu", "the Triton kernels on a CUDA GPU: correctness, then timings against SDPA"),
-    "gpu-check": ("gpu_check", "bench/gpu_check.sh's ends: the machine (env) and the summary of its steps"),
     "accuracy": ("accuracy", "perplexity, passkey retrieval and diagnostics of the selections (SmolLM2)"),
     "study": ("study", "the selection study: quality against bytes over several windows of text"),
     "coverage": ("coverage", "every decoder-only HF architecture through the backend"),

@@ -77,7 +77,7 @@ after every compile and round, a ``.csv`` and, at the end, a ``.png`` next to it
 Usage::
 
     python -m bench decode --quick --json results/decode/decode.json      # 2K, batch 1 and 8
-    python -m bench decode --paper --json results/decode/decode.json      # 2K-32K, batch 1 and 8
+    python -m bench decode --compare paper --out results/decode/decode.json   # 2K-32K, batch 1 and 8
     python -m bench decode --contexts 8192 --batches 1 --options '{"token_budget": 1024}'
     python -m bench decode --model random --device cuda --dtype bf16 --contexts 8192 32768 --batches 1
     python -m bench decode --model llama3-8b --layers 8 --device cuda --dtype bf16 --points 32768x8 131072x4 \
@@ -103,21 +103,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import cli, llamacpp
+from bench.harness import allocate_cache, cache_kwarg
+from bench.timing import machine_fields, read_bandwidth_gbs, step_profile, sync_fn
+from bench.weights import WEIGHTS, is_int4_linear, prepare_weights, tensor_nbytes, weights_dtype
+from tinyserve_compile.cost import kv_bytes_per_token
 
-from bench import llamacpp  # noqa: E402
-from bench.harness import allocate_cache, cache_kwarg  # noqa: E402
-from bench.timing import machine_fields, read_bandwidth_gbs, step_profile, sync_fn  # noqa: E402
-from bench.weights import WEIGHTS, is_int4_linear, prepare_weights, tensor_nbytes, weights_dtype  # noqa: E402
-from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
-
-#: the paper's selection rule: pages of 16, the bound alone, no sink page ("tinyserve-paper")
-PAPER = {"page_size": 16, "candidate_factor": 1, "candidate_extra": 0, "keep_tokens": False, "sink_pages": 0,
-         "bounds_dtype": "float32"}
-#: the earlier defaults ("tinyserve-previous", with --previous): bf16 bounds, c=2, whole pages
-PREVIOUS = {"candidate_factor": 2, "candidate_extra": 0, "keep_tokens": False, "bounds_dtype": "bfloat16"}
-#: tinyserve with ATen's linears (the decode_linear rewrite to the native GEMV turned off)
-ATEN_LINEAR = {"decode_linear": False}
 #: the stock providers: HF eagerly, torch.compile (Inductor), and torch.compile(mode="reduce-overhead") (Inductor
 #: under CUDA graphs); the fastest of them at a point is the anchor of ``vs_best_stock``
 STOCK = ("eager", "inductor", "inductor-cudagraphs")
@@ -286,27 +277,28 @@ def fill_cache(cache, model, model_name: str, lens: Sequence[int], fill: str, sn
 
 
 # ------------------------------------------------------------------------------------------------ providers
-def provider_options(name: str, options: dict, budget: Optional[int]) -> Optional[dict]:
-    """``options=`` of a tinyserve provider (None for the stock ones)."""
+def compare_name(compare: Optional[dict]) -> Optional[str]:
+    """The provider name of ``--compare``'s variant: ``tinyserve-<preset>`` or ``tinyserve-compare``."""
+    return None if compare is None else f"tinyserve-{getattr(compare, 'name', 'compare')}"
+
+
+def provider_options(name: str, options: dict, budget: Optional[int], compare: Optional[dict] = None) -> Optional[dict]:
+    """``options=`` of a tinyserve provider (None for the stock ones): ``options``, then ``compare``'s for its
+    variant (:func:`compare_name`), then ``budget``."""
     if not name.startswith("tinyserve"):
         return None
     opts = dict(options)
-    if name.startswith("tinyserve-paper"):
-        opts.update(PAPER)
-    if name.startswith("tinyserve-previous"):
-        opts.update(PREVIOUS)
-    if name.startswith("tinyserve-aten-linear"):
-        opts.update(ATEN_LINEAR)
+    if compare is not None and name.split(" ")[0] == compare_name(compare):
+        opts.update(compare)
     if budget is not None:
         opts["token_budget"] = budget
     return opts
 
 
-def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequence[int]], previous: bool = False,
-                   aten_linear: bool = False):
+def provider_names(providers: Sequence[str], compare: Optional[dict], budgets: Optional[Sequence[int]]):
     """``[(name, budget)]`` in the order of ``providers`` (the order they are compiled and timed in): each stock
-    provider, tinyserve (with tinyserve-paper, -previous, -aten-linear after it) per budget, tinyserve-cudagraphs
-    per budget."""
+    provider, tinyserve (with ``--compare``'s variant after it, :func:`compare_name`) per budget,
+    tinyserve-cudagraphs per budget."""
     bad = set(providers) - set(PROVIDERS)
     if bad:
         raise ValueError(f"providers: unknown {sorted(bad)} ({', '.join(PROVIDERS)})")
@@ -318,13 +310,8 @@ def provider_names(providers: Sequence[str], paper: bool, budgets: Optional[Sequ
         for b in budgets or [None]:
             suffix = "" if b is None else f" B{b}"
             out.append((p + suffix, b))
-            if p == "tinyserve":
-                if paper:
-                    out.append(("tinyserve-paper" + suffix, b))
-                if previous:
-                    out.append(("tinyserve-previous" + suffix, b))
-                if aten_linear:
-                    out.append(("tinyserve-aten-linear" + suffix, b))
+            if p == "tinyserve" and compare is not None:
+                out.append((compare_name(compare) + suffix, b))
     return out
 
 
@@ -500,8 +487,10 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
               stream_gbps: float = float("nan"), log=print, weights: Optional[str] = None,
               extra: Sequence = (), inductor_options: Optional[dict] = None,
               skip_module_guards: bool = False, layers: Optional[int] = None, profile: bool = True,
-              progress=None, deadline: Optional[float] = None, keep_going: bool = False) -> List[dict]:
-    """Records of every provider at one (context, batch) point; see the module docstring. ``extra``: other
+              progress=None, deadline: Optional[float] = None, keep_going: bool = False,
+              compare: Optional[dict] = None) -> List[dict]:
+    """Records of every provider at one (context, batch) point; see the module docstring. ``compare``: the options
+    of ``--compare``'s provider (:func:`provider_options`). ``extra``: other
     engines' providers (``bench/llamacpp.py``), timed in the same rounds. ``inductor_options`` and
     ``skip_module_guards``: see :func:`compile_options`. ``layers``: the first ``layers`` layers of a random-init
     model. ``profile``: one more step of each provider under ``torch.profiler`` (kernels, launches, host syncs,
@@ -659,7 +648,7 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
         # each provider: compile, warm up, one timed round and the profiled step at once (a run cut short keeps
         # them); the other rounds interleaved once every provider is compiled
         for name, budget in providers:
-            opts_of[name] = provider_options(name, options, budget)
+            opts_of[name] = provider_options(name, options, budget, compare)
             if opts_of[name] is not None and inductor_options:
                 # the Inductor settings tinyserve compiles with (recorded in the row's options too)
                 opts_of[name] = compile_options(name, opts_of[name], inductor_options)
@@ -755,11 +744,11 @@ def _version(module: str) -> str:
 # ------------------------------------------------------------------------------------------------ the run
 def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Sequence[int] = (1, 8),
         providers: Sequence[str] = ("eager", "inductor", "tinyserve"), options: Optional[dict] = None,
-        paper: bool = False, budgets: Optional[Sequence[int]] = None, steps: int = 16, rounds: int = 3,
+        compare: Optional[dict] = None, budgets: Optional[Sequence[int]] = None, steps: int = 16, rounds: int = 3,
         warmup: int = 3, model: str = "auto", fill: str = "auto", dtype: str = "fp32", device: str = "cpu",
         cold: bool = True, snap_dir: Optional[str] = None, max_batch_tokens: int = 65536, log=print,
-        previous: bool = False, weights: Optional[str] = None, extra: Sequence = (),
-        aten_linear: bool = False, inductor_options: Optional[dict] = None,
+        weights: Optional[str] = None, extra: Sequence = (),
+        inductor_options: Optional[dict] = None,
         skip_module_guards: bool = False, layers: Optional[int] = None, profile: bool = True,
         progress=None, points: Optional[Sequence[Tuple[int, int]]] = None, time_budget: Optional[float] = None,
         keep_going: bool = False) -> List[dict]:
@@ -776,7 +765,7 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         raise ValueError("device: cuda requested but torch.cuda.is_available() is False")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} not in {sorted(DTYPES)}")
-    names = provider_names(providers, paper, budgets, previous, aten_linear)
+    names = provider_names(providers, compare, budgets)
     if dev.type == "cpu" and any(p.startswith("tinyserve") for p in providers):
         log(f"# native CPU kernel: {_native_status()}")
     bw = read_bandwidth_gbs(dev)
@@ -799,7 +788,7 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         rows += run_point(ctx, b, names, dict(options or {}), steps, rounds, warmup, model, fill, DTYPES[dtype],
                           dev, cold, snap_dir or PREFILL_CACHE, bw, log, weights, extra,
                           inductor_options, skip_module_guards, layers, profile, point_progress, deadline,
-                          keep_going)
+                          keep_going, compare)
         if progress is not None:
             progress(rows)
         log(f"# context {ctx} batch {b}: {time.perf_counter() - t0:.0f} s")
@@ -915,7 +904,7 @@ def plot(rows: List[dict], path: str) -> None:
         for kind, style in (("stock", ":"), ("tinyserve", "--")):
             pts = {}
             for r in rs:
-                if (r["provider"] in STOCK) == (kind == "stock") and not r["provider"].startswith("tinyserve-paper") \
+                if (r["provider"] in STOCK) == (kind == "stock") and r["provider"].split(" ")[0] in PROVIDERS \
                         and not r["provider"].startswith("llama.cpp"):
                     pts[r["context"]] = r["floor_ms"]
             if pts:
@@ -947,19 +936,13 @@ def _json_object(ap: argparse.ArgumentParser, text: str, flag: str) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.parser("decode", __doc__.split("\n")[0], quick="2K only, batch 1 and 8, 4 steps x 2 rounds")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--providers", default="eager,inductor,tinyserve",
                     help="comma-separated subset of " + ",".join(PROVIDERS) + " (the -cudagraphs ones: "
                     "torch.compile(mode='reduce-overhead'); skipped, with the reason in their records, off CUDA)")
     ap.add_argument("--options", default="{}", help="tinyserve options as JSON, e.g. '{\"token_budget\": 1024}'")
-    ap.add_argument("--previous", action="store_true",
-                    help="also time tinyserve with the earlier defaults (tinyserve-previous)")
-    ap.add_argument("--aten-linear", action="store_true",
-                    help="also time tinyserve with ATen's linears instead of the native GEMV (tinyserve-aten-linear)")
-    ap.add_argument("--paper", action="store_true",
-                    help="also time tinyserve with the paper's selection (pages of 16, the bound alone, no sink)")
     ap.add_argument("--budgets", type=int, nargs="+", default=None,
                     help="one tinyserve provider per token budget (default: the budget of --options)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per provider per round")
@@ -993,9 +976,6 @@ def main(argv=None):
     ap.add_argument("--prefill-cache", default=None, help="where prefill snapshots live (default results/.prefill)")
     ap.add_argument("--max-batch-tokens", type=int, default=65536,
                     help="skip points with batch x context above this (memory: the static cache)")
-    ap.add_argument("--quick", action="store_true", help="2K only, batch 1 and 8, 4 steps x 2 rounds")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
-    ap.add_argument("--json", help="write the records here (a .csv and .png go next to it)")
     ap.add_argument("--inductor-options", default="{}",
                     help="torch._inductor.config settings as JSON for both compiled providers (stock inductor's "
                          "options=, tinyserve's inductor_options), e.g. '{\"cpp_wrapper\": true}'")
@@ -1003,7 +983,8 @@ def main(argv=None):
                     help="both compiled providers skip Dynamo's guards on nn.Module parameters and buffers "
                          "(guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)")
     llamacpp.add_arguments(ap)
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
+    a.json = cli.out_path(a.out, "decode")
     start = time.monotonic()
     points = None
     if a.points:
@@ -1018,8 +999,6 @@ def main(argv=None):
         ap.error(str(e))
     if a.quick:
         a.contexts, a.steps, a.rounds, a.warmup = [2048], 4, 2, 2
-    if a.threads:
-        torch.set_num_threads(a.threads)
     options = _json_object(ap, a.options, "--options")
     inductor_options = _json_object(ap, a.inductor_options, "--inductor-options")
     from tinyserve_compile.config import TinyServeConfig
@@ -1034,9 +1013,9 @@ def main(argv=None):
     if a.json:  # the records so far, after every compile and round: a run cut short leaves what it measured
         def progress(rows_so_far):
             write_records(rows_so_far, a.json)
-    rows = run(a.contexts, a.batches, tuple(a.providers.split(",")), options, a.paper, a.budgets, a.steps, a.rounds,
+    rows = run(a.contexts, a.batches, tuple(a.providers.split(",")), options, a.compare, a.budgets, a.steps, a.rounds,
                a.warmup, a.model, a.fill, a.dtype, a.device, not a.warm_compile, a.prefill_cache, a.max_batch_tokens,
-               previous=a.previous, weights=a.weights, extra=extra, aten_linear=a.aten_linear,
+               weights=a.weights, extra=extra,
                inductor_options=inductor_options, skip_module_guards=a.skip_module_guards, layers=a.layers,
                profile=not a.no_profile, progress=progress, points=points,
                time_budget=None if a.time_budget is None else a.time_budget - (time.monotonic() - start),

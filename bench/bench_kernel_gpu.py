@@ -24,9 +24,10 @@ One call on a lent GPU (H200 by default) does:
 
    at Hq=32 / Hkv=8 / D=128 (Llama-3-8B attention), budget 2048, bf16 (``--dtypes fp16 bf16`` adds fp16), at
    4K, 32K and 128K with a batch of 8 and 32K and 128K with a batch of 1, for each selection setting
-   (``--settings``, the defaults first): ``defaults`` (every selection field of ``TinyServeConfig()``: pages of
+   (the defaults first): ``defaults`` (every selection field of ``TinyServeConfig()``: pages of
    8, one sink page, two stages with ``candidate_extra`` extra candidates keeping single tokens, int8 bounds
-   rounded outward) and ``paper`` (pages of 16, the bound alone, no sink page, fp32 bounds). Each row records
+   rounded outward) and, with ``--compare``, ``compare`` (``--compare paper``: pages of 16, the bound alone, no
+   sink page, fp32 bounds; :data:`bench.cli.PRESETS`). Each row records
    the path the Triton kernels took: ``stages`` (1 or 2) and ``kept`` ("pages" or "tokens").
 3. **Report**: ms, the speed-up of ``sparse`` over the fastest SDPA backend (``speedup_vs_sdpa``: under CUDA
    graphs where both could be captured, ``speedup_basis`` says which) and over ``dense``, and the GB/s of the
@@ -39,12 +40,10 @@ One call on a lent GPU (H200 by default) does:
 
 Usage::
 
-    python -m bench gpu --check-only --out-dir results/check  # correctness only, every shape
-    python -m bench gpu --out-dir results/                    # full run: table + json/csv/png
-    python -m bench gpu --quick --json q.json                 # 4K and 32K, batch 1
-    python -m bench gpu --dry-run --out-dir /tmp/dry          # CPU logic check (Triton interpreter)
-
-(``python bench/bench_kernel_gpu.py ...`` runs the same.)
+    python -m bench gpu --check-only --out results/check      # correctness only, every shape
+    python -m bench gpu --compare paper --out results/        # full run: table + json/csv/png
+    python -m bench gpu --quick --out q.json                  # 4K and 32K, batch 1
+    python -m bench gpu --dry-run --out /tmp/dry              # CPU logic check (Triton interpreter)
 """
 from __future__ import annotations
 
@@ -54,7 +53,6 @@ import sys
 if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
-import argparse  # noqa: E402
 import csv  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
@@ -65,6 +63,7 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench import cli  # noqa: E402
 from bench.timing import bench_graph_ms, bench_ms, copy_bandwidth_gbs, datasheet_gbs  # noqa: E402
 from tinyserve_compile.config import TinyServeConfig  # noqa: E402
 from tinyserve_compile.cost import sparse_site_bytes  # noqa: E402
@@ -100,9 +99,8 @@ def config_setting(config: TinyServeConfig) -> dict:
     return {key: getattr(config, field) for key, field in SETTING_FIELDS.items()}
 
 
-#: selection settings: the paper's (pages of 16, the bound alone, no sink, fp32 bounds) and the backend's defaults
-SETTINGS = {"paper": dict(page=16, sink=0, cf=1, extra=0, tokens=False, bounds="float32"),
-            "defaults": config_setting(TinyServeConfig())}
+#: selection settings: the backend's defaults, and "compare" when main() is given --compare
+SETTINGS = {"defaults": config_setting(TinyServeConfig())}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -247,7 +245,7 @@ def sdpa_fn(backend_name, q, k, v, device):
     return None, "n/a"
 
 
-def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, log, setting="paper",
+def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, log, setting="defaults",
                 check_only=False, copy_gbs=float("nan"), check=True, graph_rep=50, graphs=True):
     """One row: the check against the reference (unless ``check`` is False: then only the selection path), and
     unless ``check_only`` the timings of :data:`METHODS`, plain (``*_ms``) and under CUDA graphs
@@ -397,16 +395,14 @@ def check_targets(rows, peak=None):
 
 
 def write_outputs(rows, meta, targets, args, png=True):
-    """JSON (meta, targets, rows), CSV and, with ``png`` and matplotlib, a plot: under ``--out-dir`` and/or the
-    paths given. Called after every row with ``png=False`` (a run cut short keeps its rows)."""
+    """JSON (meta, targets, rows), CSV and, with ``png`` and matplotlib, a plot, where ``--out`` says
+    (:func:`bench.cli.out_path`). Called after every row with ``png=False`` (a run cut short keeps its rows)."""
     paths = {}
-    if args.out_dir:
-        os.makedirs(args.out_dir, exist_ok=True)
-        stem = os.path.join(args.out_dir, "bench_kernel_gpu")
-        paths = {"json": stem + ".json", "csv": stem + ".csv", "png": stem + ".png"}
-    for key in ("json", "csv", "png"):
-        if getattr(args, key):
-            paths[key] = getattr(args, key)
+    path = cli.out_path(args.out, "bench_kernel_gpu")
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        stem = os.path.splitext(path)[0]
+        paths = {"json": path, "csv": stem + ".csv", "png": stem + ".png"}
     if "json" in paths:
         with open(paths["json"] + ".tmp", "w") as f:
             json.dump({"meta": meta, "targets": targets, "rows": rows}, f, indent=2)
@@ -463,16 +459,12 @@ def plot(rows, meta, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="4K and 32K, batch 1")
+    p = cli.parser("gpu", __doc__.split("\n\n")[0], quick="4K and 32K, batch 1", threads=False)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--check-only", action="store_true",
                    help="correctness against the reference at every shape, no timing (exit 1 on a mismatch)")
     p.add_argument("--skip-check", action="store_true",
                    help="time without the check against the reference (run it apart with --check-only)")
-    p.add_argument("--settings", nargs="*", choices=sorted(SETTINGS), default=["defaults", "paper"],
-                   help="selection settings: the backend's defaults (TinyServeConfig()) and paper (page 16, bound "
-                   "only, no sink, one stage, fp32 bounds)")
     p.add_argument("--contexts", type=int, nargs="*",
                    help="override the context lengths (with the batches: every pair)")
     p.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
@@ -486,11 +478,11 @@ def main(argv=None):
                         "device-to-device copy measured in the run)")
     p.add_argument("--ref-budget-gb", type=float, default=24.0,
                    help="largest fp32 working set for the dense reference; above it the op's torch path is the oracle")
-    p.add_argument("--json", default=None)
-    p.add_argument("--csv", default=None)
-    p.add_argument("--png", default=None)
-    p.add_argument("--out-dir", default=None, help="write bench_kernel_gpu.{json,csv,png} here")
-    args = p.parse_args(argv)
+    args = cli.parse(p, argv)
+    args.settings = ["defaults"]
+    if args.compare is not None:
+        SETTINGS[args.compare.name] = config_setting(cli.config(args.compare))
+        args.settings.append(args.compare.name)
 
     if args.dry_run:
         device = torch.device("cpu")

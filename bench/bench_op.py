@@ -1,12 +1,12 @@
 """Op benchmark on this CPU: the sparse decode op against dense torch SDPA, side by side.
 
 Shape: B=1, 9 query heads / 3 KV heads, D=64, fp32 and bf16,
-contexts 4K/16K/64K (1K..256K with ``--full``). Selection settings (``--settings``, default the first two):
+contexts 4K/16K/64K (1K..256K with ``--full``). Selection settings:
 
 * ``defaults``: the backend's defaults (every selection field of ``TinyServeConfig()``: page size, budget,
   sink pages, candidate factor and extra candidates, kept tokens or pages, bounds dtype);
-* ``paper``: the paper's rule (page 16, budget 2048, no sinks, one stage, fp32 bounds);
-* ``previous``: the earlier defaults (pages of 8, one sink, c=2 keeping whole pages, bf16 bounds).
+* ``compare`` (with ``--compare``): ``TinyServeConfig`` with the options given, e.g. ``--compare paper`` (the
+  paper's rule: page 16, no sinks, one stage, fp32 bounds) or ``--compare previous`` (the earlier defaults).
 
 Providers, timed in one interleaved loop (rotating order, median of ``--reps``):
 ``dense`` = ``F.scaled_dot_product_attention(enable_gqa=True)`` over the whole cache,
@@ -28,8 +28,8 @@ measured in the same run (``stream_gbps``: one ``sum`` over 256 MB, median of 7)
 Usage::
 
     python -m bench op --quick                  # < 2 minutes
-    python -m bench op --out-dir results/       # table + results/bench_op.{json,csv,png}
-    python -m bench op --full --json results/bench_op_full.json
+    python -m bench op --out results/           # table + results/bench_op.{json,csv,png}
+    python -m bench op --full --compare paper --out results/bench_op_full.json
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench import cli
 from bench.timing import machine_fields, read_bandwidth_gbs
 from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.cost import sparse_site_bytes
@@ -64,12 +65,8 @@ def config_setting(config: TinyServeConfig) -> dict:
     return {key: getattr(config, field) for key, field in SETTING_FIELDS.items()}
 
 
-SETTINGS = {
-    "defaults": config_setting(TinyServeConfig()),
-    "paper": dict(page=16, budget=2048, sink=0, cf=1, bounds="float32", extra=0, tokens=False),
-    # the earlier defaults (bf16 bounds, c=2, whole pages), for side-by-side runs
-    "previous": dict(page=8, budget=2048, sink=1, cf=2, bounds="bfloat16", extra=0, tokens=False),
-}
+#: the settings timed: the defaults, and "compare" when main() is given --compare
+SETTINGS = {"defaults": config_setting(TinyServeConfig())}
 
 
 def sdpa_materializes_repeat(q, k, v) -> str:
@@ -255,31 +252,21 @@ def write_outputs(rows, json_path: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="few repetitions; finishes in about 2 minutes")
+    ap = cli.parser("op", __doc__, quick="few repetitions; finishes in about 2 minutes",
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="add 1K, 2K, 128K and 256K contexts")
     ap.add_argument("--contexts", default=None, help="comma-separated contexts (overrides --full)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per point (default 11 quick, 41)")
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--settings", default="defaults,paper", help="comma-separated: defaults, paper, previous")
-    ap.add_argument("--defaults", action="store_true", help="only the backend's default selection")
-    ap.add_argument("--paper", action="store_true", help="only the paper's selection")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch-path column")
     ap.add_argument("--warm", action="store_true", help="do not evict the caches before each timed call")
     ap.add_argument("--huge-pages", action="store_true",
                     help="also time the native op on a copy of the cache on transparent huge pages (sparse_huge)")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
-    ap.add_argument("--json", default=None, help="write records here (+ .csv and .png with the same stem)")
-    ap.add_argument("--out-dir", default=None, help="write bench_op.json/.csv/.png into this folder")
-    args = ap.parse_args(argv)
-    settings = args.settings.split(",")
-    if args.defaults or args.paper:
-        settings = (["defaults"] if args.defaults else []) + (["paper"] if args.paper else [])
-    for s in settings:
-        if s not in SETTINGS:
-            ap.error(f"unknown setting {s!r}; choose from {sorted(SETTINGS)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = cli.parse(ap, argv)
+    settings = ["defaults"]
+    if args.compare is not None:
+        SETTINGS[args.compare.name] = config_setting(cli.config(args.compare))
+        settings.append(args.compare.name)
     if args.contexts:
         contexts = [int(x) for x in args.contexts.split(",")]
     else:
@@ -317,7 +304,7 @@ def main(argv=None) -> int:
                           if args.huge_pages else ""), flush=True)
     print()
     print_table(rows)
-    json_path = args.json or (os.path.join(args.out_dir, "bench_op.json") if args.out_dir else None)
+    json_path = cli.out_path(args.out, "bench_op")
     if json_path:
         write_outputs(rows, json_path)
     print(f"total {time.perf_counter() - t_start:.1f} s")

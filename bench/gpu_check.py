@@ -1,12 +1,12 @@
 """The two ends of ``bench/gpu_check.sh``: what the machine is (``env``) and what the steps measured
 (``summary``).
 
-``python -m bench gpu-check env --out DIR [--dry-run]``
+``python -m bench.gpu_check env --out DIR [--dry-run]``
     Prints and writes ``DIR/env.json``: Python, torch (and its CUDA), Triton and transformers versions, the
     device's name and memory, the driver, and the git commit. Exit status 3 when no CUDA device is usable
     (unless ``--dry-run``), or when torch, triton, transformers or tinyserve_compile does not import.
 
-``python -m bench gpu-check summary --out DIR --seconds N --limit S``
+``python -m bench.gpu_check summary --out DIR --seconds N --limit S``
     Reads ``DIR/steps.tsv`` (one line per step: name, exit status, seconds, limit), ``env.json`` and every
     step's JSON, writes ``DIR/summary.json`` and ``DIR/summary.csv`` and prints a short table, the targets
     met or MISSED, and the steps' states: the last thing the check prints. Exit status 0 when every step
@@ -254,7 +254,7 @@ def summary(out: str, seconds: float, limit: int = 0) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("env", "summary"))
     ap.add_argument("--out", required=True, help="the check's output folder")
     ap.add_argument("--dry-run", action="store_true", help="env: no CUDA device needed")

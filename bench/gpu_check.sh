@@ -21,7 +21,7 @@
 #                      the next, one more round interleaved at the end
 #   decode_8b     205  the same with Llama-3-8B's shape (its first 8 of 32 layers, random init on the GPU in bf16,
 #                      random K/V in the static cache, no prefill), 32K x B8 then 128K x B4, one cache at a time
-#   summary        10  python -m bench gpu-check summary: summary.json, summary.csv, the table (printed last)
+#   summary        10  python -m bench.gpu_check summary: summary.json, summary.csv, the table (printed last)
 # Compiles dominate (10-40 s per provider and point on an H200, cold caches): hence the layer counts, one process
 # per model (imports once, Inductor's and Triton's caches warm for the second point), and --time-budget, which
 # skips (and records) a provider whose compile would not fit in its point's share of the step. Every step
@@ -89,7 +89,7 @@ else
 fi
 
 # ---- env: a CUDA GPU, or stop here
-run env 20 "$PY" -m bench gpu-check env --out "$OUT" ${ENV_ARGS[@]+"${ENV_ARGS[@]}"}
+run env 20 "$PY" -m bench.gpu_check env --out "$OUT" ${ENV_ARGS[@]+"${ENV_ARGS[@]}"}
 rc=$?
 if [ "$rc" != 0 ]; then
     echo "gpu_check: no usable CUDA GPU (torch.cuda.is_available() is False, or torch/triton/transformers/"
@@ -98,10 +98,10 @@ if [ "$rc" != 0 ]; then
 fi
 
 # the selection settings, the shipped defaults first (a step cut by its time limit has timed them)
-run kernel 70 "$PY" -m bench gpu --settings defaults paper "${KERNEL_ARGS[@]}" --out-dir "$OUT/kernel"
-run decode_smollm 175 "$PY" -m bench decode "${DEC_ARGS[@]}" "${SMOL[@]}" --json "$OUT/decode_smollm/decode.json"
-run decode_8b 205 "$PY" -m bench decode "${DEC_ARGS[@]}" "${BIG[@]}" --json "$OUT/decode_8b/decode.json"
+run kernel 70 "$PY" -m bench gpu --compare paper "${KERNEL_ARGS[@]}" --out "$OUT/kernel"
+run decode_smollm 175 "$PY" -m bench decode "${DEC_ARGS[@]}" "${SMOL[@]}" --out "$OUT/decode_smollm/decode.json"
+run decode_8b 205 "$PY" -m bench decode "${DEC_ARGS[@]}" "${BIG[@]}" --out "$OUT/decode_8b/decode.json"
 
 # ---- summary: summary.json, summary.csv and the table, printed last
-timeout -k 5 "$(( 10 * ${TIMEOUT_SCALE:-1} ))" "$PY" -m bench gpu-check summary --out "$OUT" --limit 10 \
+timeout -k 5 "$(( 10 * ${TIMEOUT_SCALE:-1} ))" "$PY" -m bench.gpu_check summary --out "$OUT" --limit 10 \
     --seconds "$(( $(date +%s) - T_START ))" 2> "$OUT/summary.log"

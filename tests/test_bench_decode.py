@@ -38,8 +38,8 @@ def test_runner_json_schema_and_outputs(tmp_path):
     out = tmp_path / "decode.json"
     snaps = tmp_path / "snap"
     bd.main(["--model", "tiny", "--contexts", "64", "--batches", "1", "3", "--providers", "eager,tinyserve",
-             "--paper", "--options", json.dumps(OPTS), "--steps", "2", "--rounds", "1", "--warmup", "1",
-             "--warm-compile", "--prefill-cache", str(snaps), "--json", str(out)])
+             "--compare", "paper", "--options", json.dumps(OPTS), "--steps", "2", "--rounds", "1", "--warmup", "1",
+             "--warm-compile", "--prefill-cache", str(snaps), "--out", str(out)])
     rows = json.loads(out.read_text())
     assert isinstance(rows, list)
     assert [(r["batch"], r["provider"]) for r in rows] == [
@@ -51,7 +51,7 @@ def test_runner_json_schema_and_outputs(tmp_path):
         assert r["vs_best_stock"] == pytest.approx(r["best_stock_ms"] / r["ms_per_token"])
     ts = [r for r in rows if r["provider"].startswith("tinyserve")]
     assert all(r["sparse_sites"] >= 2 for r in ts), ts  # 4 layers, the first 2 dense (at run time)
-    assert json.loads(ts[1]["options"]) == dict(OPTS, **bd.PAPER)
+    assert json.loads(ts[1]["options"]) == dict(OPTS, **bd.cli.PRESETS["paper"])
     # the paper's pages of 16 keep 1 page of 16 tokens: fewer K/V bytes than dense eager
     assert all(r["kv_bytes_per_step"] < rows[0]["kv_bytes_per_step"] * r["batch"] for r in ts)
     assert rows[3]["row_lengths"] == "64,54,44"
@@ -121,7 +121,7 @@ def test_inductor_options_and_module_guards_in_rows(tmp_path):
     rows = bd.main(["--model", "tiny", "--contexts", "64", "--batches", "1", "--providers", "eager,inductor,tinyserve",
                     "--options", json.dumps({"token_budget": 16, "page_size": 8}), "--steps", "1", "--rounds", "1",
                     "--warmup", "1", "--warm-compile", "--prefill-cache", str(tmp_path / "snap"),
-                    "--inductor-options", json.dumps(io), "--skip-module-guards", "--json", str(out)])
+                    "--inductor-options", json.dumps(io), "--skip-module-guards", "--out", str(out)])
     assert [r["provider"] for r in rows] == ["eager", "inductor", "tinyserve"]
     by = {r["provider"]: r for r in json.loads(out.read_text())}
     assert by["eager"]["inductor_options"] == "" and by["eager"]["skip_module_guards"] is False
@@ -151,7 +151,7 @@ def test_cudagraphs_providers_and_their_compile_calls():
     """The providers run in the order given; the CUDA-graphs ones compile with mode="reduce-overhead", or through
     options where options are given (torch.compile takes one of the two), and are skipped off CUDA."""
     names = [n for n, _ in bd.provider_names(["eager", "inductor-cudagraphs", "tinyserve-cudagraphs", "inductor",
-                                              "tinyserve"], True, None)]
+                                              "tinyserve"], bd.cli.options_arg("paper"), None)]
     assert names == ["eager", "inductor-cudagraphs", "tinyserve-cudagraphs", "inductor", "tinyserve",
                      "tinyserve-paper"]
     assert set(bd.STOCK) == {"eager", "inductor", "inductor-cudagraphs"}
@@ -221,9 +221,9 @@ def test_time_budget_skips_and_points(tmp_path):
     runs) and says so in their records; the JSON is there."""
     out = tmp_path / "decode.json"
     rows = bd.main(["--model", "tiny", "--points", "48x1", "--providers", "eager,tinyserve",
-                    "--paper", "--options", json.dumps(OPTS), "--steps", "1", "--rounds", "2", "--warmup", "1",
+                    "--compare", "paper", "--options", json.dumps(OPTS), "--steps", "1", "--rounds", "2", "--warmup", "1",
                     "--warm-compile", "--prefill-cache", str(tmp_path / "snap"), "--time-budget", "0",
-                    "--no-profile", "--json", str(out)])
+                    "--no-profile", "--out", str(out)])
     assert [(r["context"], r["batch"], r["provider"]) for r in rows] == [
         (48, 1, "eager"), (48, 1, "tinyserve"), (48, 1, "tinyserve-paper")]
     assert rows[0]["ms_per_token"] > 0

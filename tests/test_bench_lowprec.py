@@ -29,7 +29,7 @@ def test_weights_int8_through_bench_decode(tmp_path):
     out = tmp_path / "int8.json"
     bd.main(["--model", "tiny", "--contexts", "64", "--batches", "1", "--providers", "eager,tinyserve",
              "--weights", "int8", "--options", json.dumps(OPTS), "--steps", "2", "--rounds", "1", "--warmup", "1",
-             "--warm-compile", "--prefill-cache", str(tmp_path / "snap"), "--json", str(out)])
+             "--warm-compile", "--prefill-cache", str(tmp_path / "snap"), "--out", str(out)])
     rows = json.loads(out.read_text())
     assert [r["provider"] for r in rows] == ["eager", "tinyserve"]
     assert RECORD_KEYS <= set(rows[0]) and RECORD_KEYS <= set(rows[1])

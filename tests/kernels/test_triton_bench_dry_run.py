@@ -23,7 +23,7 @@ def test_bench_kernel_gpu_dry_run(tmp_path):
 
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "bench", "gpu", "--dry-run", "--contexts", "128", "--batches", "2", "--dtypes",
-           "bf16", "--settings", "defaults", "--out-dir", str(tmp_path)]
+           "bf16", "--out", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / "bench_kernel_gpu.json").read_text())
