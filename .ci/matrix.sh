@@ -4,7 +4,7 @@
 #           the whole conformance table, and the backend on HF models' decode loops and generate();
 #   newest: the newest torch release (2.15): the native build, the native kernel tests, the native conformance rows;
 #   isa:    in the main virtualenv, the native kernel built without AVX-512 (TINYSERVE_NATIVE_ISA=avx2, as an
-#           AVX2-only CPU builds it) and portable (=default, x86-64-v2), each through its kernel tests.
+#           AVX2-only CPU builds it, with ATen on AVX2 too) and portable (=default, x86-64-v2), each through its kernel tests.
 # PIP_CONFIG_FILE=/dev/null lifts this machine's local pip cap (torch<=2.14.1) for these installs only.
 # Usage: bash .ci/matrix.sh [oldest|newest|isa ...]   (default: all three)
 set -euo pipefail
@@ -42,9 +42,13 @@ isa_edge() {  # the native kernel's AVX2 and portable builds on this machine, in
     for isa in avx2 default; do
         t0=$(date +%s)
         echo "=== matrix edge 'isa': TINYSERVE_NATIVE_ISA=$isa"
-        TINYSERVE_NATIVE_ISA=$isa TINYSERVE_CACHE_DIR="$ROOT/native-$isa" .venv/bin/python -m pytest -q \
-            -p no:cacheprovider tests/kernels/test_native_sparse_decode.py tests/kernels/test_native_bounds.py \
-            tests/kernels/test_native_linear.py
+        # avx2: ATen too runs as on an AVX2-only CPU (Zen 3), so int4 weights are packed in its 32-row blocks
+        # (and an Inductor cache of its own: kernels cached for AVX-512 widths would be compiled for AVX2)
+        local aten=(); [ "$isa" = avx2 ] && aten=(ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CACHE_DIR="$ROOT/inductor-avx2")
+        env "${aten[@]}" TINYSERVE_NATIVE_ISA=$isa TINYSERVE_CACHE_DIR="$ROOT/native-$isa" \
+            .venv/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_native_sparse_decode.py \
+            tests/kernels/test_native_bounds.py tests/kernels/test_native_linear.py \
+            tests/kernels/test_native_linear_int4.py
         echo "=== matrix edge 'isa' ($isa) passed in $(( $(date +%s) - t0 )) s"
     done
 }

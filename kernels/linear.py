@@ -8,7 +8,9 @@ other devices, the native module unavailable) runs ``F.linear``.
 
 ``linear_int4(x, qdata, scale_and_zero, group_size, out_features, bias)`` is the linear of torchao's
 ``Int4OpaqueTensor`` (``_weight_int4pack_mm_for_cpu``); its CPU kernel is the int4 GEMV of ``csrc/gemv_int4.cpp``
-(bf16 activations, at most 8 rows, output features a multiple of 64), registered with ``tinyserve::linear``'s.
+(bf16 activations, at most 8 rows, output features a multiple of 64), registered with ``tinyserve::linear``'s. The
+GEMV reads the layout ATen packs on the machine: blocks of 64 rows on AVX-512 ATen builds, 32 on AVX2 ones
+(:func:`int4_block_n`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["linear", "linear_int4", "linear_group", "linear_int4_group", "dequantize_int4pack", "load_native_linear",
-           "native_linear_reason", "int4_layout_problem", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_BF16", "INT4_BLOCK_N"]
+           "native_linear_reason", "int4_layout_problem", "int4_block_n", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_BF16", "INT4_BLOCK_N"]
 
 #: the most activation rows (product of ``x``'s leading dimensions) the GEMV takes (``GEMV_MAX_ROWS`` of gemv.h)
 GEMV_MAX_ROWS = 8
@@ -28,9 +30,12 @@ GEMV_MAX_ROWS = 8
 GEMV_MAX_ROWS_BF16 = 4
 
 _lock = threading.Lock()
-_state: dict = {"loaded": None, "reason": None, "int4_layout": None}
-#: output rows per block of ATen's CPU int4pack layout that the int4 GEMV reads (``BLOCK_N`` of gemv_int4.cpp)
+_state: dict = {"loaded": None, "reason": None, "int4_block_n": None}
+#: the multiple of output features the int4 GEMV takes: the rows per block of ATen's CPU int4pack layout on
+#: AVX-512 builds (64); AVX2 builds pack blocks of 32 rows, whose multiples include these
 INT4_BLOCK_N = 64
+#: rows per block of the int4pack layouts the GEMV reads (``aten_int4_block_n`` of gemv_int4.cpp)
+INT4_LAYOUTS = (64, 32)
 
 
 # A plain schema, not torch.library.custom_op: custom_op adds a Python autograd kernel to every call (~10-20 us,
@@ -205,43 +210,67 @@ def linear_int4(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tens
     return torch.ops.tinyserve.linear_int4(x, qdata, scale_and_zero, group_size, out_features, bias)
 
 
-def dequantize_int4pack(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+def dequantize_int4pack(qdata: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int,
+                        block_n: Optional[int] = None) -> torch.Tensor:
     """The weight ``[N, K]`` (dtype of ``scale_and_zero``) of an int4pack weight in the layout the GEMV reads.
 
-    The PyTorch reference of ``tinyserve::linear_int4``: ``qdata`` ``[N, K / 2]`` uint8 is ``[N / 64, K, 32]``,
-    byte ``j`` of (block ``b``, column ``k``) holding row ``64 b + j`` in its low nibble and row ``64 b + 32 + j`` in
-    its high nibble; ``scale_and_zero`` ``[K / group_size, N, 2]``; ``W = (q - 8) * scale + zero`` rounded to the
-    dtype of ``scale_and_zero`` (ATen's kernel dequantizes to the activations' dtype the same way).
+    The PyTorch reference of ``tinyserve::linear_int4``: ``qdata`` ``[N, K / 2]`` uint8 is ``[N / B, K, B / 2]``
+    with ``B = block_n`` (by default :func:`int4_block_n`, the layout ATen packs here), byte ``j`` of (block ``b``,
+    column ``k``) holding row ``B b + j`` in its low nibble and row ``B b + B / 2 + j`` in its high nibble;
+    ``scale_and_zero`` ``[K / group_size, N, 2]``; ``W = (q - 8) * scale + zero`` rounded to the dtype of
+    ``scale_and_zero`` (ATen's kernel dequantizes to the activations' dtype the same way).
     """
+    if block_n is None:
+        block_n = int4_block_n()
+        if block_n is None:
+            raise ValueError(f"dequantize_int4pack: argument 'block_n' is needed here: {int4_layout_problem()}")
     N, K = qdata.shape[0], qdata.shape[1] * 2
-    blocks = qdata.view(N // INT4_BLOCK_N, K, INT4_BLOCK_N // 2)
+    if block_n not in INT4_LAYOUTS or N % block_n:
+        raise ValueError(f"dequantize_int4pack: argument 'block_n' must be one of {INT4_LAYOUTS} and divide the "
+                         f"{N} rows of 'qdata', got {block_n}")
+    blocks = qdata.view(N // block_n, K, block_n // 2)
     q = torch.cat([blocks & 15, blocks >> 4], dim=2).permute(0, 2, 1).reshape(N, K).float()  # [N, K] codes
     scale = scale_and_zero[..., 0].float().t().repeat_interleave(group_size, 1)  # [N, K]
     zero = scale_and_zero[..., 1].float().t().repeat_interleave(group_size, 1)  # [N, K]
     return ((q - 8) * scale + zero).to(scale_and_zero.dtype)
 
 
-def int4_layout_problem() -> Optional[str]:
-    """None when this ATen packs int4 weights in the layout :func:`dequantize_int4pack` and the GEMV read.
+def _probe_int4_layout():
+    """(rows per block, "") of the layout ATen packs int4 weights in here, or (0, why the GEMV cannot read it)."""
+    gen = torch.Generator().manual_seed(77)
+    N, K = 2 * INT4_BLOCK_N, 64
+    q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=gen)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    except (RuntimeError, AttributeError) as e:
+        return 0, f"ATen cannot pack int4 weights on CPU ({type(e).__name__})"
+    if packed.shape != (N, K // 2) or packed.dtype != torch.uint8:
+        return 0, f"ATen's int4pack weight is {tuple(packed.shape)} {packed.dtype}, not [N, K / 2] uint8"
+    ones = torch.stack([torch.ones(1, N), torch.full((1, N), 8.0)], -1).to(torch.bfloat16)  # scale 1, zero 8
+    sz = ones.expand(K // 32, N, 2).contiguous()
+    for block_n in INT4_LAYOUTS:
+        if torch.equal(dequantize_int4pack(packed, sz, 32, block_n).float(), q.float()):
+            return block_n, ""
+    return 0, (f"ATen's int4pack layout on this CPU (ATen capability {torch.backends.cpu.get_cpu_capability()}) "
+               f"is none of the blocks of {' or '.join(map(str, INT4_LAYOUTS))} rows the GEMV reads")
 
-    The layout of ``_convert_weight_to_int4pack_for_cpu`` depends on the vector ISA of the ATen build, so a probe
-    of random codes is packed and read back. Cached per process.
+
+def int4_block_n() -> Optional[int]:
+    """Rows per block of the int4pack layout ATen packs in this process (64 on AVX-512 builds, 32 on AVX2), or None.
+
+    The layout of ``_convert_weight_to_int4pack_for_cpu`` depends on the vector ISA ATen runs with (its CPU
+    capability, which ``ATEN_CPU_CAPABILITY`` can lower), so a probe of random codes is packed and read back in
+    each layout the GEMV reads. Cached per process.
     """
-    if _state["int4_layout"] is None:
-        gen = torch.Generator().manual_seed(77)
-        N, K = 2 * INT4_BLOCK_N, 64
-        q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=gen)
-        try:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        except (RuntimeError, AttributeError) as e:
-            _state["int4_layout"] = f"ATen cannot pack int4 weights on CPU ({type(e).__name__})"
-            return _state["int4_layout"]
-        ones = torch.stack([torch.ones(1, N), torch.full((1, N), 8.0)], -1).to(torch.bfloat16)  # scale 1, zero 8
-        ok = packed.shape == (N, K // 2) and packed.dtype == torch.uint8
-        ok = ok and torch.equal(dequantize_int4pack(packed, ones.expand(K // 32, N, 2).contiguous(), 32).float(),
-                                q.float())
-        _state["int4_layout"] = "" if ok else "ATen's int4pack layout is not the 64-row blocks the GEMV reads"
-    return _state["int4_layout"] or None
+    if _state["int4_block_n"] is None:
+        _state["int4_block_n"] = _probe_int4_layout()
+    return _state["int4_block_n"][0] or None
+
+
+def int4_layout_problem() -> Optional[str]:
+    """None when this ATen packs int4 weights in a layout :func:`dequantize_int4pack` and the GEMV read, else why."""
+    int4_block_n()
+    return _state["int4_block_n"][1] or None
 
 
 def _self_check(lib) -> Optional[str]:
@@ -257,7 +286,10 @@ def _self_check(lib) -> Optional[str]:
             if not err <= tol * max(1.0, float(want.abs().max())):
                 return f"linear_rows differs from F.linear by {err:.3g} ({dtype}, {rows}x{K} @ {N}x{K})"
     if int4_layout_problem() is None:  # the int4 GEMV against the dequantized weight
-        for rows, K, N in ((1, 64, 64), (5, 96, 128)):
+        if lib.aten_int4_block_n() != int4_block_n():
+            return (f"the int4 GEMV reads blocks of {lib.aten_int4_block_n()} rows, ATen packs blocks of "
+                    f"{int4_block_n()}")
+        for rows, K, N in ((1, 64, 64), (5, 96, 128), (4, 64, 192)):
             q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=gen)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             sz = torch.stack([torch.rand(K // 32, N, generator=gen) * 0.1,

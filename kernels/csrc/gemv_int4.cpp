@@ -3,12 +3,14 @@
 // tinyserve::linear_int4 once registered (register_linear_kernel in gemv.cpp).
 // Part of the native CPU kernels of tinyserve-compile (overview: sparse_decode.cpp).
 //
-// The weight, as _convert_weight_to_int4pack_for_cpu packs it on AVX-512 ATen builds (checked at load time by
-// kernels/linear.py against a packed probe), is qdata [N/64, K, 32] uint8: byte j of (block b, column k) holds
-// row b*64+j in its low nibble and row b*64+32+j in its high nibble. scale_and_zero is [K/gs, N, 2] bf16, and
-// the weight is W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n] with g = k / gs.
+// The weight is read in the layout _convert_weight_to_int4pack_for_cpu packs on this machine, which depends on
+// ATen's CPU capability (aten_int4_block_n probes it once; kernels/linear.py checks the GEMV against a packed
+// probe at load time): qdata [N/BN, K, BN/2] uint8, byte j of (block b, column k) holding row b*BN+j in its low
+// nibble and row b*BN+BN/2+j in its high nibble, with BN = 64 on AVX-512 ATen and 32 on AVX2 ATen.
+// scale_and_zero is [K/gs, N, 2] bf16, and the weight is W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]
+// with g = k / gs.
 //
-// Why this layout streams well: a block of 64 output rows reads 32 contiguous bytes per input column, so each
+// Why this layout streams well: a block of BN output rows reads BN/2 contiguous bytes per input column, so each
 // thread streams its blocks front to back once. Within a group of gs columns the codes meet x as
 // sum_k q[n, k] * x[k] (fp32 FMAs on the widened codes, x broadcast), and the group's scale and zero enter once:
 // y[n] += scale * sum_k q x + (zero - 8 scale) * sum_k x.
@@ -23,127 +25,135 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
-
 #include "gemv.h"
 #include "gemv_int4.h"
+#include "simd.h"
 
 namespace tinyserve_native {
 namespace {
 
-constexpr int64_t BLOCK_N = 64;  // output rows per packed block
 // the least weight bytes per task of parallel_for (see gemv.cpp)
 constexpr int64_t MIN_TASK_BYTES = 64 * 1024;
 
-inline float bf16_at(const c10::BFloat16* p) { return static_cast<float>(*p); }
-
-// the 64 sums of each activation row plus the bias, rounded once to bf16, into y (bf16 [M, N]) at rows n0..n0+63
-template <int M>
-inline void store_rows(const float (&acc)[M][BLOCK_N], const c10::BFloat16* bias, c10::BFloat16* y, int64_t N,
+// the BN sums of each activation row plus the bias, rounded once to bf16, into y (bf16 [M, N]) at rows n0..n0+BN-1
+template <int M, int BN>
+inline void store_rows(const float (&acc)[M][BN], const c10::BFloat16* bias, c10::BFloat16* y, int64_t N,
                        int64_t n0) {
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < BLOCK_N; ++r)
+    for (int r = 0; r < BN; ++r)
       y[m * N + n0 + r] = c10::BFloat16(acc[m][r] + (bias ? static_cast<float>(bias[n0 + r]) : 0.f));
 }
 
-// activation rows [m0, m0 + Mc) of every block in [b0, b1), at most 4 rows at once so that the sums stay in
+// activation rows [m0, m0 + Mc) of every block in [b0, b1), at most MaxM rows at once so that the sums stay in
 // registers: block(std::integral_constant<int, Mc>, x rows, their group sums, y rows, block index)
-template <typename T, typename Block>
+template <int MaxM, typename T, typename Block>
 void by_row_groups(const T* x, const float* xsum, c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t G,
                    int64_t b0, int64_t b1, const Block& block) {
+  static_assert(MaxM >= 1 && MaxM <= 4, "row groups of 1 to 4 rows");
   for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    for (int64_t m0 = 0; m0 < M; m0 += MaxM) {
       const T* xm = x + m0 * K;
       const float* sm = xsum + m0 * G;
       c10::BFloat16* ym = y + m0 * N;
-      switch (std::min<int64_t>(4, M - m0)) {
+      switch (std::min<int64_t>(MaxM, M - m0)) {
         case 1: block(std::integral_constant<int, 1>{}, xm, sm, ym, b); break;
-        case 2: block(std::integral_constant<int, 2>{}, xm, sm, ym, b); break;
-        case 3: block(std::integral_constant<int, 3>{}, xm, sm, ym, b); break;
-        default: block(std::integral_constant<int, 4>{}, xm, sm, ym, b); break;
+        case 2: if constexpr (MaxM >= 2) block(std::integral_constant<int, 2>{}, xm, sm, ym, b); break;
+        case 3: if constexpr (MaxM >= 3) block(std::integral_constant<int, 3>{}, xm, sm, ym, b); break;
+        default: if constexpr (MaxM >= 4) block(std::integral_constant<int, 4>{}, xm, sm, ym, b); break;
       }
     }
   }
 }
 
+// VS bytes at p as two fp32 vectors: their low nibbles (lo) and their high nibbles (hi), exact
+inline void load_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
 #if defined(CPU_CAPABILITY_AVX512)
-// acc[m][r] += scale_r * aq[m][r] + (zero_r - offset * scale_r) * xsum[m, g] for the 64 rows n0.. of group g, with
-// aq the group's dot products of codes read as (q + offset); scale and zero are bf16 pairs, scale in the low half
-template <int M>
-inline void apply_group(float (&acc)[M][BLOCK_N], const __m512 (&aq)[M][4], const c10::BFloat16* sz,
-                        const float* xsum, int64_t g, int64_t G, int64_t N, int64_t n0, float offset) {
-  const uint32_t* pz = reinterpret_cast<const uint32_t*>(sz + (g * N + n0) * 2);
-  for (int i = 0; i < 4; ++i) {
-    const __m512i v = _mm512_loadu_si512(pz + 16 * i);
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
-    const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(offset), s, z);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+#else
+  alignas(64) float l[VS], h[VS];
+  for (int i = 0; i < VS; ++i) l[i] = float(p[i] & 15), h[i] = float(p[i] >> 4);
+  lo = Vec::loadu(l), hi = Vec::loadu(h);
+#endif
+}
+
+// the VS (scale, zero) bf16 pairs at p as two fp32 vectors (scale in the low half of each pair)
+inline void load_scale_zero(const c10::BFloat16* p, Vec& s, Vec& z) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i v = _mm512_loadu_si512(p);
+  s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
+#else
+  alignas(64) float sv[VS], zv[VS];
+  for (int i = 0; i < VS; ++i) sv[i] = static_cast<float>(p[2 * i]), zv[i] = static_cast<float>(p[2 * i + 1]);
+  s = Vec::loadu(sv), z = Vec::loadu(zv);
+#endif
+}
+
+// acc[m][r] += scale_r * aq[m][r] + (zero_r - offset * scale_r) * xsum[m, g] for the BN rows n0.. of group g, with
+// aq the group's dot products of codes read as (q + offset), NV = BN / VS vectors per activation row
+template <int M, int BN, int NV>
+inline void apply_group(float (&acc)[M][BN], const Vec (&aq)[M][NV], const c10::BFloat16* sz, const float* xsum,
+                        int64_t g, int64_t G, int64_t N, int64_t n0, float offset) {
+  for (int i = 0; i < NV; ++i) {
+    Vec s, z;
+    load_scale_zero(sz + (g * N + n0 + VS * i) * 2, s, z);
+    const Vec c = z - Vec(offset) * s;
     for (int m = 0; m < M; ++m) {
-      __m512 a = _mm512_loadu_ps(acc[m] + 16 * i);
-      a = _mm512_fmadd_ps(s, aq[m][i], a);
-      a = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[m * G + g]), a);
-      _mm512_storeu_ps(acc[m] + 16 * i, a);
+      Vec a = Vec::loadu(acc[m] + VS * i);
+      a = at::vec::fmadd(s, aq[m][i], a);
+      a = at::vec::fmadd(c, Vec(xsum[m * G + g]), a);
+      a.store(acc[m] + VS * i);
     }
   }
 }
-#endif
 
-// One block of 64 output rows for activation rows [0, M) of x (bf16 widened to fp32 [M, K]), on CPUs without
-// AVX512-BF16 (or VBMI); xsum [M, G] holds each group's
-// sum of x; y (bf16 [M, N]) receives rows b*64 .. b*64+63 plus the bias (bf16 [N] or null).
-template <int M>
+// One block of BN output rows for activation rows [0, M) of x (bf16 widened to fp32 [M, K]) on every vector ISA
+// (the bf16 dot-product block below is the AVX512-BF16 form for BN = 64); xsum [M, G] holds each group's sum of
+// x; y (bf16 [M, N]) receives rows b*BN .. b*BN+BN-1 plus the bias (bf16 [N] or null).
+template <int M, int BN>
 void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
-    const c10::BFloat16* bias, c10::BFloat16* y, int64_t K,
-                int64_t N, int64_t gs, int64_t b) {
-  const int64_t G = K / gs, n0 = b * BLOCK_N;
-  const uint8_t* qb = q + b * K * 32;  // [K, 32] bytes of this block
-  float acc[M][BLOCK_N];
+                const c10::BFloat16* bias, c10::BFloat16* y, int64_t K, int64_t N, int64_t gs, int64_t b) {
+  constexpr int NV = BN / VS, HALF = NV / 2;  // vectors per row group; the low nibbles fill the first half
+  static_assert(BN % (2 * VS) == 0, "a block holds whole vectors of low and of high nibbles");
+  const int64_t G = K / gs, n0 = b * BN;
+  const uint8_t* qb = q + b * K * (BN / 2);  // [K, BN/2] bytes of this block
+  float acc[M][BN];
   std::memset(acc, 0, sizeof(acc));
   for (int64_t g = 0; g < G; ++g) {
-#if defined(CPU_CAPABILITY_AVX512)
-    // ---- stage 1: sum_k q[n, k] * x[m, k] over the group, 64 rows as 4 vectors per activation row
-    __m512 aq[M][4];
+    // ---- stage 1: sum_k q[n, k] * x[m, k] over the group, BN rows as NV vectors per activation row
+    Vec aq[M][NV];
     for (int m = 0; m < M; ++m)
-      for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
+      for (int i = 0; i < NV; ++i) aq[m][i] = Vec(0.f);
     for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + k * 32));
-      const __m256i lo = _mm256_and_si256(bytes, low4);                         // rows 0..31
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);  // rows 32..63
-      __m512 w[4];
-      w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)));
-      w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)));
-      w[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)));
-      w[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)));
+      Vec w[NV];  // vector i: rows VS i .. VS i + VS - 1 of the block
+      for (int c = 0; c < HALF; ++c) load_nibbles(qb + k * (BN / 2) + VS * c, w[c], w[HALF + c]);
       for (int m = 0; m < M; ++m) {
-        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-        for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_fmadd_ps(w[i], xb, aq[m][i]);
+        const Vec xb(x[m * K + k]);
+        for (int i = 0; i < NV; ++i) aq[m][i] = at::vec::fmadd(w[i], xb, aq[m][i]);
       }
     }
-    // ---- stage 2: scale and zero of the group's 64 rows (codes read as q)
-    apply_group<M>(acc, aq, sz, xsum, g, G, N, n0, 8.f);
-#else
-    // ---- portable path: the same sums, one row at a time
-    for (int j = 0; j < 32; ++j) {
-      float aql[M] = {}, aqh[M] = {};
-      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
-        const uint8_t byte = qb[k * 32 + j];
-        for (int m = 0; m < M; ++m) {
-          aql[m] += float(byte & 15) * x[m * K + k];
-          aqh[m] += float(byte >> 4) * x[m * K + k];
-        }
-      }
-      for (int h = 0; h < 2; ++h) {
-        const int r = j + 32 * h;
-        const float s = bf16_at(sz + (g * N + n0 + r) * 2), z = bf16_at(sz + (g * N + n0 + r) * 2 + 1);
-        for (int m = 0; m < M; ++m) acc[m][r] += s * (h ? aqh[m] : aql[m]) + (z - 8.f * s) * xsum[m * G + g];
-      }
-    }
-#endif
+    // ---- stage 2: scale and zero of the group's BN rows (codes read as q)
+    apply_group<M, BN, NV>(acc, aq, sz, xsum, g, G, N, n0, 8.f);
   }
-  store_rows<M>(acc, bias, y, N, n0);
+  store_rows<M, BN>(acc, bias, y, N, n0);
+}
+
+// the most activation rows one pass over a block keeps in registers: aq takes M * BN / VS vectors of the 32
+// (AVX-512) or 16 (AVX2) registers, a quarter of them left for the codes and x
+template <int BN>
+constexpr int max_rows() {
+  constexpr int regs = VS >= 16 ? 16 : 12, per_row = BN / VS;
+  return regs / per_row >= 4 ? 4 : (regs / per_row >= 1 ? regs / per_row : 1);
 }
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -152,10 +162,12 @@ void int4_block(const float* x, const float* xsum, const uint8_t* q, const c10::
 // becomes the bf16 number 128 + q (exponent byte 0x43 over the code: exact), and vdpbf16ps adds
 // x[k] (128 + q[n, k]) + x[k+1] (128 + q[n, k+1]) in fp32 (products of bf16 numbers are exact), so per group
 // sum_k q x = dot - 128 sum_k x, and y[n] += scale * dot + (zero - 136 scale) * sum_k x.
+// Blocks of 64 rows (AVX-512 ATen's layout) only.
 template <int M>
 void int4_block_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
     const c10::BFloat16* bias, c10::BFloat16* y, int64_t K, int64_t N, int64_t gs, int64_t b) {
-  const int64_t G = K / gs, n0 = b * BLOCK_N;
+  constexpr int BN = 64;
+  const int64_t G = K / gs, n0 = b * BN;
   const uint8_t* qb = q + b * K * 32;  // [K, 32] bytes of this block
   // byte permutation: 32-bit lane r of output j takes the code of row 16 j + r (of a nibble half) at column k (byte 4r) and at k + 1
   // (byte 4r + 2); the odd bytes stay 0x43, the exponent of 128
@@ -171,13 +183,13 @@ void int4_block_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q
   const __mmask64 even = 0x5555555555555555ull;
   const __m512i exp128 = _mm512_set1_epi16(0x4300);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  float acc[M][BLOCK_N];
+  float acc[M][BN];
   std::memset(acc, 0, sizeof(acc));
   for (int64_t g = 0; g < G; ++g) {
     // ---- stage 1: dot products of 128 + q with x over the group, two columns per step
-    __m512 aq[M][4];
+    Vec aq[M][4];
     for (int m = 0; m < M; ++m)
-      for (int i = 0; i < 4; ++i) aq[m][i] = _mm512_setzero_ps();
+      for (int i = 0; i < 4; ++i) aq[m][i] = Vec(0.f);
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
       const __m512i bytes = _mm512_loadu_si512(qb + k * 32);  // columns k (bytes 0..31) and k + 1 (32..63)
       const __m512i lo = _mm512_and_si512(bytes, low4);                         // rows 0..31
@@ -195,28 +207,51 @@ void int4_block_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q
       }
     }
     // ---- stage 2: scale and zero of the group's 64 rows (codes read as the bf16 number 128 + q)
-    apply_group<M>(acc, aq, sz, xsum, g, G, N, n0, 136.f);
+    apply_group<M, BN, 4>(acc, aq, sz, xsum, g, G, N, n0, 136.f);
   }
-  store_rows<M>(acc, bias, y, N, n0);
+  store_rows<M, BN>(acc, bias, y, N, n0);
 }
 
 void int4_blocks_bf16(const c10::BFloat16* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
     const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
-  by_row_groups(x, xsum, y, M, K, N, K / gs, b0, b1,
+  by_row_groups<4>(x, xsum, y, M, K, N, K / gs, b0, b1,
                 [&](auto mc, const c10::BFloat16* xm, const float* sm, c10::BFloat16* ym, int64_t b) {
                   int4_block_bf16<decltype(mc)::value>(xm, sm, q, sz, bias, ym, K, N, gs, b);
                 });
 }
 #endif
 
-// activation rows of every block in [b0, b1) through the fp32 block kernel
+// activation rows of every block of BN rows in [b0, b1) through the fp32 block kernel
+template <int BN>
 void int4_blocks(const float* x, const float* xsum, const uint8_t* q, const c10::BFloat16* sz,
-    const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
-                 int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
-  by_row_groups(x, xsum, y, M, K, N, K / gs, b0, b1,
-                [&](auto mc, const float* xm, const float* sm, c10::BFloat16* ym, int64_t b) {
-                  int4_block<decltype(mc)::value>(xm, sm, q, sz, bias, ym, K, N, gs, b);
-                });
+                 const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t K, int64_t N, int64_t gs, int64_t b0,
+                 int64_t b1) {
+  by_row_groups<max_rows<BN>()>(x, xsum, y, M, K, N, K / gs, b0, b1,
+                                [&](auto mc, const float* xm, const float* sm, c10::BFloat16* ym, int64_t b) {
+                                  int4_block<decltype(mc)::value, BN>(xm, sm, q, sz, bias, ym, K, N, gs, b);
+                                });
+}
+
+// The blocks [b0, b1) of one weight in ATen's layout of bn-row blocks: x (bf16 [M, K]) through the AVX512-BF16
+// dot products where they apply (bn = 64, even group size), else xf (x widened to fp32) through the fp32 blocks.
+void int4_blocks_any(int64_t bn, bool dot, const c10::BFloat16* x, const float* xf, const float* xsum,
+                     const uint8_t* q, const c10::BFloat16* sz, const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
+                     int64_t K, int64_t N, int64_t gs, int64_t b0, int64_t b1) {
+#if defined(TS_INT4_BF16_DOT)
+  if (dot) return int4_blocks_bf16(x, xsum, q, sz, bias, y, M, K, N, gs, b0, b1);
+#endif
+  if (bn == 64) return int4_blocks<64>(xf, xsum, q, sz, bias, y, M, K, N, gs, b0, b1);
+  int4_blocks<32>(xf, xsum, q, sz, bias, y, M, K, N, gs, b0, b1);
+}
+
+// whether the AVX512-BF16 dot-product blocks run for bn-row blocks and group size gs
+bool int4_dot_applies(int64_t bn, int64_t gs) {
+#if defined(TS_INT4_BF16_DOT)
+  return bn == 64 && gs % 2 == 0;
+#else
+  (void)bn, (void)gs;
+  return false;
+#endif
 }
 
 // ATen's own kernel, the same call torchao makes: every case the GEMV does not take
@@ -231,13 +266,31 @@ at::Tensor int4_aten(const at::Tensor& x, const at::Tensor& qdata, const at::Ten
 
 }  // namespace
 
+int64_t aten_int4_block_n() {
+  // codes q[n, k] = n / 16 for 128 rows: byte 0's high nibble holds row 32's code (2) in blocks of 64 rows, row
+  // 16's (1) in blocks of 32, row 1's (0) in ATen's scalar layout (rows interleaved in pairs), which the GEMV
+  // does not read
+  static const int64_t bn = [] {
+    try {
+      const at::Tensor q = at::arange(128, at::kInt).div(16, "floor").unsqueeze(1).expand({128, 64}).contiguous();
+      const at::Tensor packed = at::_convert_weight_to_int4pack_for_cpu(q, 1);
+      if (packed.scalar_type() != at::kByte || packed.dim() != 2 || packed.size(0) != 128) return int64_t(0);
+      const int high = packed.data_ptr<uint8_t>()[0] >> 4;
+      return high == 2 ? int64_t(64) : (high == 1 ? int64_t(32) : int64_t(0));
+    } catch (const std::exception&) {
+      return int64_t(0);
+    }
+  }();
+  return bn;
+}
+
 bool int4_gemv_applies(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& sz, int64_t gs, int64_t N) {
   if (!x.device().is_cpu() || !qdata.device().is_cpu() || !sz.device().is_cpu() || x.dim() < 1) return false;
   if (x.scalar_type() != at::kBFloat16) return false;  // ATen's kernel takes activations of the scales' dtype
   if (qdata.scalar_type() != at::kByte || qdata.dim() != 2 || !qdata.is_contiguous()) return false;
   if (sz.scalar_type() != at::kBFloat16 || sz.dim() != 3 || sz.size(2) != 2 || !sz.is_contiguous()) return false;
-  const int64_t K = x.size(-1);
-  if (K == 0 || N <= 0 || N % BLOCK_N != 0 || gs <= 0 || K % gs != 0) return false;
+  const int64_t K = x.size(-1), bn = aten_int4_block_n();
+  if (bn == 0 || K == 0 || N <= 0 || N % bn != 0 || gs <= 0 || K % gs != 0) return false;
   if (qdata.size(0) != N || qdata.size(1) * 2 != K || sz.size(0) != K / gs || sz.size(1) != N) return false;
   const int64_t M = x.numel() / K;
   return M >= 1 && M <= INT4_GEMV_MAX_ROWS;
@@ -279,31 +332,21 @@ at::Tensor linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at:
   const c10::BFloat16* xbp = xb.data_ptr<c10::BFloat16>();
   const std::vector<float> xsum = group_sums(xbp, M, K, gs);
   std::vector<int64_t> start(n + 1, 0);  // weight i holds blocks [start[i], start[i + 1]) of the union
-  for (size_t i = 0; i < n; ++i) start[i + 1] = start[i] + out_features[i] / BLOCK_N;
+  const int64_t bn = aten_int4_block_n();
+  for (size_t i = 0; i < n; ++i) start[i + 1] = start[i] + out_features[i] / bn;
   std::vector<c10::BFloat16*> yp;
   at::Tensor y = side_by_side(M, out_features, x.options(), out, yp);  // [M, sum N_i] bf16
-  // ---- stage 2: blocks of 64 output rows of every weight, one parallel region
-  const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
-  at::Tensor xf;
-#if defined(TS_INT4_BF16_DOT)
-  const bool dot = gs % 2 == 0;
-#else
-  const bool dot = false;
-#endif
-  if (!dot) xf = xb.to(at::kFloat);  // [M, K] fp32 for the widening path
+  // ---- stage 2: blocks of bn output rows of every weight, one parallel region
+  const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * bn / 2));
+  const bool dot = int4_dot_applies(bn, gs);
+  const at::Tensor xf = dot ? at::Tensor() : xb.to(at::kFloat);  // [M, K] fp32 for the widening path
+  const float* xfp = dot ? nullptr : xf.data_ptr<float>();
   at::parallel_for(0, start.back(), grain, [&](int64_t a, int64_t b) {
     for (size_t i = 0; i < n; ++i) {
       const int64_t lo = std::max(a, start[i]) - start[i], hi = std::min(b, start[i + 1]) - start[i];
       if (lo >= hi) continue;
-      const uint8_t* qp = qdata[i].data_ptr<uint8_t>();
-      const c10::BFloat16* zp = scale_and_zero[i].data_ptr<c10::BFloat16>();
-#if defined(TS_INT4_BF16_DOT)
-      if (dot) {
-        int4_blocks_bf16(xbp, xsum.data(), qp, zp, nullptr, yp[i], M, K, out_features[i], gs, lo, hi);
-        continue;
-      }
-#endif
-      int4_blocks(xf.data_ptr<float>(), xsum.data(), qp, zp, nullptr, yp[i], M, K, out_features[i], gs, lo, hi);
+      int4_blocks_any(bn, dot, xbp, xfp, xsum.data(), qdata[i].data_ptr<uint8_t>(),
+                      scale_and_zero[i].data_ptr<c10::BFloat16>(), nullptr, yp[i], M, K, out_features[i], gs, lo, hi);
     }
   });
   if (M > 1) at::cat_out(y, out, 1);
@@ -332,19 +375,15 @@ at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const 
   const uint8_t* qp = qdata.data_ptr<uint8_t>();
   const c10::BFloat16* zp = scale_and_zero.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  // ---- stage 2: blocks of 64 output rows, one contiguous range per thread
-  const int64_t nb = N / BLOCK_N;
-  const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * 32));
-#if defined(TS_INT4_BF16_DOT)
-  if (gs % 2 == 0) {  // AVX512-BF16 dot products over column pairs
-    at::parallel_for(0, nb, grain,
-                     [&](int64_t b0, int64_t b1) { int4_blocks_bf16(xbp, sp, qp, zp, bp, yp, M, K, N, gs, b0, b1); });
-    return y;
-  }
-#endif
-  const at::Tensor xf = xb.to(at::kFloat);  // [M, K] fp32 for the widening path
-  const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) { int4_blocks(xp, sp, qp, zp, bp, yp, M, K, N, gs, b0, b1); });
+  // ---- stage 2: blocks of bn output rows, one contiguous range per thread
+  const int64_t bn = aten_int4_block_n(), nb = N / bn;
+  const int64_t grain = std::max<int64_t>(1, MIN_TASK_BYTES / std::max<int64_t>(1, K * bn / 2));
+  const bool dot = int4_dot_applies(bn, gs);  // AVX512-BF16 dot products over column pairs
+  const at::Tensor xf = dot ? at::Tensor() : xb.to(at::kFloat);  // [M, K] fp32 for the widening path
+  const float* xfp = dot ? nullptr : xf.data_ptr<float>();
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+    int4_blocks_any(bn, dot, xbp, xfp, sp, qp, zp, bp, yp, M, K, N, gs, b0, b1);
+  });
   return y;
 }
 

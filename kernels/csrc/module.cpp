@@ -44,6 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "indices of the n_keep largest of w, ascending, -inf left out, ties to the lowest indices (the op's selection; "
       "radix_only: its radix select path whatever the sizes)");
   m.def("linear_rows", &tinyserve_native::linear_rows, "x @ W^T (+ b) as a GEMV for at most 8 rows, else at::linear");
+  m.def("aten_int4_block_n", &tinyserve_native::aten_int4_block_n,
+        "rows per block of ATen's CPU int4pack layout in this process (64 or 32), 0 for one the int4 GEMV does not read");
   m.def("linear_int4_rows", &tinyserve_native::linear_int4_rows,
         "x @ W^T (+ b) for int4pack weights as a GEMV for at most 8 rows, else _weight_int4pack_mm_for_cpu");
   m.def("linear_group_rows",
