@@ -5,13 +5,13 @@
 * :func:`diagnostics` - the paper's synthetic suite (repetition/copy, rare-token recall, aliasing).
 
 ``python -m bench accuracy [--quick] [--parts ppl,passkey,diagnostics]`` runs them for the backend's defaults
-(:func:`bench.harness.default_sparse`), the paper's rule, the oracle, streaming and h2o, and writes
+(``Sparse()``, :class:`bench.harness.Sparse`), the paper's rule (``--compare`` adds a series), the oracle,
+streaming and h2o, and writes
 ``accuracy_ppl``, ``passkey`` and ``diagnostics`` (JSON + CSV) under ``--out``; ``python -m bench report``
 turns them into tables and plots.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -23,12 +23,9 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-try:
-    from .harness import FULL, EvalModel, Sparse, default_sparse, summarize_stats
-    from .output import write_rows
-except ImportError:  # run as a script from bench/
-    from harness import FULL, EvalModel, Sparse, default_sparse, summarize_stats
-    from output import write_rows
+from bench import cli
+from bench.harness import FULL, EvalModel, Sparse, summarize_stats
+from bench.output import write_rows
 
 _MODEL = {}
 #: prefilled caches of the perplexity runs, reused across processes (results/ is git-ignored)
@@ -143,7 +140,7 @@ def passkey(contexts=(1024, 2048, 4096, 8192), depths=(0.0, 0.25, 0.5, 0.75, 1.0
     question), which go through the decode path, as does the 5-digit answer (greedy, 7 tokens).
     Success: the key's digits appear in the generated text. ``full`` is run once per prompt."""
     model, tok = load_model()
-    base = base or default_sparse()
+    base = base or Sparse()
     rng = random.Random(1234)
     rows = []
     grid = [(c, d) for c in contexts for d in depths]
@@ -270,13 +267,13 @@ def diagnostics(ctx: int = 4096, cfgs: Sequence[Sparse] = (), trials: int = 4, q
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench accuracy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results", help="results folder (JSON/CSV)")
-    ap.add_argument("--quick", action="store_true", help="small grid, a few minutes on 2 cores")
+    ap = cli.parser("accuracy", __doc__.split("\n\n")[0], out="results", quick="small grid, a few minutes on 2 cores")
     ap.add_argument("--half", default="heldout", choices=("tune", "heldout"),
                     help="text for perplexity: tune = first half of the sorted topics, heldout = second")
     ap.add_argument("--parts", default="ppl,passkey,diagnostics")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
+    if a.out.endswith(".json"):
+        ap.error("argument --out: accuracy writes three files (accuracy_ppl, passkey, diagnostics): give a folder")
     if a.quick:
         ctxs, budgets, steps = (1024, 2048), (256, 512), 32
         pk = dict(contexts=(1024, 2048), depths=(0.0, 0.5, 1.0), budgets=(256, 512))
@@ -287,10 +284,10 @@ def main(argv=None) -> int:
         pk = dict(contexts=(1024, 2048, 4096, 8192), depths=(0.0, 0.25, 0.5, 0.75, 1.0), budgets=(256, 512, 1024, 2048))
         dg = dict(ctx=4096, trials=4)
         dg_budgets = (512, 1024)
-    d = default_sparse()
+    d = Sparse()
     series = {
         "query_aware (defaults)": lambda b: dataclasses.replace(d, token_budget=b),
-        "query_aware (paper: no sink, one stage)": lambda b: Sparse(token_budget=b, page_size=16, dense_layers=2),
+        "query_aware (paper: no sink, one stage)": lambda b: Sparse(**cli.PRESETS["paper-bf16"], token_budget=b),
         "oracle": lambda b: dataclasses.replace(d, policy="oracle", token_budget=b),
         "streaming": lambda b: dataclasses.replace(d, policy="streaming", token_budget=b),
         # one stage and whole pages: with more candidates than the budget the exact-mass refinement, not h2o,
@@ -298,6 +295,8 @@ def main(argv=None) -> int:
         "h2o": lambda b: dataclasses.replace(d, policy="h2o", token_budget=b, candidate_factor=1, candidate_extra=0,
                                              keep_tokens=False),
     }
+    if a.compare is not None:
+        series[f"query_aware ({a.compare.name})"] = lambda b: Sparse(**{**a.compare, "token_budget": b})
     t0 = time.time()
     if "ppl" in a.parts:
         rows = []

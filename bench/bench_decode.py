@@ -70,13 +70,13 @@ What one *point* (context, batch) does
   Q4_1/F16), batch 1, in the same rounds as the other providers; the module doc says how it fills and times.
 
 Outputs: a table with ratios against the fastest stock provider at each point, the decode targets
-(:data:`TARGETS` on a CPU, :data:`GPU_TARGETS` on CUDA), and with ``--json PATH``: the records (a list of dicts
+(:data:`TARGETS` on a CPU, :data:`GPU_TARGETS` on CUDA), and with ``--out PATH``: the records (a list of dicts
 with at least ``provider``, ``context``, ``batch``, ``ms_per_token``; None for a skipped provider), written
 after every compile and round, a ``.csv`` and, at the end, a ``.png`` next to it.
 
 Usage::
 
-    python -m bench decode --quick --json results/decode/decode.json      # 2K, batch 1 and 8
+    python -m bench decode --quick --out results/decode/decode.json     # 2K, batch 1 and 8
     python -m bench decode --compare paper --out results/decode/decode.json   # 2K-32K, batch 1 and 8
     python -m bench decode --contexts 8192 --batches 1 --options '{"token_budget": 1024}'
     python -m bench decode --model random --device cuda --dtype bf16 --contexts 8192 32768 --batches 1
@@ -345,10 +345,8 @@ def skip_reason(name: str, device: torch.device, options: Optional[dict]) -> Opt
 def _native_status() -> str:
     """Load (build on first use) tinyserve's native CPU kernel before anything is timed; what happened."""
     t0 = time.perf_counter()
-    try:
-        from tinyserve_compile.runtime import native_unavailable_reason
-    except ImportError:
-        return "not part of this version (PyTorch path)"
+    from tinyserve_compile.runtime import native_unavailable_reason
+
     why = native_unavailable_reason()
     dt = time.perf_counter() - t0
     return f"in use (loaded in {dt:.1f} s, untimed)" if why is None else f"unavailable, PyTorch path: {why}"

@@ -18,11 +18,10 @@ activations are bf16. Methods: ``aten`` (``_weight_int4pack_mm_for_cpu``, the ke
 (``F.linear`` on the ``Int4OpaqueTensor`` weight: the kernel plus torchao's dispatch, what eager and stock
 ``torch.compile`` run) and ``native`` (``tinyserve::linear_int4``, ``kernels/csrc/gemv_int4.cpp``).
 
-Usage: ``python -m bench linear [--rows 1 8] [--threads 1 2] [--dtypes float32 bfloat16 int4] [--json PATH]``.
+Usage: ``python -m bench linear [--rows 1 8] [--threads 1 2] [--dtypes float32 bfloat16 int4] [--out PATH]``.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -199,24 +198,27 @@ def plot(records, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench linear", description=__doc__.split("\n")[0])
+    from bench import cli
+
+    ap = cli.parser("linear", __doc__.split("\n")[0], quick="one shape, small stacks (a dry run)", threads=False)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
+                    help="torch thread counts, each timed in turn (default: torch's default)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "int4"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--autotune", action="store_true", help="also inductor max-autotune with freezing (slow)")
-    ap.add_argument("--quick", action="store_true", help="one shape, small stacks (a dry run)")
-    ap.add_argument("--json", default=None, help="write the records here (a .csv and .png go next to it)")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv, compare="linear times single linear layers, not the backend: it has no "
+                  "TinyServeConfig options to vary")
+    path = cli.out_path(a.out, "linear")
     kw = dict(shapes=SHAPES[:1], stack_bytes=8 * 2**20) if a.quick else {}
     records = run(a.rows, a.threads, [d if d == "int4" else getattr(torch, d) for d in a.dtypes], 1 if a.quick else a.reps, a.autotune,
                   **kw)
     print(table(records))
-    if a.json:
+    if path:
         from bench.output import write_rows
 
-        write_rows(records, a.json)
-        plot(records, a.json.rsplit(".", 1)[0] + ".png")
+        write_rows(records, path)
+        plot(records, path.rsplit(".", 1)[0] + ".png")
 
 
 if __name__ == "__main__":

@@ -28,29 +28,26 @@ default: a trace of one run takes tens of MB).
 
 Usage::
 
-    python -m bench onnx --json results/onnx/onnx.json              # 2K, 8K, 32K
-    python -m bench onnx --quick --label contended --json results/onnx_quick/onnx.json
+    python -m bench onnx --out results/onnx/onnx.json              # 2K, 8K, 32K
+    python -m bench onnx --quick --label contended --out results/onnx_quick/onnx.json
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import hashlib
 import json
 import os
 import platform
 import statistics
-import sys
 import time
 from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.bench_decode import model_for, read_bandwidth_gbs, weight_bytes  # noqa: E402
-from tinyserve_compile.config import TinyServeConfig  # noqa: E402
-from tinyserve_compile.cost import kv_bytes_per_token  # noqa: E402
+from bench import cli
+from bench.bench_decode import model_for, read_bandwidth_gbs, weight_bytes
+from bench.output import write_rows
+from tinyserve_compile.config import TinyServeConfig
+from tinyserve_compile.cost import kv_bytes_per_token
 
 EAGER, INDUCTOR = "eager (HF SDPA)", "torch.compile (inductor)"
 ORT_DENSE = "ONNX Runtime CPU, dense export"
@@ -187,28 +184,25 @@ def run_context(ctx: int, budget: int, steps: int, rounds: int, warmup: int, exp
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.parser("onnx", __doc__.split("\n")[0], quick="2K and 8K, 4 steps x 2 rounds")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8, help="decode steps per provider per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch and ONNX Runtime intra-op threads")
-    ap.add_argument("--quick", action="store_true", help="2K and 8K, 4 steps x 2 rounds")
     ap.add_argument("--label", default="", help="e.g. 'contended' when other jobs share the machine")
     ap.add_argument("--model", default="auto", help="auto (SmolLM2 to 8K, then random-init Llama of its shape), "
                     "smollm2, random, tiny")
     ap.add_argument("--providers", nargs="+", default=None,
                     help="a subset: eager inductor tinyserve ort-dense ort-tinyserve (default: all)")
     ap.add_argument("--export-dir", default="results/onnx_exports", help="exported files are cached here")
-    ap.add_argument("--json", help="write records here (a .csv and .png go next to it)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="ONNX Runtime's profiler on, traces written under DIR (e.g. results/onnx_profile)")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv, compare="onnx exports the backend's defaults with --budget: a second tinyserve "
+                  "export is not implemented")
+    path = cli.out_path(a.out, "onnx")
     if a.quick:
         a.contexts, a.steps, a.rounds, a.warmup = [2048, 8192], 4, 2, 2
-    if a.threads:
-        torch.set_num_threads(a.threads)
     os.makedirs(a.export_dir, exist_ok=True)
     load0 = os.getloadavg()
     bw = read_bandwidth_gbs(torch.device("cpu"))
@@ -238,14 +232,8 @@ def main(argv=None):
             print(f"{ctx:>8} {r['provider']:>44} {r['ms_per_token']:>9.2f} {r['speedup_vs_best_stock']:>12.2f}x "
                   f"{r['speedup_vs_ort_dense']:>11.2f}x {r['kv_bytes_per_token'] / 1e6:>8.1f} "
                   f"{r['bytes_per_step'] / 1e6:>8.1f} {r['effective_gbs']:>6.1f}")
-    if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-        with open(os.path.splitext(a.json)[0] + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-            w.writeheader()
-            w.writerows(rows)
+    if path:
+        write_rows(rows, path)
         import matplotlib
 
         matplotlib.use("Agg")
@@ -262,7 +250,7 @@ def main(argv=None):
         ax.set_title(f"decode latency, batch 1 (CPU){label}")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(os.path.splitext(a.json)[0] + ".png", dpi=100)
+        fig.savefig(os.path.splitext(path)[0] + ".png", dpi=100)
     return rows
 
 

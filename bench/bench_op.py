@@ -98,10 +98,8 @@ class _Flush:
 
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` in a buffer advised for transparent huge pages before its first write."""
-    try:
-        from .ceilings import huge_buffer
-    except ImportError:
-        from ceilings import huge_buffer
+    from bench.ceilings import huge_buffer
+
     nbytes = -(-t.numel() * t.element_size() // 4) * 4  # whole fp32 words
     raw = huge_buffer(max(nbytes, 4), huge=True).view(torch.uint8)[:t.numel() * t.element_size()]
     return raw.view(t.dtype).view(t.shape).copy_(t)

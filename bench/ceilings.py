@@ -25,25 +25,20 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import hashlib
 import os
 import platform
 import re
 import statistics
-import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
 
-try:
-    from .timing import read_bandwidth_gbs
-    from .output import bar_png, write_rows
-except ImportError:  # run as a script
-    from timing import read_bandwidth_gbs
-    from output import bar_png, write_rows
+from bench import cli
+from bench.output import bar_png, write_rows
+from bench.timing import cpu_isa, read_bandwidth_gbs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "csrc", "gather_probe.cpp")
@@ -51,13 +46,26 @@ MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 HUGE = 2 << 20
 
 
+def probe_flags(isa: str) -> List[str]:
+    """Compiler flags of the probe for a CPU of vector ISA ``isa`` (:func:`bench.timing.cpu_isa`): this CPU's
+    instructions and ATen's matching ``CPU_CAPABILITY`` for ``at::vec``, as the native kernels are built."""
+    flags = ["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"]
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return flags + ["-mcpu=native", "-DCPU_CAPABILITY=DEFAULT"]
+    if isa.startswith("AVX-512"):
+        return flags + ["-march=native", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if isa == "AVX2":
+        return flags + ["-march=native", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return flags + ["-march=x86-64-v2", "-DCPU_CAPABILITY=DEFAULT"]
+
+
 def load_probe():
-    """The probe's extension module, built once per source and flags (the native kernels' compiler flags)."""
+    """The probe's extension module, built once per source and flags (:func:`probe_flags`)."""
     from torch.utils import cpp_extension
 
-    from tinyserve_compile.kernels.native import _cpu_flags, _flags, _isa, cache_root
+    from tinyserve_compile.kernels.native import cache_root
 
-    cflags, ldflags = _flags(_isa(_cpu_flags()))
+    cflags, ldflags = probe_flags(cpu_isa()), ["-fopenmp"]
     src = open(SOURCE, "rb").read()
     key = hashlib.sha256(src + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()[:12]
     build = os.path.join(cache_root(), f"gather-probe-{key}")
@@ -168,15 +176,14 @@ def print_table(rows: List[Dict]) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench ceilings", description=__doc__.split("\n\n")[0])
+    ap = cli.parser("ceilings", __doc__.split("\n\n")[0], out="results", quick="7 repetitions", threads=False)
     ap.add_argument("--pages", type=int, default=1152, help="whole pages per gather (default: 384 x 3 KV heads)")
     ap.add_argument("--page-bytes", type=int, default=2048, help="bytes of one page of keys (8 x 64 x fp32)")
     ap.add_argument("--row-bytes", type=int, default=256, help="bytes of one token row (64 x fp32)")
     ap.add_argument("--buffer-mb", type=int, default=128, help="the buffer the chunks are drawn from (a long cache)")
     ap.add_argument("--reps", type=int, default=21)
-    ap.add_argument("--quick", action="store_true", help="7 repetitions")
-    ap.add_argument("--out-dir", default="results")
-    args = ap.parse_args(argv)
+    args = cli.parse(ap, argv, compare="ceilings measures the machine's read bandwidth, not the backend: it has no "
+                     "TinyServeConfig options to vary")
     for name in ("pages", "page_bytes", "row_bytes", "buffer_mb", "reps"):
         if getattr(args, name) <= 0:
             ap.error(f"argument --{name.replace('_', '-')} must be > 0")
@@ -190,16 +197,15 @@ def main(argv=None):
     print(f"stream (sum over 256 MB): {rows[0]['stream_gbps']:.1f} GB/s; huge pages granted: "
           f"{max(r['huge_granted_mb'] for r in rows):.0f} MB")
     print_table(rows)
-    path = os.path.join(args.out_dir, "ceilings.json")
+    path = cli.out_path(args.out, "ceilings")
     write_rows(rows, path)
     best = [r for r in rows if r["prefetch_ahead"] > 0 and r["threads"] == max(x["threads"] for x in rows)]
     bar_png([f"{r['pattern']} {r['os_pages']}" for r in best], [r["gbps"] for r in best], "GB/s",
             f"read bandwidth by access pattern ({best[0]['threads']} threads, prefetch)",
-            os.path.join(args.out_dir, "ceilings.png"))
+            os.path.splitext(path)[0] + ".png")
     print(f"total {time.perf_counter() - t0:.1f} s")
     return rows
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(HERE))
     main()

@@ -21,6 +21,9 @@ PRESETS = {
     # the paper's selection rule: pages of 16, the bound alone (one stage, whole pages), no sink page, fp32 bounds
     "paper": {"page_size": 16, "sink_pages": 0, "candidate_factor": 1, "candidate_extra": 0, "keep_tokens": False,
               "bounds_dtype": "float32"},
+    # the base of the selection study's grids (bench/study.py, bench/accuracy.py): the paper's rule, bf16 bounds
+    "paper-bf16": {"page_size": 16, "sink_pages": 0, "candidate_factor": 1, "candidate_extra": 0,
+                   "keep_tokens": False, "bounds_dtype": "bfloat16"},
     # the earlier defaults: bf16 bounds, two stages with c=2 keeping whole pages
     "previous": {"candidate_factor": 2, "candidate_extra": 0, "keep_tokens": False, "bounds_dtype": "bfloat16"},
 }
@@ -57,10 +60,11 @@ def options_arg(text: str) -> Options:
 
 
 def parser(command: str, description: str, out: Optional[str] = None, quick: str = "a short run",
-           threads: bool = True, **kwargs) -> argparse.ArgumentParser:
+           threads: bool = True, options: bool = False, **kwargs) -> argparse.ArgumentParser:
     """The parser of ``python -m bench <command>`` with the shared flags: ``--quick`` (help ``quick``), ``--out``
-    (default ``out``: a folder, or a ``.json`` path, see :func:`out_path`), ``--compare``, and ``--threads``
-    unless ``threads`` is False."""
+    (default ``out``: a folder, or a ``.json`` path, see :func:`out_path`), ``--compare``, ``--threads`` unless
+    ``threads`` is False, and with ``options`` ``--options`` (the base options of every tinyserve run, which
+    ``--compare`` then changes)."""
     ap = argparse.ArgumentParser(prog=f"python -m bench {command}", description=description, **kwargs)
     g = ap.add_argument_group("flags of every command")
     g.add_argument("--quick", action="store_true", help=quick)
@@ -71,6 +75,9 @@ def parser(command: str, description: str, out: Optional[str] = None, quick: str
                    help="run this variant of the backend's options side by side with the defaults: a JSON object "
                    "of TinyServeConfig options, e.g. '{\"decode_linear\": false}', or a preset: "
                    + ", ".join(PRESETS))
+    if options:
+        g.add_argument("--options", type=options_arg, default="{}", metavar="JSON",
+                       help="tinyserve options of every tinyserve run, e.g. '{\"token_budget\": 1024}' (default {})")
     if threads:
         g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     return ap

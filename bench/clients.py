@@ -14,7 +14,6 @@ Output: a table on stdout, ``docs/bench/clients.{json,csv}`` and ``docs/clients.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -258,14 +257,14 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def write(rows, out_dir: Path, md: Path, lower: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write(rows, path: Path, md: Path, lower: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     keep = [{k: v for k, v in r.items() if k != "trace"} for r in rows]
     for r in keep:
         r["verdict"] = verdict(r)
-    (out_dir / "clients.json").write_text(json.dumps(keep, indent=1))
+    path.write_text(json.dumps(keep, indent=1))
     keys = list(dict.fromkeys(k for r in keep for k in r))
-    with open(out_dir / "clients.csv", "w", newline="") as f:
+    with open(path.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows([{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in keep])
@@ -314,22 +313,25 @@ Not in the sweep:
 
 {skipped}
 """)
-    print(f"wrote {out_dir}/clients.json (+ .csv) and {md}", file=sys.stderr)
+    print(f"wrote {path} (+ .csv) and {md}", file=sys.stderr)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench clients", description=__doc__.split("\n\n")[0])
+    from bench import cli
+
+    ap = cli.parser("clients", __doc__.split("\n\n")[0], out=str(ROOT / "docs" / "bench"), threads=False,
+                    quick="lower='eager' (no Inductor compile): a few minutes")
     ap.add_argument("--only", default="", help="comma-separated client names (default: all)")
-    ap.add_argument("--quick", action="store_true", help="lower='eager' (no Inductor compile): a few minutes")
     ap.add_argument("--lower", default="", choices=("", "eager", "inductor"),
                     help="how the rewritten graph runs (default: inductor, or eager with --quick)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per client driver")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench"), help="folder for clients.json/.csv")
     ap.add_argument("--md", default=str(ROOT / "docs" / "clients.md"))
     ap.add_argument("--list", action="store_true", help="print the clients and exit")
     ap.add_argument("--report-only", action="store_true",
                     help="rebuild the table and docs from the JSON in --out (no run)")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv, compare="clients runs each library's own loop with the drivers' fixed options "
+                  "(bench/client_drivers.py): no variant is implemented")
+    path = Path(cli.out_path(a.out, "clients"))
     if a.list:
         for n, s in CLIENTS.items():
             print(f"{n}: {s['loop']}")
@@ -337,10 +339,10 @@ def main(argv=None):
             print(f"{n}: skipped: {why}")
         return 0
     if a.report_only:
-        rows = json.loads((Path(a.out) / "clients.json").read_text())
+        rows = json.loads(path.read_text())
         lower = next((r["lower"] for r in rows if "lower" in r), "?")
         print(table(rows))
-        write(rows, Path(a.out), Path(a.md), lower)
+        write(rows, path, Path(a.md), lower)
         return 0
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CLIENTS)
     bad = [n for n in names if n not in CLIENTS]
@@ -351,7 +353,7 @@ def main(argv=None):
     rows = [run_client(n, lower, a.timeout, log) for n in names]
     rows += [dict(client=n, skipped=why) for n, why in SKIPPED.items()] if not a.only else []
     print(table(rows))
-    write(rows, Path(a.out), Path(a.md), lower)
+    write(rows, path, Path(a.md), lower)
     return 1 if any(verdict(r) == "WRONG" for r in rows) else 0
 
 

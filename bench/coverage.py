@@ -16,7 +16,7 @@ through ``torch.compile(model, backend="tinyserve")``. Each one is classified as
     the model cannot run a static-cache decode eagerly (no static cache, needs
     other inputs ...): nothing to compare.
 
-``python -m bench coverage [--json PATH] [--archs a,b] [--quick]`` prints the table.
+``python -m bench coverage [--out PATH] [--archs a,b] [--quick]`` prints the table.
 """
 from __future__ import annotations
 
@@ -381,27 +381,26 @@ def main(argv=None) -> int:
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m bench coverage",
-                                 description="every decoder-only HF architecture through the backend")
-    ap.add_argument("--json", default="", help="write the rows here (JSON, and CSV next to it)")
+    from bench import cli
+
+    ap = cli.parser("coverage", "every decoder-only HF architecture through the backend",
+                    quick="a few architectures (what CI runs)")
     ap.add_argument("--archs", default="", help="comma-separated model types (default: all)")
-    ap.add_argument("--quick", action="store_true", help="a few architectures (what CI runs)")
     ap.add_argument("--in-process", action="store_true", help="no fresh interpreter per architecture")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # one architecture, its row as one JSON line
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv, compare="coverage checks that every architecture compiles with the backend's defaults; "
+                  "no variant is implemented")
     if a.one:  # the child process of _check_isolated
         print(json.dumps(_check_quietly(a.one), default=float))
         return 0
-    try:
-        from .output import write_rows
-    except ImportError:
-        from output import write_rows
+    from bench.output import write_rows
 
     archs = a.archs.split(",") if a.archs else (list(QUICK) if a.quick else architectures())
     rows = sweep(archs, isolate=not a.in_process)
     print(table(rows))
-    if a.json:
-        write_rows([{k: v for k, v in r.items() if k != "trace"} for r in rows], a.json)
+    path = cli.out_path(a.out, "coverage")
+    if path:
+        write_rows([{k: v for k, v in r.items() if k != "trace"} for r in rows], path)
     wrong = [r for r in rows if r["status"] == "wrong"]
     for r in wrong:
         print(f"\n{r['arch']}: {r['reasons']}\n{r.get('trace', '')}", file=sys.stderr)

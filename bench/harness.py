@@ -23,10 +23,11 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.cost import sparse_site_bytes
 from tinyserve_compile.kernels.bounds import allocate_bounds, rebuild_bounds_, update_bounds_
 from tinyserve_compile.kernels.spec import SelectionSpec
-from tinyserve_compile.kernels.reference import choose_pages, dropped_mass_bound, selected_token_mask
+from tinyserve_compile.kernels.reference import dropped_mass_bound, selected_token_mask
 from tinyserve_compile.policies import DecodeContext, get_policy
 
 ATTN_NAME = "tinyserve_eval"
@@ -72,27 +73,12 @@ def allocate_cache(model, cache, batch: int = 1) -> None:
 
 
 @dataclass(frozen=True)
-class Sparse:
-    """One decode configuration (mirrors the backend options).
+class Sparse(TinyServeConfig):
+    """One decode configuration of the harness: the backend's options (:class:`TinyServeConfig`, its defaults and
+    checks) and an optional per-layer budget. The study grids vary a preset of :data:`bench.cli.PRESETS`."""
 
-    The field defaults are the paper's rule (pages of 16, no sink page, one stage) with bf16 bounds: the
-    base the study grids vary. :func:`default_sparse` gives the backend's defaults.
-    """
-
-    policy: str = "query_aware"
-    token_budget: int = 2048
-    page_size: int = 16
-    dense_layers: int = 2
-    sink_pages: int = 0
-    candidate_factor: int = 1
-    #: optional per-layer budget override {layer: budget}
+    #: optional per-layer budget override ((layer, budget), ...)
     layer_budgets: Optional[tuple] = None
-    #: storage of the page bounds, as the backend's ``bounds_dtype`` option ("bfloat16"/"int8" rounded outward,
-    #: "float32")
-    bounds_dtype: str = "bfloat16"
-    #: extra candidate tokens of the two-stage selection, and whether it keeps single tokens (backend options)
-    candidate_extra: int = 0
-    keep_tokens: bool = False
 
     def label(self) -> str:
         s = f"{self.policy}/B{self.token_budget}/S{self.page_size}/d{self.dense_layers}"
@@ -117,16 +103,6 @@ class Sparse:
 
 
 FULL = Sparse(policy="full", dense_layers=0)
-
-
-def default_sparse(**changes) -> Sparse:
-    """The backend's default configuration: every field of :class:`Sparse` that ``TinyServeConfig`` has,
-    taken from ``TinyServeConfig()``, then ``changes``."""
-    from tinyserve_compile.config import TinyServeConfig
-
-    config = TinyServeConfig()
-    shared = {f.name for f in dataclasses.fields(Sparse)} & {f.name for f in dataclasses.fields(config)}
-    return dataclasses.replace(Sparse(**{name: getattr(config, name) for name in shared}), **changes)
 
 _ACTIVE: List["EvalModel"] = []
 

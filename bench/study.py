@@ -13,18 +13,14 @@ the (window, configuration) pairs already in ``--out``. Aggregate with :func:`be
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from typing import Dict, List
 
-try:
-    from .accuracy import load_model, perplexity, topic_text
-    from .harness import Sparse
-except ImportError:
-    from accuracy import load_model, perplexity, topic_text
-    from harness import Sparse
+from bench import cli
+from bench.accuracy import load_model, perplexity, topic_text
+from bench.harness import Sparse
 
 
 def variant_name(cfg: Sparse) -> str:
@@ -58,25 +54,29 @@ def grid(name: str, budget: int) -> List[Sparse]:
     512/1024 keeping tokens (1024: the defaults), int8 with 1024 extra keeping pages, bf16 with 1024 extra
     keeping tokens, and int8 with c=2.
     """
-    b = dict(token_budget=budget, dense_layers=2)
-    one = [Sparse(**b, page_size=S, sink_pages=1) for S in (8, 12, 16)]
-    oracle = Sparse(**b, policy="oracle", page_size=8, sink_pages=1)
+    base = dict(cli.PRESETS["paper-bf16"], token_budget=budget, dense_layers=2)
+
+    def cell(**changes) -> Sparse:  # the grids vary the paper's rule with bf16 bounds
+        return Sparse(**{**base, **changes})
+
+    one = [cell(page_size=S, sink_pages=1) for S in (8, 12, 16)]
+    oracle = cell(policy="oracle", page_size=8, sink_pages=1)
     if name == "frontier":
-        return one + [Sparse(**b, page_size=S) for S in (8, 16)] + \
-            [Sparse(**b, page_size=S, sink_pages=1, bounds_dtype="float32") for S in (8, 16)] + \
-            [Sparse(**b, page_size=S, sink_pages=1, candidate_factor=c) for c in (4, 2) for S in (8, 16)] + [oracle]
+        return one + [cell(page_size=S) for S in (8, 16)] + \
+            [cell(page_size=S, sink_pages=1, bounds_dtype="float32") for S in (8, 16)] + \
+            [cell(page_size=S, sink_pages=1, candidate_factor=c) for c in (4, 2) for S in (8, 16)] + [oracle]
     if name == "tail":
-        return [Sparse(**b, page_size=S, candidate_factor=c) for c in (2, 4) for S in (8, 16)]
+        return [cell(page_size=S, candidate_factor=c) for c in (2, 4) for S in (8, 16)]
     if name == "heldout":
-        return one + [Sparse(**b, page_size=8, sink_pages=1, candidate_factor=4), oracle,
-                      Sparse(**b, page_size=8, sink_pages=1, candidate_factor=2)]
+        return one + [cell(page_size=8, sink_pages=1, candidate_factor=4), oracle,
+                      cell(page_size=8, sink_pages=1, candidate_factor=2)]
     if name == "defaults":
-        d = dict(**b, page_size=8, sink_pages=1)
-        return [Sparse(**d, bounds_dtype="int8", candidate_extra=1024, keep_tokens=True),
-                Sparse(**d, bounds_dtype="int8", candidate_extra=512, keep_tokens=True),
-                Sparse(**d, bounds_dtype="int8", candidate_extra=1024),
-                Sparse(**d, candidate_extra=1024, keep_tokens=True),
-                Sparse(**d, bounds_dtype="int8", candidate_factor=2)]
+        d = dict(page_size=8, sink_pages=1)
+        return [cell(**d, bounds_dtype="int8", candidate_extra=1024, keep_tokens=True),
+                cell(**d, bounds_dtype="int8", candidate_extra=512, keep_tokens=True),
+                cell(**d, bounds_dtype="int8", candidate_extra=1024),
+                cell(**d, candidate_extra=1024, keep_tokens=True),
+                cell(**d, bounds_dtype="int8", candidate_factor=2)]
     raise ValueError(f"unknown grid {name!r}")
 
 
@@ -94,7 +94,8 @@ def window_offsets(half: str, ctx: int, n: int) -> List[int]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench study", description=__doc__.split("\n\n")[0])
+    ap = cli.parser("study", __doc__.split("\n\n")[0], out="results",
+                    quick="one window of 16 steps at budget 512: checks the pipeline")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--half", default="tune", choices=("tune", "heldout"))
@@ -103,13 +104,18 @@ def main(argv=None):
     ap.add_argument("--budgets", default="512,2048")
     ap.add_argument("--only", default="", help="semicolon-separated variant names (default: the whole grid)")
     ap.add_argument("--resume", action="store_true", help="keep the rows in --out and skip what they cover")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
+    if a.quick:
+        a.windows, a.steps, a.budgets = 1, 16, "512"
+    a.out = cli.out_path(a.out, f"study_{a.grid}_{a.half}")
     cfgs: List[Sparse] = []
     names: Dict[str, str] = {}
     only = [s for s in a.only.split(";") if s]
     for budget in map(int, a.budgets.split(",")):
-        for name, cfg in [(variant_name(c), c) for c in grid(a.grid, budget)]:
+        pairs = [(variant_name(c), c) for c in grid(a.grid, budget)]
+        if a.compare is not None:  # the options compared, over the backend's defaults, at this budget
+            pairs.append((a.compare.name, Sparse(**{**a.compare, "token_budget": budget})))
+        for name, cfg in pairs:
             if only and name not in only:
                 continue
             cfgs.append(cfg)

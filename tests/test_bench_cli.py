@@ -1,5 +1,6 @@
-"""The bench command line (``python -m bench <command>``) and the benchmarks' "defaults": every benchmark that
-says it runs the backend's defaults takes every selection field from ``TinyServeConfig()``."""
+"""The bench command line (``python -m bench <command>``: every command takes --quick, --out, --compare) and the
+benchmarks' "defaults": every benchmark that says it runs the backend's defaults takes every selection field from
+``TinyServeConfig()``, and the presets are overrides of it."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import __main__ as cli  # noqa: E402
+from bench.cli import PRESETS, config, options_arg  # noqa: E402
 from tinyserve_compile.config import TinyServeConfig  # noqa: E402
 
 #: the fields of TinyServeConfig that are not part of the selection rule
@@ -24,13 +25,43 @@ PRESENT = [c for c, (module, _) in cli.COMMANDS.items() if (ROOT / "bench" / f"{
 
 
 def test_commands_are_the_documented_ones():
-    assert list(cli.COMMANDS) == ["op", "linear", "decode", "onnx", "gpu", "gpu-check", "accuracy", "study",
-                                  "coverage", "clients", "serve", "serve-http", "paged-op", "ceilings", "report"]
+    assert list(cli.COMMANDS) == ["op", "linear", "decode", "onnx", "gpu", "accuracy", "study", "coverage",
+                                  "clients", "serve", "serve-http", "paged-op", "ceilings", "report"]
     res = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert res.returncode == 0, res.stderr
     for command in cli.COMMANDS:
         assert f"  {command} " in res.stdout
+
+
+def test_every_command_has_the_shared_flags_in_its_help():
+    """``python -m bench <command> --help`` in a fresh interpreter, for every command: --quick, --out, --compare."""
+    for command in cli.COMMANDS:
+        res = subprocess.run([sys.executable, "-m", "bench", command, "--help"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert res.returncode == 0, (command, res.stderr[-2000:])
+        assert res.stdout.startswith(f"usage: python -m bench {command}"), command
+        for flag in ("--quick", "--out", "--compare"):
+            assert flag in res.stdout, (command, flag)
+
+
+@pytest.mark.parametrize("command", ["linear", "ceilings", "report", "serve-http", "clients", "onnx", "coverage"])
+def test_compare_where_nothing_varies_is_a_usage_error_naming_it(command, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--compare", "paper"])
+    assert e.value.code == 2
+    assert "argument --compare:" in capsys.readouterr().err
+
+
+def test_compare_takes_a_preset_or_json_options_and_names_a_bad_one():
+    assert options_arg("paper") == PRESETS["paper"] and options_arg("paper").name == "paper"
+    opts = options_arg('{"decode_linear": false}')
+    assert opts == {"decode_linear": False} and opts.name == "compare"
+    for bad in ('{"no_such_option": 1}', "[1]", "{", '{"page_size": -1}'):
+        with pytest.raises(Exception) as e:
+            options_arg(bad)
+        assert type(e.value).__name__ == "ArgumentTypeError", bad
 
 
 @pytest.mark.parametrize("command", PRESENT)
@@ -55,14 +86,19 @@ def test_unknown_command(capsys):
 
 
 # ------------------------------------------------------------------------------------------------ defaults
-def test_harness_defaults_are_the_config():
-    from bench.harness import Sparse, default_sparse
+def test_presets_are_overrides_of_the_config():
+    for name, overrides in PRESETS.items():
+        assert set(overrides) <= {f.name for f in dataclasses.fields(TinyServeConfig)}, name
+        assert config(name) == TinyServeConfig(**overrides)
 
-    config, sparse = TinyServeConfig(), default_sparse()
-    shared = {f.name for f in dataclasses.fields(Sparse)} & {f.name for f in dataclasses.fields(config)}
-    assert set(SELECTION) | {"policy", "dense_layers"} <= shared
-    assert {name: getattr(sparse, name) for name in shared} == {name: getattr(config, name) for name in shared}
-    assert default_sparse(token_budget=512).token_budget == 512
+
+def test_harness_defaults_are_the_config():
+    from bench.harness import Sparse
+
+    config_, sparse = TinyServeConfig(), Sparse()
+    assert isinstance(sparse, TinyServeConfig)
+    assert {f.name: getattr(sparse, f.name) for f in dataclasses.fields(config_)} == dataclasses.asdict(config_)
+    assert Sparse(token_budget=512).token_budget == 512
 
 
 def test_gpu_bench_defaults_are_the_config():
@@ -73,7 +109,7 @@ def test_gpu_bench_defaults_are_the_config():
     assert {g.SETTING_FIELDS[k]: v for k, v in g.SETTINGS["defaults"].items()} == \
         {name: getattr(config, name) for name in g.SETTING_FIELDS.values()}
     assert g.FULL["budget"] == config.token_budget
-    assert set(g.SETTINGS["paper"]) == set(g.SETTINGS["defaults"])
+    assert list(g.SETTINGS) == ["defaults"]  # --compare adds its variant at run time
 
 
 def test_op_bench_defaults_are_the_config():
@@ -83,7 +119,7 @@ def test_op_bench_defaults_are_the_config():
     assert set(bench_op.SETTING_FIELDS.values()) == set(SELECTION)
     assert {bench_op.SETTING_FIELDS[k]: v for k, v in bench_op.SETTINGS["defaults"].items()} == \
         {name: getattr(config, name) for name in SELECTION}
-    assert all(set(s) == set(bench_op.SETTINGS["defaults"]) for s in bench_op.SETTINGS.values())
+    assert list(bench_op.SETTINGS) == ["defaults"]  # --compare adds its variant at run time
 
 
 # ------------------------------------------------------------------------------------------------ ONNX profile

@@ -47,7 +47,7 @@ def test_table_and_files(hf_row, tmp_path):
             dict(hf_row, client="z", tokens_equal_reference=False)]
     assert [clients.verdict(r) for r in rows] == ["ok", "error", "skipped", "WRONG"]
     md = tmp_path / "clients.md"
-    clients.write(rows, tmp_path, md, "eager")
+    clients.write(rows, tmp_path / "clients.json", md, "eager")
     saved = json.loads((tmp_path / "clients.json").read_text())
     assert [r["verdict"] for r in saved] == ["ok", "error", "skipped", "WRONG"]
     assert (tmp_path / "clients.csv").read_text().splitlines()[0].startswith("client,")

@@ -15,7 +15,7 @@ def test_bench_onnx_dry_run(tmp_path, capsys):
     out = tmp_path / "onnx.json"
     rows = main(["--model", "tiny", "--contexts", "100", "--budget", "32", "--steps", "1", "--rounds", "1",
                  "--warmup", "1", "--providers", "eager", "ort-dense", "ort-tinyserve", "--label", "test",
-                 "--export-dir", str(tmp_path / "exports"), "--json", str(out)])
+                 "--export-dir", str(tmp_path / "exports"), "--out", str(out)])
     assert [r["provider"] for r in rows] == ["eager (HF SDPA)", "ONNX Runtime CPU, dense export",
                                             "ONNX Runtime CPU, tinyserve export B32"]
     assert all(r["ms_per_token"] > 0 and r["bytes_per_step"] > r["kv_bytes_per_token"] for r in rows)

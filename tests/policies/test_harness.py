@@ -11,7 +11,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 transformers = pytest.importorskip("transformers")
 
+from bench.cli import PRESETS  # noqa: E402
 from bench.harness import FULL, EvalModel, Sparse  # noqa: E402
+
+#: one stage, whole pages, bf16 bounds: a selection with a certified bound on the dropped mass
+ONE_STAGE = PRESETS["paper-bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def test_dense_decode_matches_hf_forward(tiny):
     torch.testing.assert_close(got, ref[60:80], atol=1e-4, rtol=1e-4)
     # a budget that covers the context is dense too, through the policies
     for pol in ("query_aware", "oracle", "streaming", "h2o"):
-        em.reset(Sparse(policy=pol, token_budget=128, page_size=8, dense_layers=1))
+        em.reset(Sparse(**dict(ONE_STAGE, policy=pol, token_budget=128, page_size=8, dense_layers=1)))
         torch.testing.assert_close(em.teacher_forced(ids[0, 60:80]), ref[60:80], atol=1e-4, rtol=1e-4)
 
 
@@ -43,7 +47,7 @@ def test_rollback_is_exact_and_sparse_differs(tiny):
     ids = torch.randint(0, 97, (1, 120), generator=torch.Generator().manual_seed(2))
     em = EvalModel(tiny, 128)
     em.prefill(ids[:, :100])
-    cfg = Sparse(policy="query_aware", token_budget=16, page_size=8, dense_layers=1, sink_pages=1)
+    cfg = Sparse(**dict(ONE_STAGE, policy="query_aware", token_budget=16, page_size=8, dense_layers=1, sink_pages=1))
     em.reset(cfg, collect=True)
     a = em.teacher_forced(ids[0, 100:120])
     stats = list(em.stats)

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from cb_helpers import static_alone  # noqa: E402
-from server_model import save_tiny_model  # noqa: E402
+from bench.serve_http import save_tiny_model  # noqa: E402
 
 #: sparse with these prompts (20-150 tokens): 2 pages of budget, 2 extra candidate pages
 OPTIONS = {"token_budget": 16, "page_size": 8, "candidate_extra": 16}
