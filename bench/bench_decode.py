@@ -886,10 +886,9 @@ def write_outputs(rows: List[dict], path: str) -> List[str]:
 
 
 def plot(rows: List[dict], path: str) -> None:
-    import matplotlib
+    from bench.output import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in rows if r.get("ms_per_token") is not None]
     batches = sorted({r["batch"] for r in rows}) or [1]

@@ -426,10 +426,9 @@ def write_outputs(rows, meta, targets, args, png=True):
 
 
 def plot(rows, meta, path):
-    import matplotlib
+    from bench.output import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     groups = sorted({(r["setting"], r["batch"], r["dtype"]) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)

@@ -174,10 +174,9 @@ def table(records) -> str:
 
 def plot(records, path):
     try:
-        import matplotlib
+        from bench.output import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return
     ok = [r for r in records if "error" not in r]

@@ -234,10 +234,9 @@ def main(argv=None):
                   f"{r['bytes_per_step'] / 1e6:>8.1f} {r['effective_gbs']:>6.1f}")
     if path:
         write_rows(rows, path)
-        import matplotlib
+        from bench.output import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for p in dict.fromkeys(r["provider"] for r in rows):

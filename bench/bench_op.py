@@ -217,10 +217,9 @@ def write_outputs(rows, json_path: str) -> None:
         w.writeheader()
         w.writerows(rows)
     try:
-        import matplotlib
+        from bench.output import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return

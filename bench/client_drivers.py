@@ -49,8 +49,11 @@ def _record(module: torch.nn.Module, store: list):
 
 
 # --------------------------------------------------------------------------------------- the clients
-# Each client: build(seed) -> model; run(model, options or None, logits list) -> generated tokens [N];
-# heads(model) -> (query heads, KV heads, layers). ``options is None`` runs the loop eagerly.
+# Each client: build(seed) -> model; run(model, options or None, logits list) -> generated tokens [N]. Every model
+# has HEADS. ``options is None`` runs the loop eagerly.
+
+#: (query heads, KV heads, layers) of every client's tiny model
+HEADS = (4, 2, 3)
 
 
 class Torchtune:
@@ -64,9 +67,6 @@ class Torchtune:
                    intermediate_dim=128)
         m.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=MAX_LEN)
         return m.eval()
-
-    def heads(self, m):
-        return 4, 2, 3
 
     def run(self, m, options, logits):
         from torchtune import generation
@@ -98,9 +98,6 @@ class LitGPT:
         m.set_kv_cache(batch_size=1)
         return m
 
-    def heads(self, m):
-        return 4, 2, 3
-
     def run(self, m, options, logits):
         import litgpt.generate.base as gen
 
@@ -127,15 +124,8 @@ class GptFast:
         from torchao._models.llama.model import ModelArgs, Transformer
 
         torch.manual_seed(0)
-        m = Transformer(ModelArgs(block_size=MAX_LEN, vocab_size=VOCAB, n_layer=3, n_head=4, n_local_heads=2,
-                                  dim=64, intermediate_size=128, head_dim=16))
-        with torch.no_grad():  # gpt-fast initialises nothing itself (it loads checkpoints)
-            for p in m.parameters():
-                p.normal_(0, 0.05) if p.dim() > 1 else p.fill_(1.0)
-        return m.eval()
-
-    def heads(self, m):
-        return 4, 2, 3
+        return _meta_init(Transformer(ModelArgs(block_size=MAX_LEN, vocab_size=VOCAB, n_layer=3, n_head=4,
+                                                n_local_heads=2, dim=64, intermediate_size=128, head_dim=16)))
 
     def run(self, m, options, logits):
         import torchao._models.llama.generate as gen
@@ -166,9 +156,6 @@ class HFStatic:
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN)
         return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
 
-    def heads(self, m):
-        return 4, 2, 3
-
     def run(self, m, options, logits):
         from transformers import CompileConfig
 
@@ -195,14 +182,7 @@ class Executorch:
         args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, hidden_dim=128,
                          max_batch_size=1, max_seq_len=MAX_LEN, max_context_len=MAX_LEN, use_kv_cache=True,
                          enable_dynamic_shape=True)  # what its runner passes: input_pos = [start]
-        m = construct_transformer(args)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.normal_(0, 0.05) if p.dim() > 1 else p.fill_(1.0)
-        return m.eval()
-
-    def heads(self, m):
-        return 4, 2, 3
+        return _meta_init(construct_transformer(args))
 
     def run(self, m, options, logits):
         from executorch.examples.models.llama.runner.generation import LlamaRunner
@@ -281,59 +261,54 @@ def _meta_loop(fwd, m, logits, first_arg):
 
 
 def _meta_init(m):
-    with torch.no_grad():  # the reference code initialises nothing itself (it loads checkpoints)
+    """``m`` in eval mode with random weights and unit norms (the reference code, gpt-fast and executorch's model
+    initialise nothing themselves: they load checkpoints)."""
+    with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.05) if p.dim() > 1 else p.fill_(1.0)
     return m.eval()
 
 
-class Llama4Reference:
+class Llama3Reference:
+    """llama-models' reference Llama 3 (``llama_models.<version>``), tiny and random-init."""
+
     dist = "llama-models"
+    version = "llama3"
 
     def build(self):
-        from llama_models.llama4.args import ModelArgs
-        from llama_models.llama4.model import Transformer
+        import importlib
 
+        ModelArgs = importlib.import_module(f"llama_models.{self.version}.args").ModelArgs
+        Transformer = importlib.import_module(f"llama_models.{self.version}.model").Transformer
         _fairscale_single_process()
         torch.manual_seed(0)
         args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32,
                          max_batch_size=2, max_seq_len=MAX_LEN, rope_theta=10000.0)
         cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda t, *a, **k: t  # the attention allocates its cache with .cuda(): keep it on CPU
+        torch.Tensor.cuda = lambda t, *a, **k: t  # Llama 4's attention allocates its cache with .cuda(): keep it on CPU
         try:
             return _meta_init(Transformer(args))
         finally:
             torch.Tensor.cuda = cuda
 
-    def heads(self, m):
-        return 4, 2, 3
+    def compiled(self, m, options):
+        return m.forward if options is None else torch.compile(m.forward, backend="tinyserve", options=options)
+
+    def run(self, m, options, logits):
+        fwd = self.compiled(m, options)
+        return _meta_loop(lambda a: fwd(*a), m, logits, lambda t, pos: (t, pos))
+
+
+class Llama4Reference(Llama3Reference):
+    """llama-models' reference Llama 4: its forward takes one ``TransformerInput``."""
+
+    version = "llama4"
 
     def run(self, m, options, logits):
         from llama_models.llama4.datatypes import TransformerInput
 
-        fwd = m.forward if options is None else torch.compile(m.forward, backend="tinyserve", options=options)
-        return _meta_loop(fwd, m, logits, lambda t, pos: TransformerInput(tokens=t, tokens_position=pos))
-
-
-class Llama3Reference:
-    dist = "llama-models"
-
-    def build(self):
-        from llama_models.llama3.args import ModelArgs
-        from llama_models.llama3.model import Transformer
-
-        _fairscale_single_process()
-        torch.manual_seed(0)
-        args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32,
-                         max_batch_size=2, max_seq_len=MAX_LEN, rope_theta=10000.0)
-        return _meta_init(Transformer(args))
-
-    def heads(self, m):
-        return 4, 2, 3
-
-    def run(self, m, options, logits):
-        fwd = m.forward if options is None else torch.compile(m.forward, backend="tinyserve", options=options)
-        return _meta_loop(lambda a: fwd(*a), m, logits, lambda t, pos: (t, pos))
+        return _meta_loop(self.compiled(m, options), m, logits,
+                          lambda t, pos: TransformerInput(tokens=t, tokens_position=pos))
 
 
 CLIENTS = {"torchtune": Torchtune, "litgpt": LitGPT, "gpt-fast": GptFast, "hf-static": HFStatic,
@@ -371,7 +346,7 @@ def drive(name: str, lower: str) -> dict:
     t0 = time.time()
     eager_logits, dense_logits, sparse_logits, ref_logits = [], [], [], []
     eager = c.run(c.build(), None, eager_logits)
-    n_q, n_kv, n_layers = c.heads(None)
+    n_q, n_kv, n_layers = HEADS
 
     torch._dynamo.reset()
     tc.reset()

@@ -1,4 +1,4 @@
-"""Result rows to disk: a JSON list and a CSV with the same stem."""
+"""Result rows to disk: a JSON list and a CSV with the same stem, and plots (matplotlib on the Agg backend)."""
 from __future__ import annotations
 
 import csv
@@ -21,13 +21,19 @@ def write_rows(rows: List[dict], path: str) -> None:
     print(f"wrote {path} (+ .csv)", file=sys.stderr)
 
 
-def bar_png(labels: List[str], values: List[float], ylabel: str, title: str, path: str) -> None:
-    """One bar chart (``values`` per ``label``) saved to ``path``."""
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend); ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def bar_png(labels: List[str], values: List[float], ylabel: str, title: str, path: str) -> None:
+    """One bar chart (``values`` per ``label``) saved to ``path``."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(labels)), 3.2))
     ax.bar(labels, values)
     ax.set_ylabel(ylabel)

@@ -29,10 +29,9 @@ def _load(path):
 
 
 def _plt():
-    import matplotlib
+    from bench.output import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     return plt
 

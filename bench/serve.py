@@ -280,10 +280,9 @@ def table(rows: List[dict], stream_gbps: float) -> str:
 
 
 def plot(rows: List[dict], path: str) -> None:
-    import matplotlib
+    from bench.output import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     names = [r["provider"] for r in rows]
