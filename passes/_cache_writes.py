@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from ._node_meta import ancestors, example_value, fake, hint, is_inplace
-from ._views import CacheLayout, replay, trace_view_chain, views_of
+from ._views import CacheLayout, coordinate_code, replay, trace_view_chain, views_of
 
 
 @dataclass
@@ -38,10 +38,6 @@ class CacheWrite:
     src_unsqueeze: Optional[int] = None
 
 
-def _full(s) -> bool:
-    return isinstance(s, slice) and s == slice(None, None, None)
-
-
 def _expand_key(key, ndim: int) -> Optional[list]:
     """A ``__setitem__``/``__getitem__`` key as one entry per dim (None: not a plain per-dim key)."""
     key = list(key) if isinstance(key, tuple) else [key]
@@ -53,14 +49,6 @@ def _expand_key(key, ndim: int) -> Optional[list]:
     if len(key) > ndim:
         return None
     return key + [slice(None)] * (ndim - len(key))
-
-
-def _coordinate_code(shape: Tuple[int, ...]) -> torch.Tensor:
-    """An integer tensor of ``shape`` whose elements are their own flat index (it encodes coordinates)."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    return torch.arange(numel, dtype=torch.int32 if numel < 2 ** 31 else torch.int64).reshape(shape)
 
 
 def _region(code: torch.Tensor, shape: Tuple[int, ...], r: torch.Tensor):
@@ -179,7 +167,7 @@ def match_cache_write(base: fx.Node, node: fx.Node, layout: Optional[CacheLayout
     if root is not base:
         return None
     shape = tuple(hint(s) for s in bt.shape)
-    code = _coordinate_code(shape)
+    code = coordinate_code(shape)
     try:
         t = replay(base, chain, code)
     except Exception:  # noqa: BLE001 - a view chain that cannot be replayed

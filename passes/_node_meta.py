@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
 import torch.fx as fx
@@ -56,13 +56,6 @@ def same_int(a: Any, b: Any) -> bool:
         return bool(statically_known_true(a == b))
     except Exception:  # noqa: BLE001 - mixed symbolic kinds: not provable
         return False
-
-
-def _static_shape(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
-    try:
-        return tuple(int(s) for s in t.shape)
-    except Exception:  # symbolic sizes
-        return None
 
 
 def is_inplace(node: fx.Node) -> bool:

@@ -153,6 +153,14 @@ def replay(base: fx.Node, chain: List[fx.Node], code: torch.Tensor) -> torch.Ten
     return env[chain[-1]] if chain else code
 
 
+def coordinate_code(shape: Tuple[int, ...]) -> torch.Tensor:
+    """An integer tensor of ``shape`` whose elements are their own flat index (it encodes coordinates)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return torch.arange(numel, dtype=torch.int32 if numel < 2 ** 31 else torch.int64).reshape(shape)
+
+
 def cache_layout(base: fx.Node, chain: List[fx.Node], n_q_heads: int, enable_gqa: bool,
                  operand: Optional[torch.Tensor] = None) -> Union[CacheLayout, str]:
     """Find how ``chain`` reads the 4-D buffer ``base``: a :class:`CacheLayout`, or the reason it is none.
@@ -170,10 +178,7 @@ def cache_layout(base: fx.Node, chain: List[fx.Node], n_q_heads: int, enable_gqa
     if bt.dim() != 4:
         return f"K/V cache buffer is {bt.dim()}-D {tuple(hint(s) for s in bt.shape)}, not a 4-D [B, Hkv, L, D] layout"
     shape = tuple(hint(s) for s in bt.shape)
-    numel = 1
-    for s in shape:
-        numel *= s
-    code = torch.arange(numel, dtype=torch.int32 if numel < 2 ** 31 else torch.int64).reshape(shape)
+    code = coordinate_code(shape)
     try:
         out = replay(base, chain, code)
     except Exception as e:  # noqa: BLE001 - shapes baked into the chain that we cannot replay
@@ -181,7 +186,6 @@ def cache_layout(base: fx.Node, chain: List[fx.Node], n_q_heads: int, enable_gqa
     if out.dim() != 4:
         return f"K/V view chain gives a {out.dim()}-D operand {tuple(out.shape)}, not [B, H, L, D]"
     b, h_out, l_out, d_out = out.shape
-    want = None
     candidates = []  # buffer dims read as (B, Hkv, L, D), by size
     for perm in itertools.permutations(range(4)):
         B, Hkv, L, D = (shape[p] for p in perm)
@@ -246,16 +250,6 @@ def _layout_reason(code, out, shape, n_q_heads, enable_gqa, perm) -> str:
             return (f"K/V read cache positions [{start}, {start + l_out}) of {L}: a window that does not start "
                     f"at 0 (sliding-window read)")
     return f"K/V view chain is not repeat_kv of the cache (head order or layout differs; nearest layout {name})"
-
-
-def chain_is_repeat_kv(base: fx.Node, chain: List[fx.Node], n_q_heads: int, enable_gqa: bool) -> Optional[str]:
-    """None when ``chain`` reads ``base`` as the whole ``[B, Hkv, L, D]`` buffer through ``repeat_kv``, else why not."""
-    lay = cache_layout(base, chain, n_q_heads, enable_gqa)
-    if isinstance(lay, str):
-        return lay
-    if lay.perm is not None or lay.batch is not None or lay.length is not None:
-        return f"cache layout {layout_name(lay.perm)} read through a view"
-    return None
 
 
 def views_of(base: fx.Node) -> List[fx.Node]:
