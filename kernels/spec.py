@@ -2,9 +2,12 @@
 
 Custom ops cannot take a dataclass, so every op schema takes the spec as one
 ``int[] spec`` argument, built by :meth:`SelectionSpec.to_list` and read back by
-:meth:`SelectionSpec.from_list`. The defaults are those of
-:class:`tinyserve_compile.config.TinyServeConfig` (:meth:`SelectionSpec.default`);
-no other layer has defaults of its own.
+:meth:`SelectionSpec.from_list`.
+
+This module is the one definition of the selection's vocabulary and rules: the bounds dtypes, the kernel
+choices, the defaults (``DEFAULT_*``, which :class:`tinyserve_compile.config.TinyServeConfig`'s fields take;
+:meth:`SelectionSpec.default`), the candidate count (:func:`candidate_pages`) and the dense rule
+(:attr:`SelectionSpec.n_dense_pages`). No other layer has constants of its own.
 """
 from __future__ import annotations
 
@@ -14,13 +17,47 @@ from typing import List, Sequence
 
 import torch
 
-__all__ = ["SelectionSpec", "BOUNDS_CODES", "KERNELS"]
+__all__ = ["SelectionSpec", "BOUNDS_CODES", "BOUNDS_DTYPE_NAMES", "KERNELS", "PAGED_KERNELS", "candidate_pages",
+           "DEFAULT_PAGE_SIZE", "DEFAULT_TOKEN_BUDGET", "DEFAULT_SINK_PAGES", "DEFAULT_CANDIDATE_FACTOR",
+           "DEFAULT_CANDIDATE_EXTRA", "DEFAULT_KEEP_TOKENS", "DEFAULT_BOUNDS_DTYPE"]
 
-#: storage dtypes of ``kmax``/``kmin``, in the order of their code in the packed spec
-BOUNDS_CODES = (torch.float32, torch.bfloat16, torch.int8)
+# ---- the selection's defaults (TinyServeConfig's fields take them) ----------------------------------------------
+#: tokens per page; 8 chosen in the selection-quality study (README "Results: accuracy and selection quality")
+DEFAULT_PAGE_SIZE = 8
+DEFAULT_TOKEN_BUDGET = 2048
+#: attention-sink pages always kept (0 = the paper's rule; 1 chosen in the selection-quality study)
+DEFAULT_SINK_PAGES = 1
+#: two-stage selection: the bound keeps ``candidate_factor * K + candidate_extra // page_size`` candidate pages,
+#: exact logits over their keys pick what is attended (two-stage when that exceeds K). The selection study
+#: (docs/selection_study.md, 4 windows per cell, chosen on the tuning text) settled on 1 and 1024 extra tokens:
+#: a fixed margin, not a multiple of the budget, fixes the bound's misranking near the cut at every budget, and
+#: 1024 is the most the byte targets allow at budget 2048 (34.5% of dense K+V at 8K, 11.0% at 32K).
+DEFAULT_CANDIDATE_FACTOR = 1
+DEFAULT_CANDIDATE_EXTRA = 1024
+#: two-stage: keep the single tokens of highest softmax share among the candidates, not whole pages
+#: (held-out +2.3% ppl at budget 512 against +3.2% keeping pages, same bytes)
+DEFAULT_KEEP_TOKENS = True
+#: storage of the page bounds: int8 codes on a per-page grid, rounded outward, a quarter of fp32's bytes; every
+#: score stays an upper bound (property-tested); held-out quality within 0.1% of bf16 bounds
+DEFAULT_BOUNDS_DTYPE = "int8"
+
+#: storage dtypes of ``kmax``/``kmin`` by name (the ``bounds_dtype`` option of ``TinyServeConfig``), in the order of
+#: their code in the packed spec
+BOUNDS_DTYPE_NAMES = ("float32", "bfloat16", "int8")
+#: the same as ``torch.dtype``\ s: the code of ``BOUNDS_CODES[i]`` in the packed spec is ``i``
+BOUNDS_CODES = tuple(getattr(torch, name) for name in BOUNDS_DTYPE_NAMES)
 
 #: the ``kernel`` choices of the fused op (``auto`` picks per device, see :func:`.sparse_decode.resolve_kernel`)
 KERNELS = ("auto", "native", "torch", "triton")
+#: those of the paged op (:mod:`.paged_sparse_decode`), which has no Triton kernel
+PAGED_KERNELS = tuple(k for k in KERNELS if k != "triton")
+
+
+def candidate_pages(page_size: int, token_budget: int, candidate_factor: int = 1, candidate_extra: int = 0) -> int:
+    """Number of candidate pages of the first stage: ``candidate_factor * K + candidate_extra // page_size``
+    with ``K = token_budget // page_size``; two-stage when it exceeds ``K``."""
+    K = token_budget // page_size
+    return max(1, int(candidate_factor)) * K + max(0, int(candidate_extra)) // page_size
 
 _FIELDS = ("page_size", "token_budget", "sink_pages", "candidate_factor", "candidate_extra", "keep_tokens",
            "bounds_dtype")
@@ -102,9 +139,7 @@ class SelectionSpec:
 
     @property
     def n_candidates(self) -> int:
-        """Candidate pages of the first stage (:func:`.reference.candidate_pages`, the one formula)."""
-        from .reference import candidate_pages
-
+        """Candidate pages of the first stage (:func:`candidate_pages`, the one formula)."""
         return candidate_pages(self.page_size, self.token_budget, self.candidate_factor, self.candidate_extra)
 
     @property

@@ -10,6 +10,19 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+# the selection's defaults and vocabulary are defined once, in kernels/spec.py
+from .kernels.spec import BOUNDS_DTYPE_NAMES as BOUNDS_DTYPES
+from .kernels.spec import (
+    DEFAULT_BOUNDS_DTYPE,
+    DEFAULT_CANDIDATE_EXTRA,
+    DEFAULT_CANDIDATE_FACTOR,
+    DEFAULT_KEEP_TOKENS,
+    DEFAULT_PAGE_SIZE,
+    DEFAULT_SINK_PAGES,
+    DEFAULT_TOKEN_BUDGET,
+)
+from .kernels.spec import KERNELS as KERNEL_CHOICES
+
 __all__ = [
     "TinyServeConfig",
     "DEFAULT_PAGE_SIZE",
@@ -34,28 +47,10 @@ __all__ = [
     "check_mode",
 ]
 
-#: tokens per page; 8 chosen in the selection-quality study (README "Results: accuracy and selection quality")
-DEFAULT_PAGE_SIZE = 8
-DEFAULT_TOKEN_BUDGET = 2048
 DEFAULT_DENSE_LAYERS = 2
-#: attention-sink pages always kept (0 = the paper's rule; 1 chosen in the selection-quality study)
-DEFAULT_SINK_PAGES = 1
-#: two-stage selection: the bound keeps ``candidate_factor * K + candidate_extra // page_size`` candidate pages,
-#: exact logits over their keys pick what is attended (two-stage when that exceeds K). The selection study
-#: (docs/selection_study.md, 4 windows per cell, chosen on the tuning text) settled on 1 and 1024 extra tokens:
-#: a fixed margin, not a multiple of the budget, fixes the bound's misranking near the cut at every budget, and
-#: 1024 is the most the byte targets allow at budget 2048 (34.5% of dense K+V at 8K, 11.0% at 32K).
-DEFAULT_CANDIDATE_FACTOR = 1
-DEFAULT_CANDIDATE_EXTRA = 1024
-#: two-stage: keep the single tokens of highest softmax share among the candidates, not whole pages
-#: (held-out +2.3% ppl at budget 512 against +3.2% keeping pages, same bytes)
-DEFAULT_KEEP_TOKENS = True
 DEFAULT_POLICY = "query_aware"
 DEFAULT_LOWER = "inductor"
 DEFAULT_KERNEL = "auto"
-#: storage of the page bounds: int8 codes on a per-page grid, rounded outward, a quarter of fp32's bytes; every
-#: score stays an upper bound (property-tested); held-out quality within 0.1% of bf16 bounds
-DEFAULT_BOUNDS_DTYPE = "int8"
 #: rewrite decode-shaped linears (at most 8 activation rows, fp32/bf16 weights) into ``tinyserve::linear``, the
 #: native CPU GEMV that streams each weight once (ATen's mm runs these shapes well below the read bandwidth)
 DEFAULT_DECODE_LINEAR = True
@@ -79,8 +74,6 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 LOWERINGS = ("inductor", "eager", "tensorrt")
-KERNEL_CHOICES = ("auto", "native", "torch", "triton")
-BOUNDS_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,6 @@ from .select import (
     _candidate_logits,
     _gathered_mask,
     _selected_tokens,
-    candidate_pages,
     choose,
     choose_pages,
     choose_with,
@@ -77,6 +76,7 @@ from .select import (
     top_pages,
 )
 from .attend import dropped_mass_bound, softmax_attend, sparse_decode_reference
+from ..spec import candidate_pages  # the formula lives with the other selection rules
 
 __all__ = [
     "PageBounds",

@@ -9,6 +9,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..spec import BOUNDS_CODES
+
+
 class PageBounds(NamedTuple):
     """Per-page key bounds.
 
@@ -49,8 +52,8 @@ def _paged(x: torch.Tensor, page_size: int, fill: float) -> torch.Tensor:
     return x.unflatten(-2, (-1, page_size))
 
 
-#: storage dtypes of ``kmax``/``kmin``
-BOUNDS_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+#: storage dtypes of ``kmax``/``kmin`` (``spec.BOUNDS_CODES``, their one definition)
+BOUNDS_DTYPES = BOUNDS_CODES
 
 #: smallest normal fp32 number: the floor of the int8 grid step (no subnormal step, so ``code * step`` is exact
 #: to one rounding and ``kmax / step`` cannot overflow)

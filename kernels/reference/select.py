@@ -396,13 +396,6 @@ def selected_token_mask(sel: Optional[Selection], page_size: int, length: int, v
     return out.scatter_add_(2, tok, ok.to(torch.int32)) > 0  # clamped slots add 0
 
 
-def candidate_pages(page_size: int, token_budget: int, candidate_factor: int = 1, candidate_extra: int = 0) -> int:
-    """Number of candidate pages of the first stage: ``candidate_factor * K + candidate_extra // page_size``
-    with ``K = token_budget // page_size``; two-stage when it exceeds ``K``."""
-    K = token_budget // page_size
-    return max(1, int(candidate_factor)) * K + max(0, int(candidate_extra)) // page_size
-
-
 def rank_candidate_tokens(logits, cand: Selection, valid_len, page_size: int, n_select: int, sink_pages: int):
     """Pick ``n_select`` single tokens of the candidate pages by their share of softmax mass.
 
