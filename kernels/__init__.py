@@ -1,9 +1,11 @@
 """Kernels: the pure-PyTorch reference, the registered ops and their launchers.
 
 Importing this package as ``tinyserve_compile.kernels`` registers the ops
-``torch.ops.tinyserve.sparse_decode`` (:mod:`.sparse_decode`) and
-``torch.ops.tinyserve.cache_write`` (:mod:`.bounds`), each with its kernel per device
-(native C++ on CPU, Triton on CUDA, the PyTorch path elsewhere). Every op takes the
+``torch.ops.tinyserve.sparse_decode`` (:mod:`.sparse_decode`),
+``torch.ops.tinyserve.cache_write`` (:mod:`.bounds`) and
+``torch.ops.tinyserve.paged_sparse_decode`` (:mod:`.paged_sparse_decode`), each with its kernel per device
+(native C++ on CPU, Triton on CUDA, the PyTorch path elsewhere); each op module makes its native kernel
+the op's CPU kernel once the native module loads (:func:`.native.when_loaded`). Every op takes the
 selection as one packed ``int[] spec`` (:class:`.spec.SelectionSpec`).
 
 This folder sits at the top of the repository, so with the repository root on
@@ -20,6 +22,7 @@ if __name__ == "tinyserve_compile.kernels":
     from .reference import PageBounds, Selection, page_bounds, page_scores, sparse_decode_reference
     from .bounds import allocate_bounds, rebuild_bounds_, update_bounds_
     from .sparse_decode import sparse_decode
+    from . import paged_sparse_decode as _paged  # noqa: F401  (registers tinyserve::paged_sparse_decode)
     from .linear import linear
 
     __all__ = [

@@ -14,17 +14,17 @@ device) the PyTorch path :func:`cache_write_torch`.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import List, Optional
+from typing import List
 
 import torch
 
+from .native import when_loaded
 from .reference import BOUNDS_DTYPES, PageBounds, num_pages, page_bounds, store_bounds
 from .spec import SelectionSpec
 
 __all__ = ["allocate_bounds", "rebuild_bounds_", "update_bounds_", "cache_write_torch", "cache_write_impl",
-           "use_cache_write_impl", "python_cache_write_kernel", "CACHE_WRITE_IMPLS"]
+           "python_cache_write_kernel", "CACHE_WRITE_IMPLS"]
 
 
 def allocate_bounds(k_cache: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float32) -> PageBounds:
@@ -201,15 +201,10 @@ def _device_flags(device: torch.device) -> torch.Tensor:
 CACHE_WRITE_IMPLS = {"torch": cache_write_torch, "native": _cache_write_native, "triton": _cache_write_triton}
 
 
-_forced_impl: Optional[str] = None  # set by use_cache_write_impl
-
-
 def cache_write_impl(device: torch.device) -> str:
     """The implementation of ``tinyserve::cache_write`` that runs on ``device``: native on CPU when it builds,
-    Triton on CUDA when it is installed, else the PyTorch path (or what :func:`use_cache_write_impl` forces)."""
+    Triton on CUDA when it is installed, else the PyTorch path."""
     device = torch.device(device)
-    if _forced_impl is not None:
-        return _forced_impl
     if device.type == "cpu":
         from .native import load_native
 
@@ -221,35 +216,11 @@ def cache_write_impl(device: torch.device) -> str:
     return "torch"
 
 
-@contextlib.contextmanager
-def use_cache_write_impl(name: str):
-    """Run ``tinyserve::cache_write`` through implementation ``name`` (a key of :data:`CACHE_WRITE_IMPLS`) inside
-    the block, on every device; for tests and comparisons of the paths."""
-    global _forced_impl
-    if name not in CACHE_WRITE_IMPLS:
-        raise ValueError(f"use_cache_write_impl: argument 'name' must be one of {sorted(CACHE_WRITE_IMPLS)}, "
-                         f"got {name!r}")
-    from .native import load_native, native_module
-
-    native = load_native()
-    before = _forced_impl
-    _forced_impl = name
-    if native:  # the dispatcher's native CPU kernel hands the write back to python_cache_write_kernel
-        native_module().set_native_cache_write(name == "native")
-    try:
-        yield
-    finally:
-        _forced_impl = before
-        if native:
-            native_module().set_native_cache_write(before in (None, "native"))
-
-
 def python_cache_write_kernel(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec) -> None:
     """The op's kernel in Python: what :func:`cache_write_impl` picks for ``k_cache``'s device.
 
-    It serves every device until the native module loads; the native module then registers its own CPU kernel
-    with the dispatcher (no Python per call), which hands the write back to this inside
-    :func:`use_cache_write_impl` blocks that pick another path."""
+    It serves every device until the native module loads; then :func:`_register_native` makes the native kernel
+    the op's CPU kernel (no Python per call), which hands a malformed ``spec`` back to this for its error."""
     _check_ctrl(ctrl, k_cache.device)
     impl = CACHE_WRITE_IMPLS[cache_write_impl(k_cache.device)]
     impl(k_cache, kmax, kmin, kabs, ctrl, positions, src, _page_size_of(tuple(spec)))
@@ -305,3 +276,13 @@ def _(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec):
 @_cache_write_op.register_fake
 def _(k_cache, kmax, kmin, kabs, ctrl, positions, src, spec):
     return None
+
+
+def _register_native(module) -> None:
+    """Make the native kernel the CPU kernel of ``tinyserve::cache_write`` (once the native module has loaded)."""
+    module.register_cache_write_cpu_kernel(python_cache_write_kernel)
+    # custom_op's Python autograd and ADInplaceOrView kernels cost ~30 us per call on CPU: a C++ pass-through
+    module.register_autograd_passthrough(["cache_write"])
+
+
+when_loaded(_register_native)

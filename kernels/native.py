@@ -6,9 +6,10 @@ CPU's vector features (``-march=native`` makes the binary specific to the host),
 second process loads it in milliseconds. The result is a Python extension module with the
 functions ``sparse_decode``, ``kept_pages``, ``cache_write``, ``rebuild_bounds`` and, for
 continuous batching's paged buffer, ``paged_sparse_decode``, ``paged_write`` and
-``paged_bounds_rebuild`` (:func:`native_module`); it registers no op of its own: :mod:`.sparse_decode`,
-:mod:`.paged_sparse_decode` and :mod:`.bounds` make them the CPU kernels of ``tinyserve::sparse_decode``,
-``tinyserve::paged_sparse_decode`` and ``tinyserve::cache_write``.
+``paged_bounds_rebuild`` (:func:`native_module`). This loader imports no op module and registers no op:
+each op module (:mod:`.sparse_decode`, :mod:`.paged_sparse_decode`, :mod:`.bounds`) hands :func:`when_loaded`
+the function that makes its native kernel the CPU kernel of its op, and the loader calls it with the module
+once the module has loaded and passed its self-check.
 
 If anything fails (no compiler, no ninja, a build error), :func:`load_native` returns
 False, warns once (a ``RuntimeWarning``) and :func:`native_unavailable_reason` says why, naming the torch
@@ -40,7 +41,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load_native", "native_module", "native_unavailable_reason", "SOURCE_DIR", "source_files"]
+__all__ = ["load_native", "native_module", "native_unavailable_reason", "when_loaded", "SOURCE_DIR", "source_files"]
 
 #: the folder of the C++ sources (headers and .cpp files) of the native ops
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
@@ -54,8 +55,10 @@ def source_files() -> list:
         return []
     return sorted(n for n in names if os.path.isfile(os.path.join(SOURCE_DIR, n)))
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a registration run under it may call when_loaded
 _state: dict = {"loaded": None, "reason": None, "module": None}
+#: the op modules' registrations (when_loaded), run in order once the module loads
+_registrations: list = []
 
 
 def _cpu_flags() -> set:
@@ -120,6 +123,17 @@ def native_unavailable_reason() -> Optional[str]:
     Call :func:`load_native` first; this only reports its outcome.
     """
     return _state["reason"]
+
+
+def when_loaded(register) -> None:
+    """Call ``register(module)`` once the native module has loaded and passed its self-check: now, when it has
+    already, else at the end of the load that does (none when it never loads). An op module hands this the
+    function that makes its native kernel its op's CPU kernel; the load fails when one of them raises."""
+    with _lock:
+        _registrations.append(register)
+        module = _state["module"] if _state["loaded"] else None
+    if module is not None:
+        register(module)
 
 
 def load_native(verbose: bool = False) -> bool:
@@ -285,17 +299,11 @@ def _load(verbose: bool) -> bool:
         _state["reason"] = (f"native kernel self-check failed ({isa} build against torch {torch.__version__} in "
                             f"{build_dir}): {problem}")
         return False
-    # only kernels that passed their self-check become the dispatcher's CPU kernels of tinyserve::sparse_decode
-    # and tinyserve::cache_write
-    from .bounds import python_cache_write_kernel
-    from .sparse_decode import python_kernel
-
-    module.register_cpu_kernel(python_kernel, python_cache_write_kernel)
-    from .paged_sparse_decode import paged_python_kernel
-
-    module.register_paged_cpu_kernel(paged_python_kernel)
-    # custom_op's Python autograd and ADInplaceOrView kernels cost ~30 us per call on CPU: a C++ pass-through
-    module.register_autograd_passthrough(["sparse_decode", "cache_write", "paged_sparse_decode"])
+    # only kernels that passed their self-check become the dispatcher's CPU kernels of the ops (when_loaded)
+    i = 0
+    while i < len(_registrations):  # by index: a registration made meanwhile (when_loaded in this thread) runs too
+        _registrations[i](module)
+        i += 1
     return True
 
 
@@ -324,8 +332,8 @@ def _self_check(lib) -> Optional[str]:
         b = ref.page_bounds(k, S, dtype=bdt)
         if not (torch.equal(kmax, b.kmax) and torch.equal(kmin, b.kmin) and torch.equal(kabs, b.kabs)):
             return f"rebuild_bounds differs from reference.page_bounds ({dtype}, bounds {bdt})"
-        out = lib.sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, 0.125, S, 32, 1, cf, None, extra, keep_tokens)
         spec = SelectionSpec(S, 32, 1, cf, extra, keep_tokens, bdt)
+        out = lib.sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, 0.125, spec.to_list(), None)
         want = ref.sparse_decode_reference(q, k, v, vl, mask, 0.125, spec, bounds=b)
         err = float((out.float() - want.float()).abs().max())
         if not err <= (1e-4 if dtype == torch.float32 else 2e-2):

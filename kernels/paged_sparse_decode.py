@@ -30,7 +30,8 @@ from typing import List, Optional
 
 import torch
 
-from .spec import SelectionSpec
+from .native import when_loaded
+from .spec import PAGED_KERNELS, SelectionSpec
 from .reference import PageBounds, sparse_decode_reference, store_bounds
 
 __all__ = [
@@ -223,8 +224,8 @@ def paged_sparse_decode_reference(
 def _native_ok(kernel: str, tokens: torch.Tensor, bounds: PageBounds, fresh: Optional[torch.Tensor] = None) -> bool:
     """Whether the native CPU kernel runs (``kernel`` ``auto`` or ``native``): CPU tensors, contiguous bounds
     (and ``fresh``), a loaded native module. ``native`` raises naming ``kernel`` when it cannot run."""
-    if kernel not in _KERNELS:
-        raise ValueError(f"paged: argument 'kernel' must be one of {_KERNELS}, got {kernel!r}")
+    if kernel not in PAGED_KERNELS:
+        raise ValueError(f"paged: argument 'kernel' must be one of {PAGED_KERNELS}, got {kernel!r}")
     if kernel == "torch":
         return False
     from .native import load_native, native_unavailable_reason
@@ -240,7 +241,6 @@ def _native_ok(kernel: str, tokens: torch.Tensor, bounds: PageBounds, fresh: Opt
     return False
 
 
-_KERNELS = ("auto", "native", "torch")
 
 
 def rebuild_pages_(k_tokens: torch.Tensor, bounds: PageBounds, fresh: torch.Tensor, page_rows: torch.Tensor,
@@ -289,17 +289,15 @@ def _paged_sparse_decode_torch(q, k_tokens, v_tokens, page_rows, page_ids, seq_l
 
 
 def paged_python_kernel(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, scale, spec, kernel):
-    """The op's kernel in Python: the native kernel for ``auto``/``native`` on CPU when it is loaded (until the
-    native module registers its own CPU kernel with the dispatcher), else the PyTorch path."""
+    """The op's kernel in Python: the native kernel for ``auto``/``native`` on CPU when it is loaded (until
+    :func:`_register_native` makes it the op's CPU kernel), else the PyTorch path."""
     spec = SelectionSpec.from_list(list(spec))
     bounds = PageBounds(kmax, kmin, kabs)
     if _native_ok(kernel, k_tokens, bounds):
         from .native import native_module
 
         return native_module().paged_sparse_decode(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin,
-                                                   kabs, float(scale), spec.page_size, spec.token_budget,
-                                                   spec.sink_pages, spec.candidate_factor, spec.candidate_extra,
-                                                   spec.keep_tokens)
+                                                   kabs, float(scale), spec.to_list())
     return _paged_sparse_decode_torch(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, bounds, scale, spec)
 
 
@@ -328,6 +326,17 @@ def _(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, sc
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def _register_native(module) -> None:
+    """Make the native kernel the CPU kernel of ``tinyserve::paged_sparse_decode`` (once the native module has
+    loaded); it hands the ``kernel`` choices other than ``auto`` and ``native`` back to :func:`paged_python_kernel`."""
+    module.register_paged_cpu_kernel(paged_python_kernel)
+    # custom_op's Python autograd and ADInplaceOrView kernels cost ~30 us per call on CPU: a C++ pass-through
+    module.register_autograd_passthrough(["paged_sparse_decode"])
+
+
+when_loaded(_register_native)
+
+
 def paged_sparse_decode(
     q: torch.Tensor,
     k_tokens: torch.Tensor,
@@ -349,8 +358,8 @@ def paged_sparse_decode(
     (each row's pages copied out, then the static op's PyTorch path).
     """
     _check_table(page_rows, page_ids, seq_lens, q)
-    if kernel not in _KERNELS:
-        raise ValueError(f"paged_sparse_decode: argument 'kernel' must be one of {_KERNELS}, got {kernel!r}")
+    if kernel not in PAGED_KERNELS:
+        raise ValueError(f"paged_sparse_decode: argument 'kernel' must be one of {PAGED_KERNELS}, got {kernel!r}")
     spec = SelectionSpec.default(bounds_dtype=bounds.kmax.dtype) if spec is None else spec
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.tinyserve.paged_sparse_decode(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, *bounds,

@@ -36,6 +36,7 @@ from .reference import (
     softmax_attend,
     top_pages,
 )
+from .native import when_loaded
 from .spec import KERNELS, SelectionSpec
 
 __all__ = ["sparse_decode", "attend_selection", "check_decode_inputs", "resolve_kernel", "run_kernel", "KERNELS"]
@@ -552,8 +553,7 @@ def run_kernel(impl: str, q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn
         from .native import native_module
 
         return native_module().sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, float(scale),
-                                             spec.page_size, spec.token_budget, spec.sink_pages,
-                                             spec.candidate_factor, ctrl, spec.candidate_extra, spec.keep_tokens)
+                                             spec.to_list(), ctrl)
     if impl == "triton":  # reads ctrl on the device: no host read, the same launches whatever the flags say
         from .triton_sparse_decode import sparse_decode_triton
 
@@ -586,8 +586,8 @@ def _sparse_decode_op(
 def python_kernel(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl):
     """The op's kernel in Python: what ``kernel`` resolves to on ``q``'s device (:func:`resolve_kernel`).
 
-    It serves every device until the native module loads; the native module then registers its own CPU
-    kernel with the dispatcher (no Python per call), which hands the other ``kernel`` choices back to this.
+    It serves every device until the native module loads; then :func:`_register_native` makes the native kernel
+    the op's CPU kernel (no Python per call), which hands the other ``kernel`` choices back to this.
     """
     return run_kernel(resolve_kernel(kernel, q.device), q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask,
                       scale, _spec_of(tuple(spec)), ctrl)
@@ -602,6 +602,16 @@ def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, 
 @_sparse_decode_op.register_fake
 def _(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, kernel, ctrl):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _register_native(module) -> None:
+    """Make the native kernel the CPU kernel of ``tinyserve::sparse_decode`` (once the native module has loaded)."""
+    module.register_sparse_decode_cpu_kernel(python_kernel)
+    # custom_op's Python autograd and ADInplaceOrView kernels cost ~30 us per call on CPU: a C++ pass-through
+    module.register_autograd_passthrough(["sparse_decode"])
+
+
+when_loaded(_register_native)
 
 
 def sparse_decode(

@@ -2,7 +2,7 @@
 
 Custom ops cannot take a dataclass, so every op schema takes the spec as one
 ``int[] spec`` argument, built by :meth:`SelectionSpec.to_list` and read back by
-:meth:`SelectionSpec.from_list`.
+:meth:`SelectionSpec.from_list` (in C++, ``Spec::from_list`` of ``csrc/spec.h``).
 
 This module is the one definition of the selection's vocabulary and rules: the bounds dtypes, the kernel
 choices, the defaults (``DEFAULT_*``, which :class:`tinyserve_compile.config.TinyServeConfig`'s fields take;

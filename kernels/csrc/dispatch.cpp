@@ -8,7 +8,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,26 +15,24 @@
 #include "bounds.h"
 #include "dispatch.h"
 #include "pipeline.h"
+#include "spec.h"
 
 namespace tinyserve_native {
 namespace {
 
 // the ops' Python kernels: sparse_decode's runs every other choice of the `kernel` argument ("torch", "triton");
-// cache_write's runs the implementation Python picks while the native write is switched off (tests of other paths)
+// both run a call whose spec is malformed (SelectionSpec.from_list names what is wrong)
 pybind11::object* fallback = nullptr;
 pybind11::object* cache_write_fallback = nullptr;
-std::atomic<bool> native_cache_write{true};
-std::unique_ptr<torch::Library> cpu_library;
 
 at::Tensor sparse_decode_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                              const at::Tensor& valid_len, const std::optional<at::Tensor>& attn_mask, double scale,
                              c10::ArrayRef<int64_t> spec, c10::string_view kernel,
                              const std::optional<at::Tensor>& ctrl) {
-  // spec: page_size, token_budget, sink_pages, candidate_factor, candidate_extra, keep_tokens, bounds code
-  if ((kernel == "auto" || kernel == "native") && spec.size() == 7) {
-    return sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec[0], spec[1],
-                         spec[2], spec[3], ctrl, spec[4], spec[5] != 0);
+  if ((kernel == "auto" || kernel == "native") && spec.size() == Spec::kFields) {
+    return sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, Spec::from_list(spec),
+                         ctrl);
   }
   pybind11::gil_scoped_acquire gil;
   pybind11::object out = (*fallback)(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale,
@@ -46,14 +43,14 @@ at::Tensor sparse_decode_cpu(const at::Tensor& q, const at::Tensor& k_cache, con
 void cache_write_cpu(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                      const at::Tensor& ctrl, const at::Tensor& positions, const at::Tensor& src,
                      c10::ArrayRef<int64_t> spec) {
-  if (native_cache_write.load(std::memory_order_relaxed) && spec.size() == 7) {
+  if (spec.size() == Spec::kFields) {
     TORCH_CHECK_VALUE(ctrl.device().is_cpu() && ctrl.scalar_type() == at::kInt && ctrl.numel() >= 2 &&
                           ctrl.is_contiguous(),
                       "cache_write: argument 'ctrl' must be a contiguous int32 CPU tensor of 2 elements, got ",
                       ctrl.scalar_type(), " ", ctrl.sizes(), " on ", ctrl.device());
     // positions of any integer dtype and src of any float dtype, as the PyTorch path takes them
     const at::Tensor s = src.scalar_type() == k_cache.scalar_type() ? src : src.to(k_cache.scalar_type());
-    cache_write(k_cache, kmax, kmin, kabs, ctrl, positions, s, spec[0]);
+    cache_write(k_cache, kmax, kmin, kabs, ctrl, positions, s, Spec::from_list(spec).page_size);
     return;
   }
   pybind11::gil_scoped_acquire gil;
@@ -164,18 +161,26 @@ void register_autograd_passthrough(const std::vector<std::string>& ops) {
   }
 }
 
-void register_cpu_kernel(pybind11::object sparse_decode_kernel, pybind11::object cache_write_kernel) {
-  if (cpu_library) return;  // once per process
-  // both live as long as the registration
-  fallback = new pybind11::object(std::move(sparse_decode_kernel));
-  cache_write_fallback = new pybind11::object(std::move(cache_write_kernel));
-  cpu_library = std::make_unique<torch::Library>(torch::Library::IMPL, "tinyserve", c10::DispatchKey::CPU,
-                                                 __FILE__, __LINE__);
-  // boxed: reached with generic lists of SymInts for `spec` from Inductor's C++ wrapper (normalise_int_lists)
-  TINYSERVE_IMPL_INT_LIST_TOLERANT(*cpu_library, "sparse_decode", TORCH_FN(sparse_decode_cpu));
-  TINYSERVE_IMPL_INT_LIST_TOLERANT(*cpu_library, "cache_write", TORCH_FN(cache_write_cpu));
+bool new_cpu_library(std::unique_ptr<torch::Library>& library, pybind11::object*& python_slot,
+                     pybind11::object python_kernel) {
+  if (library) return false;  // once per process
+  python_slot = new pybind11::object(std::move(python_kernel));  // lives as long as the registration
+  library = std::make_unique<torch::Library>(torch::Library::IMPL, "tinyserve", c10::DispatchKey::CPU, __FILE__,
+                                             __LINE__);
+  return true;
 }
 
-void set_native_cache_write(bool on) { native_cache_write.store(on, std::memory_order_relaxed); }
+// boxed: reached with generic lists of SymInts for `spec` from Inductor's C++ wrapper (normalise_int_lists)
+void register_sparse_decode_cpu_kernel(pybind11::object python_kernel) {
+  static std::unique_ptr<torch::Library> library;
+  if (new_cpu_library(library, fallback, std::move(python_kernel)))
+    TINYSERVE_IMPL_INT_LIST_TOLERANT(*library, "sparse_decode", TORCH_FN(sparse_decode_cpu));
+}
+
+void register_cache_write_cpu_kernel(pybind11::object python_kernel) {
+  static std::unique_ptr<torch::Library> library;
+  if (new_cpu_library(library, cache_write_fallback, std::move(python_kernel)))
+    TINYSERVE_IMPL_INT_LIST_TOLERANT(*library, "cache_write", TORCH_FN(cache_write_cpu));
+}
 
 }  // namespace tinyserve_native

@@ -8,6 +8,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,11 +33,16 @@ void int_list_tolerant(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
 #define TINYSERVE_IMPL_INT_LIST_TOLERANT(library, name, fn) \
   (library).impl((name), torch::CppFunction::makeFromBoxedFunction<&::tinyserve_native::int_list_tolerant<decltype(fn)>>())
 
-// make the native kernels the CPU kernels of tinyserve::sparse_decode and tinyserve::cache_write;
-// sparse_decode_kernel(same arguments) runs the choices of the `kernel` argument other than "auto" and "native",
-// cache_write_kernel(same arguments) runs the write while set_native_cache_write(false) is in force
-void register_cpu_kernel(pybind11::object sparse_decode_kernel, pybind11::object cache_write_kernel);
-void set_native_cache_write(bool on);
+// a CPU registration of the tinyserve ops in `library`, made once per process (false when `library` holds one
+// already), with `python_kernel` kept in `python_slot` for as long as it lives
+bool new_cpu_library(std::unique_ptr<torch::Library>& library, pybind11::object*& python_slot,
+                     pybind11::object python_kernel);
+
+// make the native kernel the CPU kernel of tinyserve::sparse_decode (resp. tinyserve::cache_write), once per process;
+// python_kernel(same arguments) runs the choices of the `kernel` argument other than "auto" and "native", and a
+// call with a malformed spec
+void register_sparse_decode_cpu_kernel(pybind11::object python_kernel);
+void register_cache_write_cpu_kernel(pybind11::object python_kernel);
 // give the listed tinyserve ops (names without the namespace) a C++ AutogradCPU kernel that passes the call through
 // (no Python per call; with inputs that require grad under grad mode the outputs get a grad_fn that raises)
 void register_autograd_passthrough(const std::vector<std::string>& ops);

@@ -9,16 +9,31 @@
 #include "pipeline.h"
 #include "pool.h"
 #include "radix_select.h"
+#include "spec.h"
+
+namespace pybind11::detail {
+// the `spec` argument of the functions below: SelectionSpec.to_list(), read by Spec::from_list
+template <>
+struct type_caster<tinyserve_native::Spec> {
+  PYBIND11_TYPE_CASTER(tinyserve_native::Spec, _("list[int]"));
+  bool load(handle src, bool convert) {
+    make_caster<std::vector<int64_t>> list;
+    if (!list.load(src, convert)) return false;
+    value = tinyserve_native::Spec::from_list(cast_op<std::vector<int64_t>&>(list));
+    return true;
+  }
+};
+}  // namespace pybind11::detail
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_decode", &tinyserve_native::sparse_decode, "query-aware paged sparse decode attention");
   m.def("kept_pages", &tinyserve_native::kept_pages, "the pages sparse_decode attends, bool [B, Hkv, P]");
   m.def("cache_write", &tinyserve_native::cache_write, "key write plus the bounds of the touched pages");
   m.def("rebuild_bounds", &tinyserve_native::rebuild_bounds, "every page's bounds");
-  m.def("register_cpu_kernel", &tinyserve_native::register_cpu_kernel,
-        "make the native kernels the CPU kernels of tinyserve::sparse_decode and tinyserve::cache_write");
-  m.def("set_native_cache_write", &tinyserve_native::set_native_cache_write,
-        "route tinyserve::cache_write on CPU to its native kernel (True) or to its Python kernel (False)");
+  m.def("register_sparse_decode_cpu_kernel", &tinyserve_native::register_sparse_decode_cpu_kernel,
+        "make the native kernel the CPU kernel of tinyserve::sparse_decode");
+  m.def("register_cache_write_cpu_kernel", &tinyserve_native::register_cache_write_cpu_kernel,
+        "make the native kernel the CPU kernel of tinyserve::cache_write");
   m.def("register_autograd_passthrough", &tinyserve_native::register_autograd_passthrough,
         "C++ AutogradCPU kernels for the listed tinyserve ops (replacing custom_op's Python ones on CPU)");
   m.def("scheduling", &tinyserve_native::scheduling_name,

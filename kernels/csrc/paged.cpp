@@ -61,16 +61,15 @@ at::Tensor long_cpu(const at::Tensor& t, const char* name) {
 
 // the Python kernel of tinyserve::paged_sparse_decode: runs the `kernel` choices other than "auto" and "native"
 pybind11::object* fallback = nullptr;
-std::unique_ptr<torch::Library> cpu_library;
 
 at::Tensor paged_sparse_decode_cpu(const at::Tensor& q, const at::Tensor& k_tokens, const at::Tensor& v_tokens,
                                    const at::Tensor& page_rows, const at::Tensor& page_ids, const at::Tensor& seq_lens,
                                    const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs, double scale,
                                    c10::ArrayRef<int64_t> spec, c10::string_view kernel) {
-  // spec: page_size, token_budget, sink_pages, candidate_factor, candidate_extra, keep_tokens, bounds code
-  if ((kernel == "auto" || kernel == "native") && spec.size() == 7) {
-    return paged_sparse_decode(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, scale, spec[0],
-                               spec[1], spec[2], spec[3], spec[4], spec[5] != 0);
+  // a malformed spec goes to the Python kernel too, whose SelectionSpec.from_list names what is wrong
+  if ((kernel == "auto" || kernel == "native") && spec.size() == Spec::kFields) {
+    return paged_sparse_decode(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, scale,
+                               Spec::from_list(spec));
   }
   pybind11::gil_scoped_acquire gil;
   pybind11::object out = (*fallback)(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, scale,
@@ -83,8 +82,7 @@ at::Tensor paged_sparse_decode_cpu(const at::Tensor& q, const at::Tensor& k_toke
 at::Tensor paged_sparse_decode(const at::Tensor& q, const at::Tensor& k_tokens, const at::Tensor& v_tokens,
                                const at::Tensor& page_rows, const at::Tensor& page_ids, const at::Tensor& seq_lens,
                                const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs, double scale,
-                               int64_t page_size, int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
-                               int64_t candidate_extra, bool keep_tokens) {
+                               const Spec& spec) {
   // ---- shapes, dtypes, selection arguments
   TORCH_CHECK_VALUE(q.dim() == 4 && q.size(2) == 1 && q.device().is_cpu(),
                     "tinyserve.paged_sparse_decode (native): argument 'q' must be a CPU [R, Hq, 1, D] tensor, got ",
@@ -101,12 +99,12 @@ at::Tensor paged_sparse_decode(const at::Tensor& q, const at::Tensor& k_tokens, 
                     "tinyserve.paged_sparse_decode (native): arguments 'k_tokens'/'v_tokens' must have q's dtype ",
                     q.scalar_type());
   check_bounds(kmax, kmin, kabs, H, D);
-  const int64_t S = page_size;
-  TORCH_CHECK_VALUE(S > 0 && token_budget >= S && sink_pages >= 0 && candidate_factor >= 1 && candidate_extra >= 0 &&
-                        scale > 0,
+  const int64_t S = spec.page_size;
+  TORCH_CHECK_VALUE(S > 0 && spec.token_budget >= S && spec.sink_pages >= 0 && spec.candidate_factor >= 1 &&
+                        spec.candidate_extra >= 0 && scale > 0,
                     "tinyserve.paged_sparse_decode (native): bad selection arguments (page_size=", S,
-                    ", token_budget=", token_budget, ", sink_pages=", sink_pages, ", candidate_factor=",
-                    candidate_factor, ", candidate_extra=", candidate_extra, ", scale=", scale, ")");
+                    ", token_budget=", spec.token_budget, ", sink_pages=", spec.sink_pages, ", candidate_factor=",
+                    spec.candidate_factor, ", candidate_extra=", spec.candidate_extra, ", scale=", scale, ")");
   TORCH_CHECK_VALUE(page_rows.dim() == 2 && page_ids.sizes() == page_rows.sizes() && page_rows.size(0) == R,
                     "tinyserve.paged_sparse_decode (native): arguments 'page_rows' and 'page_ids' must be [R=", R,
                     ", P] of one shape, got ", page_rows.sizes(), " and ", page_ids.sizes());
@@ -139,8 +137,7 @@ at::Tensor paged_sparse_decode(const at::Tensor& q, const at::Tensor& k_tokens, 
   pt.ids = ip;
   pt.stride = P;
   pt.pages = P;
-  return sparse_decode_table(q, k_tokens, v_tokens, kmax, kmin, kabs, lens, pt, scale, S, token_budget, sink_pages,
-                             candidate_factor, candidate_extra, keep_tokens);
+  return sparse_decode_table(q, k_tokens, v_tokens, kmax, kmin, kabs, lens, pt, scale, spec);
 }
 
 at::Tensor paged_write(const at::Tensor& k_tokens, const at::Tensor& v_tokens, const at::Tensor& key,
@@ -228,12 +225,10 @@ void paged_bounds_rebuild(const at::Tensor& k_tokens, const at::Tensor& kmax, co
 }
 
 void register_paged_cpu_kernel(pybind11::object python_kernel) {
-  if (cpu_library) return;  // once per process
-  fallback = new pybind11::object(std::move(python_kernel));  // lives as long as the registration
-  cpu_library = std::make_unique<torch::Library>(torch::Library::IMPL, "tinyserve", c10::DispatchKey::CPU,
-                                                 __FILE__, __LINE__);
+  static std::unique_ptr<torch::Library> library;
   // boxed: reached with a generic list of SymInts for `spec` from Inductor's C++ wrapper (normalise_int_lists)
-  TINYSERVE_IMPL_INT_LIST_TOLERANT(*cpu_library, "paged_sparse_decode", TORCH_FN(paged_sparse_decode_cpu));
+  if (new_cpu_library(library, fallback, std::move(python_kernel)))
+    TINYSERVE_IMPL_INT_LIST_TOLERANT(*library, "paged_sparse_decode", TORCH_FN(paged_sparse_decode_cpu));
 }
 
 }  // namespace tinyserve_native

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "spec.h"
+
 namespace tinyserve_native {
 
 // sparse decode of rows q [R, Hq, 1, D] over a paged buffer k_tokens/v_tokens [N, Hkv, D] through their page tables
@@ -12,8 +14,7 @@ namespace tinyserve_native {
 at::Tensor paged_sparse_decode(const at::Tensor& q, const at::Tensor& k_tokens, const at::Tensor& v_tokens,
                                const at::Tensor& page_rows, const at::Tensor& page_ids, const at::Tensor& seq_lens,
                                const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs, double scale,
-                               int64_t page_size, int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
-                               int64_t candidate_extra, bool keep_tokens);
+                               const Spec& spec);
 
 // write key/value [T, Hkv, D] at buffer rows write_rows [T], rebuild the bounds of the touched pages, mark them fresh;
 // returns their physical ids, int64 [n] ascending

@@ -4,21 +4,20 @@
 
 #include <ATen/ATen.h>
 
+#include "spec.h"
+
 namespace tinyserve_native {
 
 // query-aware paged sparse decode attention of q against the paged KV cache
 at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                          const at::Tensor& valid_len, const c10::optional<at::Tensor>& attn_mask, double scale,
-                         int64_t page_size, int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
-                         const c10::optional<at::Tensor>& ctrl, int64_t candidate_extra, bool keep_tokens);
+                         const Spec& spec, const c10::optional<at::Tensor>& ctrl);
 
 // the pages sparse_decode attends: bool [B, Hkv, P]
 at::Tensor kept_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin,
                       const at::Tensor& kabs, const at::Tensor& valid_len, const c10::optional<at::Tensor>& attn_mask,
-                      double scale, int64_t page_size, int64_t token_budget, int64_t sink_pages,
-                      int64_t candidate_factor, const c10::optional<at::Tensor>& ctrl, int64_t candidate_extra,
-                      bool keep_tokens);
+                      double scale, const Spec& spec, const c10::optional<at::Tensor>& ctrl);
 
 // a page table over a paged buffer [N, Hkv, D]: page p of batch row b starts at buffer row rows[b * stride + p]
 // and has the bounds of physical page ids[b * stride + p] (bounds [NP, Hkv, D]); `pages` pages per row
@@ -32,8 +31,6 @@ struct PageTable {
 // (contiguous), kabs [NP, Hkv], seq_lens int64 [B]; the arguments are checked by the caller (paged.cpp)
 at::Tensor sparse_decode_table(const at::Tensor& q, const at::Tensor& k_tokens, const at::Tensor& v_tokens,
                                const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
-                               const at::Tensor& seq_lens, const PageTable& pt, double scale, int64_t page_size,
-                               int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
-                               int64_t candidate_extra, bool keep_tokens);
+                               const at::Tensor& seq_lens, const PageTable& pt, double scale, const Spec& spec);
 
 }  // namespace tinyserve_native

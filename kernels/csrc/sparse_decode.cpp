@@ -240,9 +240,9 @@ inline Plan& thread_plan() {
 template <typename T, typename BT>
 void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
                const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
-               const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget, int64_t sinks,
-               int64_t cf, int64_t extra, bool keep_tokens, bool force_dense, std::vector<float>& qbuf,
-               const PageTable* pt = nullptr) {
+               const c10::optional<at::Tensor>& attn_mask, double scale, const Spec& spec, bool force_dense,
+               std::vector<float>& qbuf, const PageTable* pt = nullptr) {
+  const int64_t S = spec.page_size;
   c.B = q.size(0);
   c.Hq = q.size(1);
   c.D = q.size(3);
@@ -251,11 +251,11 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
   c.G = c.Hq / c.Hkv;
   c.S = S;
   c.P = (c.L + S - 1) / S;
-  c.K = budget / S;
-  c.cf = cf;
-  c.n1 = cf * c.K + extra / S;  // reference.candidate_pages
-  c.keep_tokens = keep_tokens;
-  c.sinks = sinks;
+  c.K = spec.n_pages();
+  c.cf = spec.candidate_factor;
+  c.n1 = spec.n_candidates();
+  c.keep_tokens = spec.keep_tokens;
+  c.sinks = spec.sink_pages;
   c.nv = (c.D + VS - 1) / VS;
   c.Dp = c.nv * VS;
   c.scale = static_cast<float>(scale);
@@ -339,7 +339,7 @@ void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at
   const int64_t* vlp = vl.data_ptr<int64_t>();
   c.rows.resize(c.B);
   // a row whose valid pages all fit in the budget or are all candidates attends densely (SelectionSpec.n_dense_pages)
-  const int64_t n_dense = std::max(c.K, c.n1);
+  const int64_t n_dense = spec.n_dense_pages();
   for (int64_t b = 0; b < c.B; ++b) {
     const int64_t n = vlp[vl.numel() == 1 ? 0 : b];
     Row r;
@@ -825,14 +825,12 @@ struct Pipeline {
 template <typename T, typename BT>
 at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
                                const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
-                               const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
-                               int64_t sinks, int64_t cf, int64_t extra, bool keep_tokens, bool force_dense,
-                               const PageTable* pt = nullptr) {
+                               const c10::optional<at::Tensor>& attn_mask, double scale, const Spec& spec,
+                               bool force_dense, const PageTable* pt = nullptr) {
   TS_START();
   Ctx<T, BT> c;
   Plan& pl = thread_plan();
-  build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, extra, keep_tokens,
-            force_dense, pl.qbuf, pt);
+  build_ctx(c, q, k, v, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, force_dense, pl.qbuf, pt);
   at::Tensor out = at::empty({c.B, c.Hq, 1, c.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   Pipeline<T, BT> pipe(c, pl);
   pipe.out = out.data_ptr<T>();
@@ -847,12 +845,12 @@ at::Tensor sparse_decode_typed(const at::Tensor& q, const at::Tensor& k, const a
 template <typename T, typename BT>
 at::Tensor kept_pages_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& kmax, const at::Tensor& kmin,
                             const at::Tensor& kabs, const at::Tensor& valid_len,
-                            const c10::optional<at::Tensor>& attn_mask, double scale, int64_t S, int64_t budget,
-                            int64_t sinks, int64_t cf, int64_t extra, bool keep_tokens, bool force_dense) {
+                            const c10::optional<at::Tensor>& attn_mask, double scale, const Spec& spec,
+                            bool force_dense) {
+  const int64_t S = spec.page_size;
   Ctx<T, BT> c;
   Plan& pl = thread_plan();
-  build_ctx(c, q, k, k, kmax, kmin, kabs, valid_len, attn_mask, scale, S, budget, sinks, cf, extra, keep_tokens,
-            force_dense, pl.qbuf);
+  build_ctx(c, q, k, k, kmax, kmin, kabs, valid_len, attn_mask, scale, spec, force_dense, pl.qbuf);
   Pipeline<T, BT> pipe(c, pl);
   pipe.plan(false);
   pipe.run();
@@ -870,15 +868,15 @@ at::Tensor kept_pages_typed(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[kp[j]] = true;
     } else if (r.mode == TWO_TOPK) {
       // a kept candidate slot, or with keep_tokens the page of a kept token slot
-      for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[cd[keep_tokens ? kp[j] / S : kp[j]]] = true;
+      for (int64_t j = 0; j < pl.keptcnt[bh]; ++j) ob[cd[spec.keep_tokens ? kp[j] / S : kp[j]]] = true;
     }
   }
   return out;
 }
 
 void check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
-                       const at::Tensor& kmin, const at::Tensor& kabs, int64_t S, int64_t budget, int64_t sinks,
-                       int64_t cf, int64_t extra, double scale) {
+                       const at::Tensor& kmin, const at::Tensor& kabs, const Spec& spec, double scale) {
+  const int64_t S = spec.page_size, extra = spec.candidate_extra;
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "tinyserve.sparse_decode (native): q must be [B, Hq, 1, D]");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "tinyserve.sparse_decode (native): k_cache and v_cache must be ",
               "[B, Hkv, L, D] of one shape");
@@ -890,7 +888,7 @@ void check_decode_args(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               "tinyserve.sparse_decode (native): CPU tensors only");
   TORCH_CHECK(k.size(3) == 0 || (k.stride(3) == 1 && v.stride(3) == 1),
               "tinyserve.sparse_decode (native): k_cache and v_cache need a unit stride on D");
-  TORCH_CHECK(S > 0 && budget >= S && sinks >= 0 && cf >= 1 && scale > 0,
+  TORCH_CHECK(S > 0 && spec.token_budget >= S && spec.sink_pages >= 0 && spec.candidate_factor >= 1 && scale > 0,
               "tinyserve.sparse_decode (native): bad selection arguments");
   TORCH_CHECK_VALUE(extra >= 0, "tinyserve.sparse_decode (native): argument 'candidate_extra' must be >= 0 (tokens), ",
                     "got ", extra);
@@ -921,10 +919,8 @@ bool dense_flag(const c10::optional<at::Tensor>& ctrl) {
 at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                          const at::Tensor& valid_len, const c10::optional<at::Tensor>& attn_mask, double scale,
-                         int64_t page_size, int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
-                         const c10::optional<at::Tensor>& ctrl, int64_t candidate_extra, bool keep_tokens) {
-  check_decode_args(q, k_cache, v_cache, kmax, kmin, kabs, page_size, token_budget, sink_pages, candidate_factor,
-                    candidate_extra, scale);
+                         const Spec& spec, const c10::optional<at::Tensor>& ctrl) {
+  check_decode_args(q, k_cache, v_cache, kmax, kmin, kabs, spec, scale);
   const bool dense = dense_flag(ctrl);
   const at::Tensor M = kmax.contiguous(), m = kmin.contiguous(), a = kabs.contiguous();
   at::Tensor out;
@@ -932,9 +928,7 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
     using T = decltype(tag);
     dispatch_bt(M.scalar_type(), "tinyserve.sparse_decode (native)", [&](auto btag) {
       using BT = decltype(btag);
-      out = sparse_decode_typed<T, BT>(q, k_cache, v_cache, M, m, a, valid_len, attn_mask, scale, page_size,
-                                       token_budget, sink_pages, candidate_factor, candidate_extra, keep_tokens,
-                                       dense);
+      out = sparse_decode_typed<T, BT>(q, k_cache, v_cache, M, m, a, valid_len, attn_mask, scale, spec, dense);
     });
   });
   return out;
@@ -942,11 +936,8 @@ at::Tensor sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
 
 at::Tensor kept_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin,
                       const at::Tensor& kabs, const at::Tensor& valid_len, const c10::optional<at::Tensor>& attn_mask,
-                      double scale, int64_t page_size, int64_t token_budget, int64_t sink_pages,
-                      int64_t candidate_factor, const c10::optional<at::Tensor>& ctrl, int64_t candidate_extra,
-                      bool keep_tokens) {
-  check_decode_args(q, k_cache, k_cache, kmax, kmin, kabs, page_size, token_budget, sink_pages, candidate_factor,
-                    candidate_extra, scale);
+                      double scale, const Spec& spec, const c10::optional<at::Tensor>& ctrl) {
+  check_decode_args(q, k_cache, k_cache, kmax, kmin, kabs, spec, scale);
   const bool dense = dense_flag(ctrl);
   const at::Tensor M = kmax.contiguous(), m = kmin.contiguous(), a = kabs.contiguous();
   at::Tensor out;
@@ -954,8 +945,7 @@ at::Tensor kept_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::
     using T = decltype(tag);
     dispatch_bt(M.scalar_type(), "tinyserve.kept_pages (native)", [&](auto btag) {
       using BT = decltype(btag);
-      out = kept_pages_typed<T, BT>(q, k_cache, M, m, a, valid_len, attn_mask, scale, page_size, token_budget,
-                                    sink_pages, candidate_factor, candidate_extra, keep_tokens, dense);
+      out = kept_pages_typed<T, BT>(q, k_cache, M, m, a, valid_len, attn_mask, scale, spec, dense);
     });
   });
   return out;
@@ -963,17 +953,14 @@ at::Tensor kept_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
 at::Tensor sparse_decode_table(const at::Tensor& q, const at::Tensor& k_tokens, const at::Tensor& v_tokens,
                                const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
-                               const at::Tensor& seq_lens, const PageTable& pt, double scale, int64_t page_size,
-                               int64_t token_budget, int64_t sink_pages, int64_t candidate_factor,
-                               int64_t candidate_extra, bool keep_tokens) {
+                               const at::Tensor& seq_lens, const PageTable& pt, double scale, const Spec& spec) {
   at::Tensor out;
   dispatch_kv(q.scalar_type(), "tinyserve.paged_sparse_decode (native)", [&](auto tag) {
     using T = decltype(tag);
     dispatch_bt(kmax.scalar_type(), "tinyserve.paged_sparse_decode (native)", [&](auto btag) {
       using BT = decltype(btag);
-      out = sparse_decode_typed<T, BT>(q, k_tokens, v_tokens, kmax, kmin, kabs, seq_lens, c10::nullopt, scale,
-                                       page_size, token_budget, sink_pages, candidate_factor, candidate_extra,
-                                       keep_tokens, false, &pt);
+      out = sparse_decode_typed<T, BT>(q, k_tokens, v_tokens, kmax, kmin, kabs, seq_lens, c10::nullopt, scale, spec,
+                                       false, &pt);
     });
   });
   return out;

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import tinyserve_compile as tc
 from helpers import hf_decode, prompt, worst
+from kernel_checks import cache_write_path
 from models import VOCAB, gpt_fast_model
 from tinyserve_compile import runtime
 from tinyserve_compile.testing import reference_sparse_attention
@@ -304,7 +305,7 @@ def test_gpt_fast_int32_input_pos(path):
     calls = []
     torch_path = bounds_mod.CACHE_WRITE_IMPLS["torch"]
     with mock.patch.dict(bounds_mod.CACHE_WRITE_IMPLS, torch=lambda *a: calls.append(1) or torch_path(*a)), \
-            bounds_mod.use_cache_write_impl(path):
+            cache_write_path(path):
         compiled = torch.compile(model, backend="tinyserve", options=opts)
         got = gpt_fast_generate(model, compiled)
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), worst(got, ref)
@@ -330,7 +331,7 @@ def test_cache_write_op_takes_any_integer_positions(impl):
     calls = []
     torch_path = bounds_mod.CACHE_WRITE_IMPLS["torch"]
     with mock.patch.dict(bounds_mod.CACHE_WRITE_IMPLS, torch=lambda *a: calls.append(1) or torch_path(*a)), \
-            bounds_mod.use_cache_write_impl(impl):
+            cache_write_path(impl):
         for pos in (torch.tensor(13, dtype=torch.int32), torch.tensor([13], dtype=torch.int32), torch.tensor([13]),
                     torch.tensor(13, dtype=torch.int16)):
             c = cache.clone()

@@ -175,8 +175,7 @@ def run_native(c, q, k, v, vl, mask, bounds, scale, tmp_path=None):
 
     s = c.spec
     out = run_kernel("native", q, k, v, *bounds, vl, mask, scale, s)
-    pages = native_module().kept_pages(q, k, *bounds, vl, mask, scale, s.page_size, s.token_budget, s.sink_pages,
-                                       s.candidate_factor, None, s.candidate_extra, s.keep_tokens)
+    pages = native_module().kept_pages(q, k, *bounds, vl, mask, scale, s.to_list(), None)
     return out, pages, None
 
 

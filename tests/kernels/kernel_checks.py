@@ -5,8 +5,11 @@ mismatch (max abs error, its index, both values) when it fails.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from typing import Optional
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -137,3 +140,29 @@ def assert_equal_report(actual, expected, what):
     idx = tuple(int(i) for i in bad.nonzero()[0])
     raise AssertionError(f"{what}: {int(bad.sum())}/{a.numel()} differ; first at {idx}: "
                          f"actual={float(a[idx]):.8e} expected={float(e[idx]):.8e}")
+
+
+@contextlib.contextmanager
+def cache_write_path(name: str):
+    """Run ``tinyserve::cache_write`` through implementation ``name`` (a key of ``bounds.CACHE_WRITE_IMPLS``)
+    inside the block, on every device: the op's Python kernel picks ``name``, and on CPU, where the native module
+    makes its C++ kernel the op's CPU kernel, the Python kernel takes its place for the block (a registration of
+    this process, dropped on exit, which brings the C++ kernel back)."""
+    from tinyserve_compile.kernels import bounds
+    from tinyserve_compile.kernels.native import load_native
+
+    if name not in bounds.CACHE_WRITE_IMPLS:
+        raise ValueError(f"cache_write_path: argument 'name' must be one of {sorted(bounds.CACHE_WRITE_IMPLS)}, "
+                         f"got {name!r}")
+    with mock.patch.object(bounds, "cache_write_impl", lambda device: name):
+        if name == "native" or not load_native():
+            yield
+            return
+        lib = torch.library.Library("tinyserve", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point here
+            lib.impl("cache_write", bounds.python_cache_write_kernel, "CPU")
+        try:
+            yield
+        finally:
+            lib._destroy()

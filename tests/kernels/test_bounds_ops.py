@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_checks import DTYPES, make_gen, randn
+from kernel_checks import DTYPES, cache_write_path, make_gen, randn
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_, update_bounds_
 from tinyserve_compile.kernels import reference as ref
 
@@ -106,7 +106,7 @@ def test_opcheck_cache_write_torch_path(dtype):
     calls = []
     torch_path = bounds_mod.CACHE_WRITE_IMPLS["torch"]
     with mock.patch.dict(bounds_mod.CACHE_WRITE_IMPLS, torch=lambda *a: calls.append(1) or torch_path(*a)), \
-            bounds_mod.use_cache_write_impl("torch"):
+            cache_write_path("torch"):
         for stale, pos in ((1, torch.tensor([0, 5, 18])), (0, torch.tensor(6, dtype=torch.int32))):
             ctrl = torch.tensor([stale, 0], dtype=torch.int32)
             torch.library.opcheck(torch.ops.tinyserve.cache_write.default,

@@ -32,15 +32,18 @@ def _case(seed, B=2, Hkv=3, G=3, L=1024, D=64, S=8, valid=(1000, 700)):
     return q, k, v, vl, b
 
 
+def _spec(budget, cf, extra, keep_tokens):
+    return SelectionSpec(8, budget, 1, cf, extra, keep_tokens, torch.int8)
+
+
 def _native(q, k, v, vl, b, budget=128, cf=2, extra=64, keep_tokens=True):
     # q: [B, Hq, 1, D] fp32; k, v: [B, Hkv, L, D] fp32; vl: int64 [B]
-    return native_module().sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.125, 8, budget, 1, cf, None,
-                                         extra, keep_tokens)
+    return native_module().sparse_decode(q, k, v, b.kmax, b.kmin, b.kabs, vl, None, 0.125,
+                                         _spec(budget, cf, extra, keep_tokens).to_list(), None)
 
 
 def _reference(q, k, v, vl, b, budget=128, cf=2, extra=64, keep_tokens=True):
-    spec = SelectionSpec(8, budget, 1, cf, extra, keep_tokens, torch.int8)
-    return ref.sparse_decode_reference(q, k, v, vl, None, 0.125, spec, bounds=b)
+    return ref.sparse_decode_reference(q, k, v, vl, None, 0.125, _spec(budget, cf, extra, keep_tokens), bounds=b)
 
 
 @pytest.fixture

@@ -135,10 +135,8 @@ def test_long_context_selection_matches_the_reference(seed):
     scale = D**-0.5
     spec = SelectionSpec(S, 1024, 1, 1, 256, False, torch.int8)  # 128 + 32 candidate pages, no token keep
     m = native_module()
-    out = m.sparse_decode(q, k, v, bounds.kmax, bounds.kmin, bounds.kabs, vl, None, scale, S, 1024, 1, 1, None,
-                          256, False)
-    kept = m.kept_pages(q, k, bounds.kmax, bounds.kmin, bounds.kabs, vl, None, scale, S, 1024, 1, 1, None, 256,
-                        False)
+    out = m.sparse_decode(q, k, v, bounds.kmax, bounds.kmin, bounds.kabs, vl, None, scale, spec.to_list(), None)
+    kept = m.kept_pages(q, k, bounds.kmax, bounds.kmin, bounds.kabs, vl, None, scale, spec.to_list(), None)
     sel, unit = ref.choose(q, k, bounds, vl, None, scale, spec)
     tok = ref.selected_token_mask(sel, unit, L, vl)  # [B,Hkv,L]
     want_pages = tok.reshape(B, Hkv, L // S, S).any(-1)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kernel_checks import TOL, assert_close_report, dense_sdpa, make_gen, randn
 from tinyserve_compile.kernels import reference as ref
 from tinyserve_compile.kernels.native import load_native, native_module, native_unavailable_reason
-from tinyserve_compile.kernels.spec import SelectionSpec
+from tinyserve_compile.kernels.spec import BOUNDS_CODES, SelectionSpec
 
 pytestmark = pytest.mark.skipif(not load_native(), reason=f"native kernel unavailable: {native_unavailable_reason()}")
 
@@ -32,16 +32,22 @@ def _spec(S, budget, sinks, cf, extra=0, keep_tokens=False, bdt=torch.float32):
     return SelectionSpec(S, budget, sinks, cf, extra, keep_tokens, bdt)
 
 
+def _packed(kmax, S, budget, sinks, cf, extra, keep_tokens):
+    """The C++ functions' ``spec`` (SelectionSpec.to_list()), left unchecked so that bad values reach C++."""
+    code = BOUNDS_CODES.index(kmax.dtype) if kmax.dtype in BOUNDS_CODES else 0  # C++ reads kmax's own dtype
+    return [S, budget, sinks, cf, extra, int(keep_tokens), code]
+
+
 def _nat_decode(q, k, v, kmax, kmin, kabs, vl, mask, scale, S, budget, sinks, cf, ctrl, extra=0, keep_tokens=False):
     """The native kernel's entry point (the positional arguments of the C++ function)."""
-    return native_module().sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, float(scale), S, budget, sinks, cf, ctrl,
-                                         extra, keep_tokens)
+    return native_module().sparse_decode(q, k, v, kmax, kmin, kabs, vl, mask, float(scale),
+                                         _packed(kmax, S, budget, sinks, cf, extra, keep_tokens), ctrl)
 
 
 def _nat_kept(q, k, kmax, kmin, kabs, vl, mask, scale, S, budget, sinks, cf, ctrl, extra=0, keep_tokens=False):
     """The pages the native kernel keeps, bool ``[B, Hkv, P]``."""
-    return native_module().kept_pages(q, k, kmax, kmin, kabs, vl, mask, float(scale), S, budget, sinks, cf, ctrl,
-                                      extra, keep_tokens)
+    return native_module().kept_pages(q, k, kmax, kmin, kabs, vl, mask, float(scale),
+                                      _packed(kmax, S, budget, sinks, cf, extra, keep_tokens), ctrl)
 
 
 def _mask(kind, B, Hq, L, gen):
