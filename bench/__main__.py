@@ -2,7 +2,8 @@
 
 Each command runs the ``main(argv)`` of one module, imported only when the command is chosen, so a command
 whose module or dependencies are missing fails alone, with a message. ``python -m bench <command> --help``
-lists the command's options.
+lists the command's options; every command takes the flags of :mod:`bench.cli` (``--quick``, ``--out``,
+``--compare``, and ``--threads`` where a CPU run makes sense).
 """
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import importlib
 import os
 import sys
 
+from bench.cli import PRESETS
+
 #: command -> (module of bench/, what it measures)
 COMMANDS = {
-    "op": ("bench_op", "the sparse decode op alone against SDPA on this CPU (table, JSON/CSV/PNG)"),
-    "linear": ("bench_linear", "decode-shaped linears in GB/s of weight read: ATen, packed, the native GEMV"),
-    "decode": ("bench_decode", "decode ms/token: eager, inductor and tinyserve side by side"),
-    "onnx": ("bench_onnx", "decode ms/token in ONNX Runtime (dense and tinyserve exports) next to PyTorch"),
-    "gpu": ("bench_kernel_gpu", "the Triton kernels on a CUDA GPU: correctness, then timings against SDPA"),
+    "op": ("op", "the sparse decode op alone against SDPA on this CPU (table, JSON/CSV/PNG)"),
+    "linear": ("linear", "decode-shaped linears in GB/s of weight read: ATen, packed, the native GEMV"),
+    "decode": ("decode", "decode ms/token: eager, inductor and tinyserve side by side"),
+    "onnx": ("onnx_decode", "decode ms/token in ONNX Runtime (dense and tinyserve exports) next to PyTorch"),
+    "gpu": ("gpu", "the Triton kernels on a CUDA GPU: correctness, then timings against SDPA"),
     "accuracy": ("accuracy", "perplexity, passkey retrieval and diagnostics of the selections (SmolLM2)"),
     "study": ("study", "the selection study: quality against bytes over several windows of text"),
     "coverage": ("coverage", "every decoder-only HF architecture through the backend"),
@@ -34,6 +37,9 @@ def usage() -> str:
     lines = ["usage: python -m bench <command> [options]   (python -m bench <command> --help for its options)", "",
              "commands:"]
     lines += [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    lines += ["", "every command takes --quick (a short run), --out PATH (a folder or a .json path) and",
+              "--compare '{\"option\": value, ...}' (TinyServeConfig options, or a preset: "
+              + ", ".join(PRESETS) + ") run side by side", "with the defaults; --threads where a CPU run makes sense."]
     return "\n".join(lines)
 
 

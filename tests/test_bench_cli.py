@@ -102,7 +102,7 @@ def test_harness_defaults_are_the_config():
 
 
 def test_gpu_bench_defaults_are_the_config():
-    from bench import bench_kernel_gpu as g
+    from bench import gpu as g
 
     config = TinyServeConfig()
     assert set(g.SETTING_FIELDS.values()) == set(SELECTION) - {"token_budget"}  # the budget is the shape's
@@ -113,7 +113,7 @@ def test_gpu_bench_defaults_are_the_config():
 
 
 def test_op_bench_defaults_are_the_config():
-    from bench import bench_op
+    from bench import op as bench_op
 
     config = TinyServeConfig()
     assert set(bench_op.SETTING_FIELDS.values()) == set(SELECTION)
@@ -132,7 +132,7 @@ def test_onnx_profile_is_opt_in(tmp_path):
     common = ["--model", "tiny", "--contexts", "100", "--budget", "32", "--steps", "1", "--rounds", "1",
               "--warmup", "1", "--providers", "ort-dense", "--export-dir", str(tmp_path / "exports")]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    code = "import json, sys; from bench.bench_onnx import main; print(json.dumps(main(sys.argv[1:])))"
+    code = "import json, sys; from bench.onnx_decode import main; print(json.dumps(main(sys.argv[1:])))"
     plain = subprocess.run([sys.executable, "-c", code, *common], capture_output=True, text=True, cwd=work, env=env,
                            timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]

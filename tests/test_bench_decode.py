@@ -1,4 +1,4 @@
-"""bench/bench_decode.py on a tiny random Llama: the record schema, the outputs, the prefill snapshot, and
+"""bench/decode.py on a tiny random Llama: the record schema, the outputs, the prefill snapshot, and
 that the left-padded batch rows decode exactly like each row alone. No timing is asserted."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from bench import bench_decode as bd  # noqa: E402
+from bench import decode as bd  # noqa: E402
 
 OPTS = {"token_budget": 16, "page_size": 8, "candidate_extra": 16, "lower": "eager"}  # sparse at 64 tokens
 #: every record carries these, with these types

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 pytest.importorskip("transformers")
 
-from bench import bench_decode as bd  # noqa: E402
+from bench import decode as bd  # noqa: E402
 from bench import llamacpp as lc  # noqa: E402
 
 OPTS = {"token_budget": 16, "page_size": 8, "lower": "eager"}

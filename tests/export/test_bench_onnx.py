@@ -1,4 +1,4 @@
-"""bench/bench_onnx.py runs end to end on a tiny model and reports every requested provider."""
+"""bench/onnx_decode.py runs end to end on a tiny model and reports every requested provider."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_onnx_dry_run(tmp_path, capsys):
     sys.path.insert(0, str(ROOT))
-    from bench.bench_onnx import main
+    from bench.onnx_decode import main
 
     out = tmp_path / "onnx.json"
     rows = main(["--model", "tiny", "--contexts", "100", "--budget", "32", "--steps", "1", "--rounds", "1",

@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 
 from bench import cli
-from bench.bench_decode import model_for, read_bandwidth_gbs, weight_bytes
+from bench.decode import model_for, read_bandwidth_gbs, weight_bytes
 from bench.output import write_rows
 from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.cost import kv_bytes_per_token
