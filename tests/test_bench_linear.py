@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_linear import run, table  # noqa: E402
+from bench.linear import run, table  # noqa: E402
 from tinyserve_compile.kernels.linear import load_native_linear  # noqa: E402
 
 
