@@ -22,7 +22,7 @@ process that spins one core (at nice ``--busy-nice``, 0 by default: it competes
 as an equal) for at most ``--busy-seconds``. The native kernel schedules its
 work by the machine's load by default (``at::parallel_for`` idle, its own pool
 while the machine is oversubscribed); for tinyserve the demo also times each of
-the two forced (``TINYSERVE_NATIVE_SCHED=pool`` / ``=omp``), idle and busy, side
+the two forced (``pool`` / ``omp``, by ``set_scheduling``), idle and busy, side
 by side in the same run.
 OpenMP's wait policy (Inductor's kernels and ATen run on OpenMP) is read once
 at start-up: set ``OMP_WAIT_POLICY=passive`` in the environment to compare.
@@ -240,20 +240,18 @@ def _window(name: str, times: List[float], compiled: Dict[str, int]) -> dict:
 
 def _timed(step, cache, last: int, a, wname: str, sched: Optional[str], busy: bool, watch: CompileWatch):
     """One timed window from token ``last``: native scheduling ``sched`` (None: the default), a neighbour if ``busy``."""
-    old = os.environ.get("TINYSERVE_NATIVE_SCHED")
-    if sched:
-        os.environ["TINYSERVE_NATIVE_SCHED"] = sched
+    from tinyserve_compile.kernels.native import native_module
+
+    native = native_module() if sched else None  # loaded by the warm-up's compiled steps
+    old = native.set_scheduling(sched) if native is not None else None
     try:
         with BusyNeighbour(a.busy_seconds, a.busy_nice) if busy else contextlib.nullcontext():
             watch.mark()
             more, times = decode_steps(step, cache, torch.tensor([[last]]), a.steps)
             return more, _window(wname, times, watch.since())
     finally:
-        if sched:
-            if old is None:
-                os.environ.pop("TINYSERVE_NATIVE_SCHED", None)
-            else:
-                os.environ["TINYSERVE_NATIVE_SCHED"] = old
+        if native is not None:
+            native.set_scheduling(old)
 
 
 def run_provider(name: str, step: Callable, cache, first: torch.Tensor, a, eos: int, tok) -> dict:

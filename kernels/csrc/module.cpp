@@ -38,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "C++ AutogradCPU kernels for the listed tinyserve ops (replacing custom_op's Python ones on CPU)");
   m.def("scheduling", &tinyserve_native::scheduling_name,
         "which threads run the kernels' items: omp, pool, or auto and its current choice");
+  m.def("set_scheduling", &tinyserve_native::set_scheduling,
+        "force omp or pool, or auto, from now on (TINYSERVE_NATIVE_SCHED at load); returns the previous setting");
   m.def("paged_sparse_decode", &tinyserve_native::paged_sparse_decode, "sparse decode through page tables");
   m.def("paged_write", &tinyserve_native::paged_write, "paged key/value write plus the bounds of the touched pages");
   m.def("paged_bounds_rebuild", &tinyserve_native::paged_bounds_rebuild, "bounds of listed pages of a paged buffer");

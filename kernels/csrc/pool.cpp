@@ -1,6 +1,7 @@
 // The item-claiming thread pool: the shared instance, claiming items, helper threads (see pool.h).
 #include "pool.h"
 
+#include <c10/util/Exception.h>
 #include <sched.h>
 
 #include <cstdio>
@@ -60,14 +61,22 @@ void Pool::helper(int64_t id) {
 
 namespace {
 
-// 0: auto, 1: omp, 2: pool (TINYSERVE_NATIVE_SCHED, read at every call so that a test or a benchmark can switch)
-int forced_scheduling() {
-  const char* s = std::getenv("TINYSERVE_NATIVE_SCHED");
-  if (s == nullptr) return 0;
+// 0: auto, 1: omp, 2: pool, by name (anything else: -1)
+int scheduling_code(const char* s) {
+  if (std::strcmp(s, "auto") == 0) return 0;
   if (std::strcmp(s, "omp") == 0) return 1;
   if (std::strcmp(s, "pool") == 0) return 2;
-  return 0;
+  return -1;
 }
+
+// the forced scheduling: TINYSERVE_NATIVE_SCHED, read once when the module loads (an unknown value: auto), then
+// what set_scheduling sets
+std::atomic<int> forced{[] {
+  const char* s = std::getenv("TINYSERVE_NATIVE_SCHED");
+  return s == nullptr ? 0 : std::max(0, scheduling_code(s));
+}()};
+
+int forced_scheduling() { return forced.load(std::memory_order_relaxed); }
 
 // the cores this process may run on
 int usable_cores() {
@@ -109,6 +118,13 @@ Sched scheduling() {
     busy_score.store(over ? std::min(s + 1, 4) : std::max(s - 1, 0), std::memory_order_relaxed);
   }
   return busy_score.load(std::memory_order_relaxed) >= 2 ? Sched::kPool : Sched::kOmp;
+}
+
+std::string set_scheduling(const std::string& name) {
+  const int code = scheduling_code(name.c_str());
+  TORCH_CHECK_VALUE(code >= 0, "set_scheduling: argument 'name' must be auto, omp or pool, got ", name);
+  static const char* const names[] = {"auto", "omp", "pool"};
+  return names[forced.exchange(code, std::memory_order_relaxed)];
 }
 
 const char* scheduling_name() {

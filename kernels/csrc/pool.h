@@ -13,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -43,7 +44,8 @@ inline int64_t chunk_size(int64_t total, int64_t min_chunk, int64_t align) {
 // Helpers start at the first parallel call (never at load), spin for 20 us when idle, then sleep on a condition
 // variable (a sleeping helper neither holds a core that Inductor's OpenMP threads need between the kernel's calls,
 // nor loses its turn to a process that spins on its core); a forked child starts its own. One caller at a time: a second concurrent caller runs its items itself.
-// TINYSERVE_NATIVE_SCHED=omp (read at each call) runs the same claiming inside at::parallel_for instead.
+// TINYSERVE_NATIVE_SCHED=omp (read at load; set_scheduling below) runs the same claiming inside at::parallel_for
+// instead.
 // ------------------------------------------------------------------------------------------------------------
 
 inline void cpu_relax() {
@@ -121,13 +123,16 @@ class Pool {
 //   pool: the item-claiming Pool above; the caller waits only for items a helper has claimed, so a thread that
 //         another process descheduled delays one item, not the call. On an idle machine its helpers compete with
 //         OpenMP's spinning workers for the cores (about 0.4 ms per call at 8K on 2 cores).
-// TINYSERVE_NATIVE_SCHED=omp or =pool forces one; by default (auto) the pool runs while the machine is
+// TINYSERVE_NATIVE_SCHED=omp or =pool, read once when the module loads, forces one (set_scheduling changes it in a
+// running process); by default (auto) the pool runs while the machine is
 // oversubscribed (more runnable tasks than this process may use cores, sampled from /proc/loadavg every 50 ms,
 // with hysteresis) and OpenMP otherwise.
 enum class Sched { kOmp, kPool };
 Sched scheduling();
 // "omp", "pool" or "auto", and what auto chose last
 const char* scheduling_name();
+// force "omp" or "pool", or let "auto" choose, from now on in this process; returns the previous setting's name
+std::string set_scheduling(const std::string& name);
 
 // f(i) for i in [0, n), items claimed one at a time by at most at::get_num_threads() threads
 template <typename F>

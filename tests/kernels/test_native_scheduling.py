@@ -1,13 +1,16 @@
 """How the native kernel schedules its work: its own thread pool, ``at::parallel_for``, one thread, many callers.
 
-``TINYSERVE_NATIVE_SCHED=pool`` and ``=omp`` split the work into the same chunks, so with the same thread count
-their outputs are bitwise equal (the default, auto, picks one of the two by the machine's load); every output is also checked against the reference. Skipped, with
-the build's reason, only where the native kernel cannot be built.
+The two forced schedulings, pool and omp (``TINYSERVE_NATIVE_SCHED`` at load, or ``set_scheduling``), split the work
+into the same chunks, so with the same thread count their outputs are bitwise equal (the default, auto, picks one of
+the two by the machine's load); every output is also checked against the reference. Skipped, with the build's
+reason, only where the native kernel cannot be built.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -47,6 +50,14 @@ def _reference(q, k, v, vl, b, budget=128, cf=2, extra=64, keep_tokens=True):
 
 
 @pytest.fixture
+def scheduling():
+    """``scheduling(name)`` forces the native kernels' scheduling (``auto``, ``omp`` or ``pool``) for the test."""
+    before = native_module().set_scheduling("auto")
+    yield native_module().set_scheduling
+    native_module().set_scheduling(before)
+
+
+@pytest.fixture
 def two_threads():
     old = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -55,11 +66,11 @@ def two_threads():
 
 
 @pytest.mark.parametrize("keep_tokens", [False, True])
-def test_pool_and_parallel_for_agree_bitwise(two_threads, monkeypatch, keep_tokens):
+def test_pool_and_parallel_for_agree_bitwise(two_threads, scheduling, keep_tokens):
     args = _case(1)
-    monkeypatch.setenv("TINYSERVE_NATIVE_SCHED", "pool")
+    scheduling("pool")
     pooled = _native(*args, keep_tokens=keep_tokens)
-    monkeypatch.setenv("TINYSERVE_NATIVE_SCHED", "omp")
+    scheduling("omp")
     omp = _native(*args, keep_tokens=keep_tokens)
     assert torch.equal(pooled, omp)
     assert_close_report(pooled, _reference(*args, keep_tokens=keep_tokens), *TOL[torch.float32], "pool")
@@ -110,13 +121,13 @@ def test_concurrent_callers(two_threads):
     assert not errors and not bad, (errors, bad)
 
 
-def test_bounds_rebuild_pool_and_parallel_for(two_threads, monkeypatch):
+def test_bounds_rebuild_pool_and_parallel_for(two_threads, scheduling):
     gen = make_gen(3)
     k = randn((2, 3, 4096, 64), gen)
     want = ref.page_bounds(k, 8, dtype=torch.float32)
     outs = []
     for sched in ("pool", "omp"):
-        monkeypatch.setenv("TINYSERVE_NATIVE_SCHED", sched)
+        scheduling(sched)
         kmax, kmin, kabs = torch.empty_like(want.kmax), torch.empty_like(want.kmin), torch.empty_like(want.kabs)
         native_module().rebuild_bounds(k, kmax, kmin, kabs, 8)
         outs.append((kmax, kmin, kabs))
@@ -125,18 +136,38 @@ def test_bounds_rebuild_pool_and_parallel_for(two_threads, monkeypatch):
 
 
 
-def test_scheduling_names(monkeypatch):
-    monkeypatch.delenv("TINYSERVE_NATIVE_SCHED", raising=False)
+def test_scheduling_names(scheduling):
+    scheduling("auto")
     assert native_module().scheduling().startswith("auto (")
     for forced in ("omp", "pool"):
-        monkeypatch.setenv("TINYSERVE_NATIVE_SCHED", forced)
+        assert scheduling(forced) in ("auto", "omp")  # the previous setting
         assert native_module().scheduling() == forced
+    with pytest.raises(ValueError, match="name"):
+        scheduling("threads")
+
+
+@pytest.mark.parametrize("env", ["pool", "bogus"])
+def test_environment_is_read_once_at_load(env, tmp_path):
+    """``TINYSERVE_NATIVE_SCHED`` sets the scheduling when the module loads (an unknown value: auto); changing the
+    variable later in the process changes nothing (set_scheduling does)."""
+    code = ("import os; from tinyserve_compile.kernels.native import load_native, native_module; "
+            "assert load_native(); m = native_module(); print(m.scheduling()); "
+            "os.environ['TINYSERVE_NATIVE_SCHED'] = 'pool' if m.scheduling() == 'omp' else 'omp'; print(m.scheduling())")
+    env_vars = dict(os.environ, TINYSERVE_NATIVE_SCHED=env)
+    out = subprocess.run([sys.executable, "-c", code], env=env_vars, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = out.stdout.split("\n")[:2]
+    if env == "bogus":  # auto's own choice may change between the two reads: only the setting is compared
+        assert first.startswith("auto (") and second.startswith("auto ("), (first, second)
+    else:
+        assert first == second == env, (first, second)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="no /proc/loadavg to read the machine's load from")
-def test_auto_takes_the_pool_on_an_oversubscribed_machine(monkeypatch):
+def test_auto_takes_the_pool_on_an_oversubscribed_machine(scheduling):
     """With more spinning processes than usable cores, auto switches to the pool within a few 50 ms samples."""
-    monkeypatch.delenv("TINYSERVE_NATIVE_SCHED", raising=False)
+    scheduling("auto")
     n = len(os.sched_getaffinity(0)) + 2
     stop = multiprocessing.get_context("spawn").Event()
     spinners = [multiprocessing.get_context("spawn").Process(target=_spin, args=(stop,), daemon=True)
