@@ -40,8 +40,6 @@ from ._node_meta import fake
 
 __all__ = ["decode_linear"]
 
-#: group bias-free linears that share an input into one call (False: one call per linear, for A/B measurements)
-GROUP_SHARED_INPUTS = True
 #: call targets of a linear in a dynamo graph
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
@@ -258,7 +256,7 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
     if config.lower == "tensorrt":
         report["reason"] = "lower='tensorrt' compiles the linears itself"
         return gm
-    grouped_calls = GROUP_SHARED_INPUTS and bool(int4_calls) and load_native_linear() and \
+    grouped_calls = bool(int4_calls) and load_native_linear() and \
         _group_int4_calls(graph, int4_calls, report)
     candidates = []
     for n in linears:
@@ -275,7 +273,7 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
     for n in candidates:
         x, w, b = _linear_args(n)
         fw = fake(w)
-        if b is None and GROUP_SHARED_INPUTS:
+        if b is None:
             key = (x, "int4", int(fw.block_size[1])) if _is_int4_opaque(fw) else (x, "gemv", fw.dtype)
             groups.setdefault(key, []).append(n)
     order = {n: i for i, n in enumerate(graph.nodes)}
