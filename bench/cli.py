@@ -89,7 +89,7 @@ def parse(ap: argparse.ArgumentParser, argv=None, compare: Optional[str] = None)
     a = ap.parse_args(argv)
     if compare is not None and a.compare is not None:
         ap.error(f"argument --compare: {compare}")
-    if getattr(a, "threads", None):
+    if isinstance(getattr(a, "threads", None), int):  # a command timing several counts takes a list and sets each
         import torch
 
         torch.set_num_threads(a.threads)

@@ -173,3 +173,20 @@ def test_report_of_the_stored_study(tmp_path, capsys):
                   if t["variant"] == f"pages {c.page_size}, sink {c.sink_pages}, c={c.candidate_factor} "
                                      f"+{c.candidate_extra}, keep tokens, int8 bounds"]
     assert all(checked["met"].values()), checked
+
+
+def test_a_list_of_thread_counts_is_left_to_the_command():
+    # bench linear times several thread counts (--threads 1 2); parse must not hand the list to set_num_threads
+    import torch
+
+    from bench import cli
+
+    ap = cli.parser("linear", "test", threads=False)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    before = torch.get_num_threads()
+    assert cli.parse(ap, ["--threads", "1", "2"]).threads == [1, 2]
+    assert torch.get_num_threads() == before
+    one = cli.parser("op", "test")
+    cli.parse(one, ["--threads", "1"])
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(before)
