@@ -1019,7 +1019,8 @@ def main(argv=None):
                keep_going=a.keep_going)
     machine = machine_fields()
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else \
-        f"{platform.machine()} CPU ({machine['cpu']}, {machine['isa']})"
+        (f"{platform.machine()} CPU ({machine['cpu']}, {machine['isa']}; ran with ATen {machine['aten_isa']}, "
+         f"native {machine['native_isa']})")
     for r in rows:
         r.update(machine)  # the ISA with every figure (the host CPU's, for a GPU run)
     print(f"# {time.strftime('%Y-%m-%d %H:%M %Z')} {dev}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "

@@ -276,7 +276,8 @@ def main(argv=None) -> int:
     bw = read_bandwidth_gbs(mb=256)
     machine = machine_fields()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()} "
-          f"({os.cpu_count()} cpus, {machine['cpu']}, {machine['isa']}); read bandwidth (sum over 256 MB) {bw:.1f} GB/s")
+          f"({os.cpu_count()} cpus, {machine['cpu']}, {machine['isa']}, ATen {machine['aten_isa']}, "
+          f"native {machine['native_isa']}); read bandwidth (sum over 256 MB) {bw:.1f} GB/s")
     print("sparse kernel: " + ("native (tinyserve::sparse_decode, kernel=native)" if native else
                                f"PyTorch path (native unavailable: {native_unavailable_reason()})"))
     q = torch.randn(1, HQ, 1, D)

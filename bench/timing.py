@@ -208,5 +208,13 @@ def cpu_model() -> str:
 
 
 def machine_fields() -> Dict[str, str]:
-    """What every benchmark row records about the CPU it ran on: ``cpu`` (model) and ``isa`` (:func:`cpu_isa`)."""
-    return {"cpu": cpu_model(), "isa": cpu_isa()}
+    """What every benchmark row records about the CPU it ran on: ``cpu`` (model), ``isa`` (the CPU's,
+    :func:`cpu_isa`), and the vector ISA the code ran with, which can be forced lower than the CPU's:
+    ``aten_isa`` (ATen's CPU capability, ``ATEN_CPU_CAPABILITY``) and ``native_isa`` (the native kernels' build,
+    ``TINYSERVE_NATIVE_ISA``)."""
+    import torch
+
+    from tinyserve_compile.kernels.native import native_isa
+
+    return {"cpu": cpu_model(), "isa": cpu_isa(), "aten_isa": torch.backends.cpu.get_cpu_capability(),
+            "native_isa": native_isa()}

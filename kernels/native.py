@@ -86,6 +86,12 @@ def _isa(flags: set) -> str:
     return "default"
 
 
+def native_isa() -> str:
+    """The vector ISA the native kernels are built for here: ``"avx512"``, ``"avx2"`` or ``"default"`` (the CPU's,
+    or ``TINYSERVE_NATIVE_ISA``'s when set)."""
+    return _isa(_cpu_flags())
+
+
 def _flags(isa: str):
     """Compiler and linker flags for ``isa``."""
     cflags = ["-O3", "-fopenmp", "-DNDEBUG", "-fno-math-errno"]

@@ -132,6 +132,7 @@ def test_inductor_options_and_module_guards_in_rows(tmp_path):
     from bench.timing import cpu_isa
 
     assert all(r["isa"] == cpu_isa() and r["cpu"] for r in by.values())  # every figure says where it was measured
+    assert all(r["aten_isa"] == torch.backends.cpu.get_cpu_capability() and r["native_isa"] for r in by.values())
 
 
 @pytest.mark.parametrize("flags, isa", [
