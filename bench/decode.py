@@ -1021,8 +1021,8 @@ def main(argv=None):
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else \
         (f"{platform.machine()} CPU ({machine['cpu']}, {machine['isa']}; ran with ATen {machine['aten_isa']}, "
          f"native {machine['native_isa']})")
-    for r in rows:
-        r.update(machine)  # the ISA with every figure (the host CPU's, for a GPU run)
+    for r in rows:  # the ISA with every figure (the host CPU's, for a GPU run); a llama.cpp row keeps its build's
+        r.update({k: v for k, v in machine.items() if k not in r})
     print(f"# {time.strftime('%Y-%m-%d %H:%M %Z')} {dev}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, commit {_commit()}, {a.steps} steps x {a.rounds} rounds per point, "
           f"{time.perf_counter() - t0:.0f} s")

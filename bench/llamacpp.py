@@ -42,13 +42,14 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-__all__ = ["CONFIGS", "parse_configs", "quantize_command", "convert_gguf", "gguf_shape", "kv_bytes",
+__all__ = ["CONFIGS", "parse_configs", "quantize_command", "convert_gguf", "gguf_shape", "kv_bytes", "system_isa",
            "llama_bench_command", "parse_llama_bench_json", "LlamaCppProvider", "LlamaBenchProvider",
            "add_arguments", "providers_from_args", "markdown_tables"]
 
@@ -169,6 +170,24 @@ def kv_bytes(n_layers: int, n_kv_heads: int, head_dim: int, context: int, kv_typ
     return 2 * n_layers * n_kv_heads * head_dim * context * KV_ITEMSIZE[kv_type]
 
 
+def system_isa(info: str) -> str:
+    """The vector ISA a llama.cpp build runs, from its system info (``llama_print_system_info``: ``"CPU : SSE3 = 1
+    | AVX2 = 1 | FMA = 1 | AVX512 = 0 | ..."``), in :func:`bench.timing.cpu_isa`'s words (``"AVX2"``,
+    ``"AVX-512 (VNNI, BF16)"``...). A build without ``-march=native`` runs the ISA it was configured for, which
+    can be lower than the CPU's; ``"unknown"`` when the text names no feature."""
+    from bench.timing import cpu_isa
+
+    on = {m.group(1) for m in re.finditer(r"([A-Z0-9_]+)\s*=\s*1\b", info)}
+    if not re.search(r"[A-Z0-9_]+\s*=\s*[01]\b", info):
+        return "unknown"
+    flags = set()
+    if "AVX512" in on:
+        flags |= {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    flags |= {flag for key, flag in (("AVX512_VNNI", "avx512_vnni"), ("AVX512_BF16", "avx512_bf16"),
+                                      ("AVX2", "avx2"), ("FMA", "fma")) if key in on}
+    return cpu_isa(flags)
+
+
 def llama_bench_command(binary: str, gguf_path: str, context: int, steps: int, threads: int, kv_type: str) -> List[str]:
     """One llama-bench round: fill ``context`` tokens (``-d``), time ``steps`` generated tokens, JSON out."""
     return [binary, "-m", gguf_path, "-p", "0", "-n", str(steps), "-d", str(context), "-t", str(threads),
@@ -209,6 +228,7 @@ class _Base:
         self.shape = gguf_shape(gguf_path)
         self.fill_s = 0.0
         self.context = 0
+        self.isa = "unknown"  # the ISA llama.cpp runs (system_isa); the bench binary does not say
 
     def supports(self, batch: int) -> bool:
         return batch == 1
@@ -231,7 +251,7 @@ class _Base:
                                        sort_keys=True),
                     sparse_sites=0, dense_sites=0, native_kernel="", timed_bounds_rebuilds=0,
                     kv_bytes_per_step=kv, weight_bytes=s["weight_bytes"], floor_ms=floor_ms,
-                    pct_of_floor=floor_ms / ms * 100, cold_compile=False)
+                    pct_of_floor=floor_ms / ms * 100, cold_compile=False, aten_isa="", native_isa=self.isa)
 
 
 class LlamaCppProvider(_Base):
@@ -270,6 +290,7 @@ class LlamaCppProvider(_Base):
 
         self.close()
         self.context = context
+        self.isa = system_isa(llama_cpp.llama_print_system_info().decode(errors="replace"))
         self.llm = llama_cpp.Llama(
             model_path=self.gguf_path, n_ctx=context + n_pos + 1, n_batch=N_BATCH, n_ubatch=N_BATCH,
             n_threads=self.threads, n_threads_batch=self.threads, flash_attn=True,
@@ -408,7 +429,8 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
         log(f"# llama.cpp providers skipped: llama-cpp-python is not importable ({e}); install it with "
             f"'pip install llama-cpp-python' (builds llama.cpp from source) or pass --llamacpp-bench PATH")
         return []
-    log(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__}, {threads} threads, flash attention, "
+    isa = system_isa(llama_cpp.llama_print_system_info().decode(errors="replace"))
+    log(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__} built for {isa}, {threads} threads, flash attention, "
         f"configs {', '.join(configs)}")
     paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], None, threads, log) for c in configs}
     state = getattr(a, "llamacpp_state", None)

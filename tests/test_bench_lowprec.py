@@ -129,6 +129,20 @@ def test_gguf_shape_and_record_of_the_smollm2_file():
     assert r["kv_bytes_per_step"] == lc.kv_bytes(30, 3, 64, 2048, "f16")
     assert r["floor_ms"] == pytest.approx((s["weight_bytes"] + r["kv_bytes_per_step"]) / 40e9 * 1e3)
     assert json.loads(r["options"])["type_k"] == "f16" and r["weights"] == "Q4_1"
+    assert r["native_isa"] == "unknown" and r["aten_isa"] == ""  # llama-bench does not say what it was built for
+
+
+def test_system_isa_reads_what_llama_cpp_was_built_for():
+    """A llama.cpp row records the ISA of its build, not the CPU's: an AVX2 build on an AVX-512 CPU says AVX2."""
+    avx512 = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | "
+              "AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
+    assert lc.system_isa(avx512) == "AVX-512 (VNNI, BF16)"
+    assert lc.system_isa(avx512.replace("AVX512_BF16 = 1", "AVX512_BF16 = 0")) == "AVX-512 (VNNI)"
+    avx2 = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | OPENMP = 1 |"
+    assert lc.system_isa(avx2) == "AVX2"
+    assert lc.system_isa(avx2 + " AVX512 = 0 | AVX512_VNNI = 0 |") == "AVX2"
+    assert lc.system_isa("CPU : SSE3 = 1 | SSSE3 = 1 | OPENMP = 1 |") == "baseline"
+    assert lc.system_isa("") == "unknown"
 
 
 def _ns(**kw):
