@@ -177,9 +177,10 @@ def system_isa(info: str) -> str:
     can be lower than the CPU's; ``"unknown"`` when the text names no feature."""
     from bench.timing import cpu_isa
 
-    on = {m.group(1) for m in re.finditer(r"([A-Z0-9_]+)\s*=\s*1\b", info)}
-    if not re.search(r"[A-Z0-9_]+\s*=\s*[01]\b", info):
+    named = dict(re.findall(r"([A-Z0-9_]+)\s*=\s*([01])\b", info))
+    if not named:
         return "unknown"
+    on = {key for key, value in named.items() if value == "1"}
     flags = set()
     if "AVX512" in on:
         flags |= {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -260,8 +261,9 @@ class LlamaCppProvider(_Base):
     way = "llama-cpp-python"
 
     def __init__(self, config: str, gguf_path: str, threads: int, prompt: Callable[[int], List[int]],
-                 state_dir: Optional[str] = None):
+                 state_dir: Optional[str] = None, isa: str = "unknown"):
         super().__init__(config, gguf_path, threads)
+        self.isa = isa  # system_isa of the loaded llama-cpp-python, read once by providers_from_args
         self.prompt = prompt
         self.state_dir = state_dir
         self.llm = None
@@ -290,7 +292,6 @@ class LlamaCppProvider(_Base):
 
         self.close()
         self.context = context
-        self.isa = system_isa(llama_cpp.llama_print_system_info().decode(errors="replace"))
         self.llm = llama_cpp.Llama(
             model_path=self.gguf_path, n_ctx=context + n_pos + 1, n_batch=N_BATCH, n_ubatch=N_BATCH,
             n_threads=self.threads, n_threads_batch=self.threads, flash_attn=True,
@@ -435,7 +436,7 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
     paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], None, threads, log) for c in configs}
     state = getattr(a, "llamacpp_state", None)
     state_dir = None if state in (None, "", "none") else state
-    return [LlamaCppProvider(c, paths[c], threads, prompt, state_dir) for c in configs]
+    return [LlamaCppProvider(c, paths[c], threads, prompt, state_dir, isa) for c in configs]
 
 
 # ------------------------------------------------------------------------------------------------ tables

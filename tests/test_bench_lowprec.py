@@ -145,6 +145,33 @@ def test_system_isa_reads_what_llama_cpp_was_built_for():
     assert lc.system_isa("") == "unknown"
 
 
+class _FixedLlamaBench(lc.LlamaBenchProvider):
+    """A llama-bench provider that runs no binary: every step takes 10 ms."""
+
+    def _run(self, steps):
+        return [0.010] * steps
+
+
+def test_bench_decode_keeps_a_llama_cpp_rows_own_isa(tmp_path, monkeypatch):
+    # bench decode adds the machine's fields to every row; a llama.cpp row keeps the ISA of its build
+    pytest.importorskip("gguf")
+    from tinyserve_compile.kernels.native import native_isa
+    from tinyserve_compile.smollm2 import smollm2_gguf_path
+
+    fake = _FixedLlamaBench("Q4_1/F16", str(smollm2_gguf_path()), 2, "unused")
+    fake.isa = "AVX2"  # as a build for AVX2 on this CPU would say
+    monkeypatch.setattr(bd.llamacpp, "providers_from_args", lambda a, prompt, threads: [fake])
+    out = tmp_path / "ll.json"
+    bd.main(["--model", "tiny", "--contexts", "64", "--batches", "1", "--providers", "eager", "--llamacpp", "Q4_1/F16",
+             "--options", json.dumps(OPTS), "--steps", "2", "--rounds", "1", "--warmup", "1",
+             "--prefill-cache", str(tmp_path / "snap"), "--out", str(out)])
+    rows = {r["provider"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"eager", "llama.cpp Q4_1/F16"}
+    assert rows["llama.cpp Q4_1/F16"]["native_isa"] == "AVX2" and rows["llama.cpp Q4_1/F16"]["aten_isa"] == ""
+    assert rows["eager"]["native_isa"] == native_isa() and rows["eager"]["aten_isa"]
+    assert rows["llama.cpp Q4_1/F16"]["isa"] == rows["eager"]["isa"]  # the CPU's, on every row
+
+
 def _ns(**kw):
     return argparse.Namespace(**dict(dict(llamacpp=None, llamacpp_bench=None, llamacpp_dir="unused"), **kw))
 
