@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from ._node_meta import ancestors, example_value, fake, hint, is_inplace
-from ._views import CacheLayout, coordinate_code, replay, trace_view_chain, views_of
+from ._views import CacheLayout, coordinate_code, is_written_in_place, replay, trace_view_chain, views_of
 
 
 @dataclass
@@ -266,11 +266,6 @@ def cache_writes(base: fx.Node, layout: Optional[CacheLayout] = None
             elif all(w.node is not x.node for x in writes):
                 writes.append(w)
     return writes, unknown
-
-
-def is_written_in_place(node: fx.Node) -> bool:
-    """True when a graph input is mutated in place by the graph (a cache buffer)."""
-    return any(is_inplace(u) and u.args and u.args[0] is v for v in views_of(node) for u in v.users)
 
 
 def is_sliding_window_write(base: fx.Node, node: fx.Node) -> bool:

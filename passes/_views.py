@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 import torch.fx as fx
 
-from ._node_meta import example_value, fake, hint, returns_self
+from ._node_meta import example_value, fake, hint, is_inplace, returns_self
 
 #: view-like steps allowed between a cache buffer and the K/V argument of SDPA;
 #: the chain is then checked semantically (see :func:`cache_layout`)
@@ -46,8 +46,25 @@ def _tensor_inputs(node: fx.Node) -> List[fx.Node]:
     return flat
 
 
+def is_buffer_node(node: fx.Node) -> bool:
+    """A tensor that outlives the graph: a graph input, or a tensor attribute that the graph writes in place.
+
+    torch 2.8's Dynamo installs a tensor marked with ``torch._dynamo.mark_static_address`` (guarded, as HF's
+    ``StaticCache`` marks its layers) as a ``get_attr`` of the graph module, the tensor itself, not as an input;
+    torch 2.9 and later make it an input. A ``get_attr`` that nothing writes in place (a constant) is not a buffer.
+    """
+    if node.op == "placeholder":
+        return True
+    return node.op == "get_attr" and fake(node) is not None and is_written_in_place(node)
+
+
+def is_written_in_place(node: fx.Node) -> bool:
+    """True when the graph mutates ``node``'s tensor in place, directly or through a view (a cache buffer)."""
+    return any(is_inplace(u) and u.args and u.args[0] is v for v in views_of(node) for u in v.users)
+
+
 def trace_view_chain(node: fx.Node) -> Tuple[Optional[fx.Node], List[fx.Node]]:
-    """Walk up view-like steps from ``node`` to a graph input.
+    """Walk up view-like steps from ``node`` to a graph input (or a written tensor attribute, :func:`is_buffer_node`).
 
     Size arguments (SymInt nodes) may appear in the steps; a step with a second
     tensor operand ends the walk. An in-place method (``index_copy_``,
@@ -57,12 +74,12 @@ def trace_view_chain(node: fx.Node) -> Tuple[Optional[fx.Node], List[fx.Node]]:
     Returns
     -------
     (base, chain)
-        ``base`` is the placeholder reached (or None), ``chain`` the view steps
+        ``base`` is the placeholder or ``get_attr`` reached (or None), ``chain`` the view steps
         from base (exclusive) to ``node`` (inclusive), in execution order.
     """
     chain: List[fx.Node] = []
     cur = node
-    while cur.op != "placeholder":
+    while not is_buffer_node(cur):
         if returns_self(cur):  # x.index_copy_(...) and friends return x itself: an alias, not a new value
             chain.append(cur)
             cur = cur.args[0]

@@ -30,9 +30,10 @@ from typing import Any, List, Optional, Tuple
 
 import torch.fx as fx
 
-from ._cache_writes import CacheWrite, cache_writes, describe_write, is_sliding_window_write, is_written_in_place
+from ._cache_writes import CacheWrite, cache_writes, describe_write, is_sliding_window_write
 from ._node_meta import SDPA_TARGETS, ancestors, fake, is_dtensor, node_order, same_int, sdpa_args, size_node
-from ._views import CacheLayout, cache_layout, first_non_view, layout_name, trace_view_chain
+from ._views import (CacheLayout, cache_layout, first_non_view, is_buffer_node, is_written_in_place, layout_name,
+                     trace_view_chain)
 
 __all__ = ["AttentionSite", "find_decode_attention"]
 
@@ -54,6 +55,7 @@ class AttentionSite:
     kv_len: Any = None  #: keys read when SDPA reads a ``[:n]`` prefix (an int or a SymInt node), else None
     positions: Any = None  #: node holding the written positions (set by the write pass)
     bounds: Any = None  #: the kmax, kmin, kabs, ctrl placeholders of the key cache (set by the write pass)
+    slot: Optional[int] = None  #: index of the key cache's BoundsSlot in ``gm.meta["tinyserve_bounds"]`` (write pass)
     args: dict = field(default_factory=dict)
 
     @property
@@ -68,8 +70,8 @@ class AttentionSite:
     def describe(self) -> dict:
         out = {"index": self.index, "node": self.node.name, "query_len": self.query_len, "status": self.status,
                "reason": self.reason}
-        if self.k_base is not None:
-            out["cache"] = self.k_base.name
+        if self.k_base is not None:  # a tensor attribute by its path (torch 2.8: ...layers_3_keys), an input by name
+            out["cache"] = self.k_base.target if self.k_base.op == "get_attr" else self.k_base.name
         if self.k_layout is not None and self.k_layout.perm is not None:
             out["layout"] = layout_name(self.k_layout.perm)
         return out
@@ -98,7 +100,7 @@ def _not_a_view_reason(node) -> str:
     if what == "cat":
         return ("K/V are not views of a graph input: built by torch.cat each step "
                 "(a DynamicCache-style cache, no persistent buffer)")
-    caches = [a for a in ancestors(stop) if a.op == "placeholder" and is_written_in_place(a)]
+    caches = [a for a in ancestors(stop) if is_buffer_node(a) and is_written_in_place(a)]
     if caches and what in _CONVERSIONS and isinstance(stop.args[0], fx.Node) and \
             trace_view_chain(stop.args[0])[0] in caches:
         return (f"K/V are not views of a graph input: the cache buffer is converted by {what} each step "

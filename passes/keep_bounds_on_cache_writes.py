@@ -50,6 +50,13 @@ def _positions(graph: fx.Graph, site, device) -> fx.Node:
     return graph.call_function(torch.arange, (start, stop), {"device": device, "dtype": torch.int64})
 
 
+def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    obj = gm
+    for name in target.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
 def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
     sites = gm.meta.get("tinyserve_sites", [])
     graph = gm.graph
@@ -62,13 +69,16 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
         if not wanted:
             continue
         if site.k_base in done:
-            site.positions, site.bounds = done[site.k_base]
+            site.positions, site.bounds, site.slot = done[site.k_base]
             continue
         w = site.k_write
         cache = fake(site.k_base)
         device = cache.device
-        slot = runtime.BoundsSlot(placeholders.index(site.k_base), site.k_layout.full(cache), cache.dtype,
-                                  config.page_size, config.bounds_torch_dtype, perm=w.perm, rows=w.batch)
+        # a graph input, or (torch 2.8) the tensor attribute itself, which the graph holds for its life
+        index, attr = ((placeholders.index(site.k_base), None) if site.k_base.op == "placeholder"
+                       else (None, _attr(gm, site.k_base.target)))
+        slot = runtime.BoundsSlot(index, site.k_layout.full(cache), cache.dtype, config.page_size,
+                                  config.bounds_torch_dtype, perm=w.perm, rows=w.batch, attr=attr)
         nodes = []
         # example values in the cache's fake mode (Dynamo's), as fake as the rest: no device memory for metadata
         mode = getattr(cache, "fake_mode", None)
@@ -99,7 +109,7 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
         for extra in w.extra_nodes:
             if not extra.users:
                 graph.erase_node(extra)
-        site.positions, site.bounds = done[site.k_base] = pos, nodes
+        site.positions, site.bounds, site.slot = done[site.k_base] = pos, nodes, len(slots) - 1
     graph.lint()
     gm.recompile()
     return gm

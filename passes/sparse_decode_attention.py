@@ -61,7 +61,6 @@ def _mask_and_valid_len(graph: fx.Graph, shared: dict, site, attn_mask, k: fx.No
 def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
     graph = gm.graph
     shared = {}  # (mask node, prefix length, cache length, device) -> (mask, valid length) of sites sharing them
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     slots = gm.meta.get("tinyserve_bounds", [])
     replaced = {}  # an erased site node -> the op call that replaced it (a later site may read it, e.g. as its query)
     for site in gm.meta.get("tinyserve_sites", []):
@@ -73,7 +72,7 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
         a = {name: replaced.get(x, x) if isinstance(x, fx.Node) else x for name, x in site.args.items()}
         q = fake(a["query"])
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(int(q.shape[-1]))
-        slot_i = next(i for i, sl in enumerate(slots) if sl.input_index == placeholders.index(site.k_base))
+        slot_i = site.slot
         slots[slot_i] = dataclasses.replace(slots[slot_i], decode_sites=slots[slot_i].decode_sites + 1)
         kmax, kmin, kabs, ctrl = site.bounds
         query_aware = config.policy == "query_aware"

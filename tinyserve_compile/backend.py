@@ -181,6 +181,27 @@ def _finish_dynamo_metadata(gm: torch.fx.GraphModule) -> None:
             node._dynamo_source = None
 
 
+def _check_freezing(gm: torch.fx.GraphModule, config: TinyServeConfig) -> None:
+    """Refuse Inductor's freezing for a graph that writes a tensor attribute in place.
+
+    torch 2.8's Dynamo installs a tensor marked with ``mark_static_address`` (HF's ``StaticCache`` layers) as a
+    ``get_attr`` of the graph; freezing folds attributes as constants, so the cache writes are lost and decode
+    gives wrong tokens (stock ``torch.compile`` too). torch 2.9 makes such tensors graph inputs.
+    """
+    from tinyserve_compile.passes._views import is_written_in_place
+    import torch._inductor.config as inductor_config
+
+    opts = config.inductor_options or {}
+    if config.lower != "inductor" or not opts.get("freezing", inductor_config.freezing):
+        return
+    written = [n.target for n in gm.graph.find_nodes(op="get_attr") if is_written_in_place(n)]
+    if written:
+        raise ValueError(f"tinyserve option 'inductor_options' freezing=True: the graph writes tensor attributes "
+                         f"in place ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}; torch "
+                         f"{torch.__version__.split('+')[0]}'s Dynamo makes static-address caches attributes), and "
+                         f"freezing folds them as constants, losing the writes: needs torch >= 2.9, or freezing off")
+
+
 def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: Optional[dict] = None,
                       mode: Optional[str] = None, **unused) -> Callable:
     """Dynamo backend: rewrite decode-mode SDPA into paged sparse attention, then lower.
@@ -202,6 +223,7 @@ def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], optio
 
     config = TinyServeConfig.from_options(options)
     config.cudagraphs_requested(mode)  # a bad mode raises before any work
+    _check_freezing(gm, config)
     gm = run_passes(_copy(gm), config)
     _finish_dynamo_metadata(gm)
     record_graph(gm, config)
@@ -213,7 +235,7 @@ def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], optio
                                  f"stays dense: {site.reason}")
     slots = gm.meta.get("tinyserve_bounds", [])
     # each buffer's bounds (and on CUDA its ctrl) live on the buffer's device
-    extra = [t for slot in slots for t in slot.example_inputs(example_inputs[slot.input_index].device)]
+    extra = [t for slot in slots for t in slot.example_inputs(slot.cache(example_inputs).device)]
     cudagraphs, why_not = _cudagraphs_decision(gm, example_inputs, config, mode)
     record_cudagraphs(info, cudagraphs, why_not)
     if cudagraphs:

@@ -89,8 +89,8 @@ class BoundsSlot:
 
     Attributes
     ----------
-    input_index : int
-        Position of the buffer among the graph's inputs.
+    input_index : int or None
+        Position of the buffer among the graph's inputs; None when the graph reads it as a tensor attribute.
     shape : tuple
         ``(B, Hkv, L, D)`` of the cache as the ops see it.
     dtype : torch.dtype
@@ -104,9 +104,12 @@ class BoundsSlot:
         Permutation from the buffer to ``[B, Hkv, L, D]`` (None: the buffer is in that layout).
     rows : int or None
         The ops read rows ``[:rows]`` of the buffer's batch dim (None: all of them).
+    attr : torch.Tensor or None
+        The buffer itself when the graph reads it as a ``get_attr`` (torch 2.8's Dynamo installs a tensor marked
+        with ``mark_static_address`` so, guarded by identity), else None.
     """
 
-    input_index: int
+    input_index: Optional[int]
     shape: Tuple[int, ...]
     dtype: torch.dtype
     page_size: int
@@ -114,6 +117,11 @@ class BoundsSlot:
     decode_sites: int = 0
     perm: Optional[Tuple[int, ...]] = None
     rows: Optional[int] = None
+    attr: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+
+    def cache(self, args: Sequence) -> torch.Tensor:
+        """The key-cache buffer of a call with inputs ``args``."""
+        return self.attr if self.input_index is None else args[self.input_index]
 
     def example_inputs(self, device) -> List[torch.Tensor]:
         """Zero ``kmax, kmin, kabs, ctrl`` of the right shapes, for lowering the graph.
@@ -305,7 +313,7 @@ def enter(slots: Sequence[BoundsSlot], args: Sequence, dense_layers: int) -> Lis
     """
     extra: List[torch.Tensor] = []
     for slot in slots:
-        cache = args[slot.input_index]
+        cache = slot.cache(args)
         st = _STATES.get(id(cache))
         if st is not None and st.cache_ref() is cache:
             _NEXT_RANK[0] = 0  # a ranked buffer: the next new one starts a new cache's layers
@@ -336,7 +344,7 @@ def enter(slots: Sequence[BoundsSlot], args: Sequence, dense_layers: int) -> Lis
 def leave(slots: Sequence[BoundsSlot], args: Sequence) -> None:
     """After a compiled call returned: record each written buffer's version."""
     for slot in slots:
-        cache = args[slot.input_index]
+        cache = slot.cache(args)
         v = tensor_version(cache)
         st = _STATES[id(cache)]
         st.version = -1 if v is None else v
