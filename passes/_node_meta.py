@@ -40,7 +40,10 @@ def is_dtensor(t: Any) -> bool:
 def hint(x: Any) -> Any:
     """A concrete int for an int or SymInt (its size hint); anything else unchanged."""
     if isinstance(x, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        try:
+            from torch.fx.experimental.symbolic_shapes import optimization_hint
+        except ImportError:  # torch 2.8 names it hint_int
+            from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
 
         return int(optimization_hint(x))
     return x

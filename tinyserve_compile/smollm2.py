@@ -47,17 +47,21 @@ def load_smollm2(dtype=None, attn_implementation: str = "sdpa") -> Tuple[object,
     (model, tokenizer)
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_gguf_path()
     folder, name = str(path.parent), path.name
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # transformers 5 asks for dequantized weights with a GgufConfig; 4.x has none and always dequantizes GGUF
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    quant = {"quantization_config": gguf_config(dequantize=True)} if gguf_config is not None else {}
     model = AutoModelForCausalLM.from_pretrained(
         folder,
         gguf_file=name,
         attn_implementation=attn_implementation,
-        quantization_config=GgufConfig(dequantize=True),
         dtype=dtype or torch.float32,
+        **quant,
     )
     model.eval()
     return model, tok
