@@ -104,7 +104,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from bench import cli, llamacpp
-from bench.harness import allocate_cache, cache_kwarg
+from bench.harness import allocate_cache, cache_kwarg, set_cache_length
 from bench.timing import machine_fields, read_bandwidth_gbs, step_profile, sync_fn
 from bench.weights import WEIGHTS, is_int4_linear, prepare_weights, tensor_nbytes, weights_dtype
 from tinyserve_compile.cost import kv_bytes_per_token
@@ -272,7 +272,7 @@ def fill_cache(cache, model, model_name: str, lens: Sequence[int], fill: str, sn
         for r, n in enumerate(lens):
             layer.keys[r, :, ctx - n: ctx].copy_(k[0, :, :n])
             layer.values[r, :, ctx - n: ctx].copy_(v[0, :, :n])
-        layer.cumulative_length.fill_(ctx)
+        set_cache_length(layer, ctx)
     del snap
 
 
@@ -545,7 +545,7 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
 
     def rollback():
         for layer in cache.layers:
-            layer.cumulative_length.fill_(ctx)
+            set_cache_length(layer, ctx)
 
     def step(name, i):
         if wants_cudagraphs(name):  # a new step: the previous replay's outputs may be overwritten (HF, gpt-fast)

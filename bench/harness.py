@@ -53,6 +53,17 @@ def cache_kwarg(model) -> str:
 
 
 @torch.no_grad()
+def set_cache_length(layer, n: int) -> None:
+    """Tell a static cache layer that its first ``n`` positions are written.
+
+    Later transformers 5 releases keep a ``cumulative_length`` tensor; 4.57 and 5.0 have none and count the
+    non-zero keys instead, so zeroed positions past ``n`` say it already.
+    """
+    length = getattr(layer, "cumulative_length", None)
+    if length is not None:
+        length.fill_(n)
+
+
 def allocate_cache(model, cache, batch: int = 1) -> None:
     """Allocate the layers of a static ``cache`` (transformers creates them lazily, at the first update: ``keys``
     is None until then, in 5.17 as in 5.24) by one decode step of ``batch`` rows at position 0, then roll the
@@ -69,7 +80,7 @@ def allocate_cache(model, cache, batch: int = 1) -> None:
     for layer in cache.layers:
         layer.keys.zero_()
         layer.values.zero_()
-        layer.cumulative_length.zero_()
+        set_cache_length(layer, 0)
 
 
 @dataclass(frozen=True)
@@ -244,7 +255,7 @@ class EvalModel:
             if getattr(layer, "keys", None) is not None:
                 layer.keys.zero_()
                 layer.values.zero_()
-                layer.cumulative_length.zero_()
+                set_cache_length(layer, 0)
         self.pos = 0
         n = ids.shape[1]
         with self.active():
@@ -272,7 +283,7 @@ class EvalModel:
             layer.values.zero_()
             layer.keys[:, :, :n].copy_(k)
             layer.values[:, :, :n].copy_(v)
-            layer.cumulative_length.fill_(n)
+            set_cache_length(layer, n)
         self.pos = self.n_prefill = n
         self.bounds.clear()
 
@@ -282,7 +293,7 @@ class EvalModel:
         for layer in self.cache.layers:
             layer.keys[:, :, n:].zero_()
             layer.values[:, :, n:].zero_()
-            layer.cumulative_length.fill_(n)
+            set_cache_length(layer, n)
         self.pos = n
         self.cfg = cfg
         self.collect = collect

@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from bench import cli
+from bench.harness import set_cache_length
 from bench.decode import model_for, read_bandwidth_gbs, weight_bytes
 from bench.output import write_rows
 from tinyserve_compile.config import TinyServeConfig
@@ -89,7 +90,7 @@ def _filled_cache(model, ctx: int, length: int, seed: int = 0):
         for buf in (layer.keys, layer.values):
             buf.zero_()
             buf[:, :, :ctx].copy_(torch.randn(buf[:, :, :ctx].shape, generator=g))
-        layer.cumulative_length.fill_(ctx)  # the next write goes to slot ctx
+        set_cache_length(layer, ctx)  # the next write goes to slot ctx
     return cache
 
 

@@ -23,7 +23,8 @@ def hf_config(family: str):
     if family == "gemma":
         return tf.GemmaConfig(num_key_value_heads=1, head_dim=16, **common)
     if family == "phi":
-        return tf.PhiConfig(num_key_value_heads=4, **common)
+        # pad_token_id as every other version defaults it: transformers 5.0's PhiModel reads it, its PhiConfig lacks it
+        return tf.PhiConfig(num_key_value_heads=4, pad_token_id=None, **common)
     if family == "gpt2":
         return tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=512)
     raise ValueError(f"unknown family {family!r}")
