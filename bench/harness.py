@@ -52,7 +52,6 @@ def cache_kwarg(model) -> str:
     raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
 
 
-@torch.no_grad()
 def set_cache_length(layer, n: int) -> None:
     """Tell a static cache layer that its first ``n`` positions are written.
 
@@ -64,6 +63,7 @@ def set_cache_length(layer, n: int) -> None:
         length.fill_(n)
 
 
+@torch.no_grad()
 def allocate_cache(model, cache, batch: int = 1) -> None:
     """Allocate the layers of a static ``cache`` (transformers creates them lazily, at the first update: ``keys``
     is None until then, in 5.17 as in 5.24) by one decode step of ``batch`` rows at position 0, then roll the

@@ -25,6 +25,7 @@ in-place updates by the write op do not make it skip CUDA graphs.
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.fx as fx
@@ -50,13 +51,6 @@ def _positions(graph: fx.Graph, site, device) -> fx.Node:
     return graph.call_function(torch.arange, (start, stop), {"device": device, "dtype": torch.int64})
 
 
-def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    obj = gm
-    for name in target.split("."):
-        obj = getattr(obj, name)
-    return obj
-
-
 def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
     sites = gm.meta.get("tinyserve_sites", [])
     graph = gm.graph
@@ -76,7 +70,7 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
         device = cache.device
         # a graph input, or (torch 2.8) the tensor attribute itself, which the graph holds for its life
         index, attr = ((placeholders.index(site.k_base), None) if site.k_base.op == "placeholder"
-                       else (None, _attr(gm, site.k_base.target)))
+                       else (None, operator.attrgetter(site.k_base.target)(gm)))
         slot = runtime.BoundsSlot(index, site.k_layout.full(cache), cache.dtype, config.page_size,
                                   config.bounds_torch_dtype, perm=w.perm, rows=w.batch, attr=attr)
         nodes = []
