@@ -5,7 +5,8 @@
 bound over the pages of its own history, and attend exactly over what it selects
 (:mod:`tinyserve_compile.kernels.paged_sparse_decode`). ``disable_continuous_batching(model)`` undoes it.
 
-What enabling does, and why each piece is needed (transformers 5.24):
+What enabling does, and why each piece is needed (transformers 5.19 to 5.25; older versions lay out CB's cache
+differently and are refused):
 
 * **The attention function.** ``"tinyserve_paged"`` is registered in transformers' ``AttentionInterface`` and set
   as the model's attention implementation. CB then builds no block-diagonal mask (it builds one only for ``sdpa``
@@ -16,7 +17,8 @@ What enabling does, and why each piece is needed (transformers 5.24):
   is wrapped for that). Every row reads
   only its own request's pages: nothing gathers every request's history.
 * **The cache write.** ``PagedAttentionCache.update`` writes the new keys and values and then gathers every
-  request's whole history with ``index_select``. For models that are enabled, it is replaced by a write that also
+  request's whole history with ``index_select`` (5.24 and later call it from the model before attention; 5.19 to
+  5.23 hand the cache to the attention function, which calls it). For models that are enabled, it is replaced by a write that also
   rebuilds the bounds of the pages it touches, and no gather. Bounds live with the paged buffer, one set per layer,
   keyed by physical page id; they are allocated at the first write. CB's ``page_size`` must be a multiple of
   tinyserve's ``page_size`` (each CB page holds several tinyserve pages).
@@ -66,7 +68,7 @@ __all__ = [
 #: the attention implementation name registered in transformers' ``AttentionInterface``
 ATTENTION_NAME = "tinyserve_paged"
 #: ``major.minor`` versions of transformers whose CB internals this module was written and tested against
-SUPPORTED_TRANSFORMERS = ("5.24", "5.25")
+SUPPORTED_TRANSFORMERS = ("5.19", "5.20", "5.21", "5.22", "5.23", "5.24", "5.25")
 
 
 @dataclass
@@ -384,6 +386,12 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
         ``[1, T, Hq, D]``, dtype of ``query``.
     """
     call: Optional[_LayerCall] = kwargs.get("tinyserve_paged")
+    cache = kwargs.get("cache")
+    if call is None and cache is not None and hasattr(cache, "layer_to_allocator"):
+        # transformers 5.19-5.23: the model hands CB's cache to the attention function, which writes it (5.24 and
+        # later: the model writes it first, and the write left ``tinyserve_paged`` in these kwargs)
+        cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+        call = kwargs.get("tinyserve_paged")
     if call is None:
         raise RuntimeError("the 'tinyserve_paged' attention runs only under continuous batching with "
                            "tinyserve_compile.enable_continuous_batching(model)")

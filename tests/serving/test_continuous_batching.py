@@ -171,10 +171,12 @@ def test_enable_is_explicit_and_reversible(model):
 def test_unsupported_transformers_version_is_refused(model, monkeypatch):
     import transformers
 
-    monkeypatch.setattr(transformers, "__version__", "5.23.1")
-    with pytest.raises(RuntimeError, match=r"supports transformers 5\.24\.x.*installed: 5\.23\.1"):
-        tc.enable_continuous_batching(model)
-    assert not cbm.continuous_batching_enabled(model)
+    for older_or_newer in ("5.18.0", "5.26.0"):
+        monkeypatch.setattr(transformers, "__version__", older_or_newer)
+        expected = rf"supports transformers 5\.19\.x.*5\.25\.x.*installed: {older_or_newer}"
+        with pytest.raises(RuntimeError, match=expected):
+            tc.enable_continuous_batching(model)
+        assert not cbm.continuous_batching_enabled(model)
 
 
 def test_bad_models_and_options_are_refused_by_name(model):
