@@ -4,6 +4,7 @@
 #           the whole conformance table, and the backend on HF models' decode loops and generate() (their caches are
 #           graph attributes on torch 2.8), and litgpt's growing cache prefix;
 #   newest: the newest torch release (2.15): the native build, the native kernel tests, the native conformance rows;
+#           then, in the same virtualenv, continuous batching on the oldest transformers it supports (5.19);
 #   isa:    in the main virtualenv, the native kernel built without AVX-512 (TINYSERVE_NATIVE_ISA=avx2, as an
 #           AVX2-only CPU builds it, with ATen on AVX2 too) and portable (=default, x86-64-v2), each through its kernel tests.
 # PIP_CONFIG_FILE=/dev/null lifts this machine's local pip cap (torch<=2.14.1) for these installs only.
@@ -14,6 +15,8 @@ ROOT=${CI_VENVS:-.ci-venvs}
 PIP_NET="--retries 10 --timeout 60"  # several GB of CUDA wheels from the index: ride out a slow or dropped connection
 NATIVE_TESTS=(tests/kernels/test_native_sparse_decode.py tests/kernels/test_native_bounds.py
               tests/kernels/test_autograd_passthrough.py tests/kernels/test_native_build_failure.py)
+CB_TESTS=(tests/serving/test_continuous_batching.py tests/serving/test_paged_sparse_decode.py
+          tests/serving/test_paged_native.py)
 HF_TESTS=(tests/backend/test_hf_models.py tests/backend/test_smollm2.py::test_generate_static_cache_with_backend_matches_reference
           tests/backend/test_attr_buffers.py tests/backend/test_cache_idioms.py::test_litgpt_generate_matches_reference_and_dense)
 
@@ -37,6 +40,11 @@ ok = n.load_native(); print('torch', torch.__version__, 'transformers', transfor
         "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/conformance
     else  # the native kernel's rows of it (the other implementations are torch's own and Triton's, tested above)
         "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/conformance -k native
+    fi
+    if [ "$name" = newest ]; then  # CB's lower bound: 5.19-5.23 write the paged cache from the attention function
+        PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "transformers==5.19.*"
+        "$venv/bin/python" -c "import transformers; print('transformers', transformers.__version__)"
+        "$venv/bin/python" -m pytest -q -p no:cacheprovider "${CB_TESTS[@]}"
     fi
     echo "=== matrix edge '$name' passed in $(( $(date +%s) - t0 )) s"
 }
