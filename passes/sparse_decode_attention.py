@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -37,19 +38,33 @@ def _erase_dead_chain(graph: fx.Graph, node) -> None:
         todo.extend(inputs)
 
 
+#: view ops whose result depends only on their arguments: two of them on the same input with the same arguments are
+#: the same mask (transformers 4.x slices the decode mask to the key length in every layer)
+_MASK_VIEWS = (operator.getitem, torch.ops.aten.slice.Tensor, torch.ops.aten.expand.default,
+               torch.ops.aten.view.default)
+
+
+def _mask_identity(mask: fx.Node):
+    """A key equal for mask nodes that are the same view of the same node, else ``mask`` itself."""
+    if isinstance(mask, fx.Node) and mask.op == "call_function" and mask.target in _MASK_VIEWS and mask.args:
+        return (_mask_identity(mask.args[0]), mask.target, repr(mask.args[1:]), repr(mask.kwargs))
+    return mask
+
+
 def _mask_and_valid_len(graph: fx.Graph, shared: dict, site, attn_mask, k: fx.Node, device, lower: str):
     """The mask and int64 ``[1]`` valid length a rewritten site passes to its op, inserted before ``site.node``.
 
     A mask over a ``[:n]`` prefix read is padded to the cache length ("not attended" past n). Sites that read
     one mask node with one prefix length and cache length (every layer of an HF model shares its decode mask)
     share one valid length, inserted before the first of them (sites are visited in graph order, so it
-    precedes the others), instead of one reduction of the mask per site. Lowered by Inductor, they also share
+    precedes the others), instead of one reduction of the mask per site. Masks that are the same view of one node
+    (transformers 4.x slices the decode mask in every layer) count as one mask node. Lowered by Inductor, they also share
     one contiguous copy of the mask (:func:`compact_mask`) instead of one copy per site.
     """
     length = site.k_layout.full(fake(site.k_base))[2]
     if attn_mask is None:  # no mask: the valid length is the keys read (a constant or a size, nothing to share)
         return None, decode_valid_len(graph, k, None, site.kv_len, device)
-    key = (attn_mask, site.kv_len, length, device)
+    key = (_mask_identity(attn_mask), site.kv_len, length, device)
     if key not in shared:
         mask = pad_mask(graph, attn_mask, site.kv_len, length)
         if lower == "inductor":
