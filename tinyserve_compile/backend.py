@@ -61,11 +61,11 @@ _SKIP_LOG = _CudagraphSkipLog()
 
 
 def _watch_cudagraph_skips() -> None:
-    """Attach :data:`_SKIP_LOG` to Inductor's CUDA-graph logger (once)."""
-    try:  # the logger object itself where the module has one
-        from torch._inductor.cudagraph_utils import cudagraphs_log as log
-    except ImportError:  # pragma: no cover - a torch without it
-        log = logging.getLogger(CUDAGRAPH_LOGGER)
+    """Attach :data:`_SKIP_LOG` to the logger Inductor logs its CUDA-graph skips to (once): ``cudagraphs_log``, or
+    on torch 2.8, which has none, its perf-hints logger (the handler keeps only "skipping cudagraph" messages)."""
+    import torch._inductor.cudagraph_utils as cg
+
+    log = getattr(cg, "cudagraphs_log", None) or getattr(cg, "perf_hint_log", None) or logging.getLogger(CUDAGRAPH_LOGGER)
     if _SKIP_LOG not in log.handlers:
         log.addHandler(_SKIP_LOG)
 
