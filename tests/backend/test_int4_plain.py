@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, worst
+from helpers import hf_decode, prompt, torchao_problem, worst
 from tinyserve_compile.kernels.linear import int4_layout_problem, load_native_linear, native_linear_reason
 
-torchao = pytest.importorskip("torchao")
+if torchao_problem() is not None:
+    pytest.skip(torchao_problem(), allow_module_level=True)
 from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 
@@ -133,3 +134,15 @@ def test_linear_whose_inputs_do_not_fill_groups_stays():
     model = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
     quantize_(model, Int4PlainWeightOnlyConfig(group_size=32))
     assert type(model[0]) is torch.nn.Linear and isinstance(model[1], Int4Linear)
+
+
+def test_torchao_older_than_0_18_is_refused_by_version(monkeypatch):
+    import importlib
+    import sys
+
+    import torchao
+
+    monkeypatch.setattr(torchao, "__version__", "0.13.0")  # torch 2.8's torchao: no Int4OpaqueTensor
+    monkeypatch.delitem(sys.modules, "tinyserve_compile.quantization")
+    with pytest.raises(ImportError, match=r"needs torchao >= 0\.18; installed: 0\.13\.0"):
+        importlib.import_module("tinyserve_compile.quantization")
