@@ -7,6 +7,37 @@ from models import VOCAB, n_heads
 from tinyserve_compile.testing import reference_sparse_attention
 
 
+#: torch 2.8's Dynamo makes a static-address cache (HF's StaticCache layers) an attribute of the graph, guarded by
+#: identity, so a new cache object recompiles (stock torch.compile alike); 2.9 and later make it a graph input
+CACHE_IS_GRAPH_ATTRIBUTE = torch.torch_version.TorchVersion(torch.__version__) < (2, 9)
+
+
+def torchao_problem():
+    """Why torchao's quantization (>= 0.18, what ``tinyserve_compile.quantization`` and ``bench/weights.py`` use)
+    cannot run here, or None. torchao 0.18 imports torch APIs that torch 2.8 lacks."""
+    try:
+        import torchao
+        from torchao.prototype.quantization.int4 import Int4OpaqueTensor  # noqa: F401
+        from torchao.quantization import quantize_  # noqa: F401
+    except ImportError as e:
+        return f"torchao >= 0.18 is not importable with torch {torch.__version__}: {e}"
+    if tuple(int(x) for x in torchao.__version__.split(".")[:2] if x.isdigit()) < (0, 18):
+        return f"torchao {torchao.__version__} is older than 0.18"
+    return None
+
+
+def position_kwargs(pos: int) -> dict:
+    """``{"cache_position": tensor([pos])}`` for a decode step at ``pos`` on transformers 4.x (as 4.x's ``generate()``
+    passes it), else ``{}``. Without it a 4.x model takes the position from the static cache's contents: it counts
+    the key rows of layer 0 that are not all zero, a host read that breaks Dynamo's graph in three, and an
+    undercount where a token's key is zero (Gemma's padding token 0 embeds to zeros)."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return {"cache_position": torch.tensor([pos])}
+    return {}
+
+
 def prompt(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, n), generator=g)
@@ -17,6 +48,8 @@ def hf_decode(model, step, ids, n_new, max_cache_len=192, cache=None, attention_
     """Eager prefill, then ``n_new`` greedy steps through ``step`` (or the eager reference).
 
     Returns (tokens [B, n_new+1], logits [n_new, B, V], cache).
+
+    On transformers 4.x each step passes ``cache_position`` (:func:`position_kwargs`).
     """
     from transformers import StaticCache
 
@@ -26,10 +59,11 @@ def hf_decode(model, step, ids, n_new, max_cache_len=192, cache=None, attention_
     out = model(ids, past_key_values=cache, use_cache=True, **kw)
     toks, logits = [out.logits[:, -1:].argmax(-1)], []
     mask = attention_mask
-    for _ in range(n_new):
+    for i in range(n_new):
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             kw = {"attention_mask": mask}
+        kw = {**kw, **position_kwargs(ids.shape[1] + i)}
         if reference is not None:
             with reference_sparse_attention(*n_heads(model), reference):
                 o = model(toks[-1], past_key_values=cache, use_cache=True, **kw)

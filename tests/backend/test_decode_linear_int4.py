@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, worst
+from helpers import hf_decode, prompt, torchao_problem, worst
 from tinyserve_compile.kernels.linear import int4_layout_problem, load_native_linear, native_linear_reason
 
-pytest.importorskip("torchao")
+if torchao_problem() is not None:
+    pytest.skip(torchao_problem(), allow_module_level=True)
 pytestmark = pytest.mark.skipif(not load_native_linear() or int4_layout_problem() is not None,
                                 reason=f"native int4 GEMV unavailable: {native_linear_reason() or int4_layout_problem()}")
 

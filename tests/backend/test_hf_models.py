@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, worst
+from helpers import hf_decode, position_kwargs, prompt, worst
 from models import HF_FAMILIES, gpt_fast_model, hf_model, n_heads
 from tinyserve_compile.runtime import state_for
 from tinyserve_compile.kernels.reference import page_bounds
@@ -156,8 +156,8 @@ def test_compiled_prefill_stays_dense_and_keeps_bounds(family):
             st = state_for(layer.keys, 16)  # any bounds dtype
             assert torch.equal(st.bounds.kmax, page_bounds(layer.keys, 16, dtype=st.bounds.kmax.dtype).kmax)
         toks, logits = [out.logits[:, -1:].argmax(-1)], []
-        for _ in range(4):
-            o = compiled(toks[-1], past_key_values=cache, use_cache=True)
+        for i in range(4):
+            o = compiled(toks[-1], past_key_values=cache, use_cache=True, **position_kwargs(PROMPT + i))
             logits.append(o.logits[:, -1])
             toks.append(o.logits[:, -1:].argmax(-1))
     assert torch.allclose(torch.stack(logits), ref_logits, atol=2e-5, rtol=1e-4)

