@@ -88,6 +88,21 @@ def latest_graph() -> dict:
     return _GRAPHS[-1]
 
 
+def _has_linears(lin) -> bool:
+    return bool(lin) and bool(lin["rewritten"] or lin["kept"] or lin["reason"] or lin.get("int4_calls"))
+
+
+def _linears_text(lin: dict) -> str:
+    """One graph's (or the sum's) decode_linear record as a line of :class:`ExplainReport`."""
+    kept = ", ".join(f"{k}: {v}" for k, v in sorted(lin["kept"].items()))
+    return (f"{lin['rewritten']} to the native GEMV"
+            + (f" ({lin['int4']} int4)" if lin.get("int4") else "")
+            + (f", {lin['int4_calls']} Int4Linear calls" if lin.get("int4_calls") else "")
+            + (f", {lin['grouped']} of them in {lin['groups']} shared-input calls" if lin.get("groups") else "")
+            + (f", kept in ATen ({kept})" if kept else "")
+            + (f"; {lin['reason']}" if lin["reason"] else ""))
+
+
 @dataclass
 class ExplainReport:
     """Sites found, rewritten and left dense (with reasons), plus run-time statistics."""
@@ -117,17 +132,21 @@ class ExplainReport:
                 why = f"  ({s['reason']})" if s["reason"] else ""
                 lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{why}")
             lin = g.get("linears")
-            if lin and (lin["rewritten"] or lin["kept"] or lin["reason"] or lin.get("int4_calls")):
-                kept = ", ".join(f"{k}: {v}" for k, v in sorted(lin["kept"].items()))
-                lines.append(f"  graph {g['graph']} linears: {lin['rewritten']} to the native GEMV"
-                             + (f" ({lin['int4']} int4)" if lin.get("int4") else "")
-                             + (f", {lin['int4_calls']} Int4Linear calls" if lin.get("int4_calls") else "")
-                             + (f", {lin['grouped']} of them in {lin['groups']} shared-input calls" if lin.get("groups") else "")
-                             + (f", kept in ATen ({kept})" if kept else "")
-                             + (f"; {lin['reason']}" if lin["reason"] else ""))
+            if _has_linears(lin):
+                lines.append(f"  graph {g['graph']} linears: {_linears_text(lin)}")
             cg = g.get("cudagraphs")
             if cg is not None:
                 lines.append(f"  graph {g['graph']} CUDA graphs: " + ("on" if cg["on"] else f"off ({cg['reason']})"))
+        per_graph = [g["linears"] for g in self.graphs if _has_linears(g.get("linears"))]
+        if len(per_graph) > 1:  # a graph break splits a step: the sum over its graphs
+            total = {k: sum(lin.get(k, 0) for lin in per_graph) for k in ("rewritten", "int4", "int4_calls", "grouped",
+                                                                            "groups")}
+            total["kept"] = {}
+            for lin in per_graph:
+                for k, v in lin["kept"].items():
+                    total["kept"][k] = total["kept"].get(k, 0) + v
+            total["reason"] = ""
+            lines.append(f"  linears of all {len(per_graph)} graphs: {_linears_text(total)}")
         cb = {k: v for k, v in c.items() if k.startswith("cb_")}
         if cb:  # continuous batching (tinyserve_compile.continuous_batching): rows per kind, dense reasons
             lines.append("  continuous batching: " + ", ".join(f"{k[3:]}={v}" for k, v in sorted(cb.items())))

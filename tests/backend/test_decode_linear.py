@@ -193,3 +193,19 @@ def test_group_only_where_every_weight_is_defined_before_its_first_linear():
     assert gm.meta["tinyserve_linears"]["grouped"] == 3
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_explain_sums_the_linears_of_a_step_split_by_graph_breaks():
+    from tinyserve_compile.explain import ExplainReport
+
+    def graph(i, **lin):
+        return {"graph": i, "sites": [], "linears": {"rewritten": 0, "kept": {}, "reason": "", **lin}}
+
+    two = ExplainReport(graphs=[graph(0, rewritten=28, grouped=20, groups=8),
+                                graph(1, rewritten=1, kept={"rows > 8": 2})])
+    text = str(two)
+    assert "graph 0 linears: 28 to the native GEMV, 20 of them in 8 shared-input calls" in text
+    assert "linears of all 2 graphs: 29 to the native GEMV, 20 of them in 8 shared-input calls, " \
+           "kept in ATen (rows > 8: 2)" in text
+    one = ExplainReport(graphs=[graph(0, rewritten=29), graph(1)])  # the second graph has no linears
+    assert "linears of all" not in str(one)
