@@ -58,8 +58,8 @@ def _mask_and_valid_len(graph: fx.Graph, shared: dict, site, attn_mask, k: fx.No
     one mask node with one prefix length and cache length (every layer of an HF model shares its decode mask)
     share one valid length, inserted before the first of them (sites are visited in graph order, so it
     precedes the others), instead of one reduction of the mask per site. Masks that are the same view of one node
-    (transformers 4.x slices the decode mask in every layer) count as one mask node. Lowered by Inductor, they also share
-    one contiguous copy of the mask (:func:`compact_mask`) instead of one copy per site.
+    (transformers 4.x slices the decode mask in every layer) count as one mask node. Lowered by Inductor, they
+    also share one contiguous copy of the mask (:func:`compact_mask`) instead of one copy per site.
     """
     length = site.k_layout.full(fake(site.k_base))[2]
     if attn_mask is None:  # no mask: the valid length is the keys read (a constant or a size, nothing to share)

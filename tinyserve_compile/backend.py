@@ -65,7 +65,8 @@ def _watch_cudagraph_skips() -> None:
     on torch 2.8, which has none, its perf-hints logger (the handler keeps only "skipping cudagraph" messages)."""
     import torch._inductor.cudagraph_utils as cg
 
-    log = getattr(cg, "cudagraphs_log", None) or getattr(cg, "perf_hint_log", None) or logging.getLogger(CUDAGRAPH_LOGGER)
+    log = (getattr(cg, "cudagraphs_log", None) or getattr(cg, "perf_hint_log", None)
+           or logging.getLogger(CUDAGRAPH_LOGGER))
     if _SKIP_LOG not in log.handlers:
         log.addHandler(_SKIP_LOG)
 
