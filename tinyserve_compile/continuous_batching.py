@@ -19,9 +19,9 @@ differently and are refused):
 * **The cache write.** ``PagedAttentionCache.update`` writes the new keys and values and then gathers every
   request's whole history with ``index_select`` (5.24 and later call it from the model before attention; 5.19 to
   5.23 hand the cache to the attention function, which calls it). For models that are enabled, it is replaced by
-  a write that also rebuilds the bounds of the pages it touches, and no gather. Bounds live with the paged buffer, one set per layer,
-  keyed by physical page id; they are allocated at the first write. CB's ``page_size`` must be a multiple of
-  tinyserve's ``page_size`` (each CB page holds several tinyserve pages).
+  a write that also rebuilds the bounds of the pages it touches, and no gather. Bounds live with the paged buffer,
+  one set per layer, keyed by physical page id; they are allocated at the first write. CB's ``page_size`` must be
+  a multiple of tinyserve's ``page_size`` (each CB page holds several tinyserve pages).
 * **Writes that are not ours.** Block copies on fork, CPU offload and restore write the cache tensor outside this
   write. They are seen through the tensor's version counter: every bound is then marked stale, and a stale page is
   rebuilt from its valid slots when a decode row next reads it.
