@@ -31,23 +31,15 @@ from typing import Optional
 import torch
 
 try:
+    import torchao
     from torchao.core.config import AOBaseConfig
     from torchao.quantization.transform_module import register_quantize_module_handler
 except ImportError as e:  # pragma: no cover - torchao is in the dev and quant extras
     raise ImportError("tinyserve_compile.quantization needs torchao >= 0.18 (pip install torchao --no-deps, or the "
-                      f"'quant' extra), which does not import on torch 2.8; installed: torch {torch.__version__}: "
-                      f"{e}") from e
-
-
-def _torchao_version() -> tuple:
-    import torchao
-
-    return tuple(int(x) for x in torchao.__version__.split("+")[0].split(".")[:2] if x.isdigit())
-
-
-if _torchao_version() < (0, 18):  # older ones lack Int4OpaqueTensor's module
-    import torchao
-
+                      "'quant' extra; torchao 0.18 does not import on torch 2.8); installed: torch "
+                      f"{torch.__version__}: {e}") from e
+if tuple(int(x) for x in torchao.__version__.split("+")[0].split(".")[:2] if x.isdigit()) < (0, 18):
+    # older ones lack Int4OpaqueTensor's module (0.13 is torch 2.8's)
     raise ImportError(f"tinyserve_compile.quantization needs torchao >= 0.18; installed: {torchao.__version__}")
 
 from .kernels.linear import linear_int4

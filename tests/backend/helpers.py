@@ -13,16 +13,12 @@ CACHE_IS_GRAPH_ATTRIBUTE = torch.torch_version.TorchVersion(torch.__version__) <
 
 
 def torchao_problem():
-    """Why torchao's quantization (>= 0.18, what ``tinyserve_compile.quantization`` and ``bench/weights.py`` use)
-    cannot run here, or None. torchao 0.18 imports torch APIs that torch 2.8 lacks."""
+    """Why torchao's quantization (what ``tinyserve_compile.quantization`` and ``bench/weights.py`` use) cannot run
+    here, or None: the import error of ``tinyserve_compile.quantization``, which checks for torchao >= 0.18."""
     try:
-        import torchao
-        from torchao.prototype.quantization.int4 import Int4OpaqueTensor  # noqa: F401
-        from torchao.quantization import quantize_  # noqa: F401
+        import tinyserve_compile.quantization  # noqa: F401
     except ImportError as e:
-        return f"torchao >= 0.18 is not importable with torch {torch.__version__}: {e}"
-    if tuple(int(x) for x in torchao.__version__.split(".")[:2] if x.isdigit()) < (0, 18):
-        return f"torchao {torchao.__version__} is older than 0.18"
+        return str(e)
     return None
 
 
