@@ -4,10 +4,11 @@ One call of :func:`sparse_decode_triton` is at most three launches, decides ever
 read, no allocation whose size depends on data, no ATen selection op), and can therefore be captured by CUDA
 graphs and replayed for any valid lengths, masks and ``ctrl`` flags:
 
-1. :func:`_score_pages_kernel` (grid ``B*Hkv x ceil(P / BLOCK_P)``): each program scores a block of pages with
-   exactly the bound of :func:`.reference.page_scores` (``relu(q).M + min(q,0).m`` plus the rounding slack,
-   times ``scale``, plus the page max of the mask, max over the GQA group; forced pages ``+inf``, pages past
-   ``valid_len`` ``-inf``). The last program of each (batch row, KV head) to finish (a per-head arrival
+1. :func:`_score_pages_kernel` (grid ``B*Hkv x n_prog1``, about one wave): each program scores every
+   ``n_prog1``-th block of ``BLOCK_P`` pages of its head, its loads software-pipelined, with exactly the bound
+   of :func:`.reference.page_scores` (``relu(q).M + min(q,0).m`` plus the rounding slack, times ``scale``, plus
+   the page max of the mask, max over the GQA group; forced pages ``+inf``, pages past ``valid_len``
+   ``-inf``). The last program of each (batch row, KV head) to finish (a per-head arrival
    counter) selects the top ``N1`` pages by an exact radix select over the head's scores (ties at the
    threshold go to the lower page index) and writes them ascending: the candidates (two stages) or the kept
    pages (one stage).
@@ -183,6 +184,9 @@ if _HAS_TRITON:
             sparse = sparse & (tl.load(ctrl_ptr) == 0) & (tl.load(ctrl_ptr + 1) == 0)
         return lim, n_valid, sparse
 
+    #: the sortable key of -inf (bits 0xFF800000): a key above it is a value above -inf (a NaN of sign 0 too)
+    _NEG_INF_KEY = tl.constexpr(0x007FFFFF)
+
     @triton.jit
     def _sort_key(x):
         """uint32 keys in the order of the fp32 values ``x`` (``-inf`` lowest, ``+inf`` highest)."""
@@ -206,11 +210,11 @@ if _HAS_TRITON:
     def _select_top_resident(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK: tl.constexpr):
         """:func:`_select_top` for ``n <= BLOCK``: the keys are loaded once and stay in registers, and the
         threshold is found one bit a pass (32 reductions, no memory traffic between them)."""
-        # -- stage 1: every key, once (padding keys are 0: below every real key, never counted)
+        # -- stage 1: every key, once (padding keys are 0: below every real key, never counted); the values
+        # themselves are not kept (their registers would double the tail's): -inf is a key of _NEG_INF_KEY
         offs = tl.arange(0, BLOCK)
         ok = offs < n
-        x = tl.load(val_ptr + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        key = tl.where(ok, _sort_key(x), 0)
+        key = tl.where(ok, _sort_key(tl.load(val_ptr + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")), 0)
         # -- stage 2: the n_sel-th largest key, from the top bit down
         prefix = tl.zeros([], dtype=tl.uint32)
         for i in tl.static_range(32):
@@ -221,7 +225,7 @@ if _HAS_TRITON:
         need = n_sel - tl.sum((key > prefix).to(tl.int32), axis=0)
         eq = ok & (key == prefix)
         tie_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        sel = ((key > prefix) | (eq & (tie_rank < need))) & ok & (x > float("-inf"))
+        sel = ((key > prefix) | (eq & (tie_rank < need))) & ok & (key > _NEG_INF_KEY)
         pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(out_ptr + pos, offs, mask=sel)
         tl.store(count_ptr, tl.sum(sel.to(tl.int32), axis=0))
@@ -269,12 +273,11 @@ if _HAS_TRITON:
         for s in range(0, n, BLOCK):
             offs = s + tl.arange(0, BLOCK)
             ok = offs < n
-            x = tl.load(val_ptr + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            key = _sort_key(x)
+            key = _sort_key(tl.load(val_ptr + offs, mask=ok, other=float("-inf"), cache_modifier=".cg"))
             eq = ok & (key == prefix)
             tie_rank = ties + tl.cumsum(eq.to(tl.int32), axis=0) - 1
             sel = (ok & (key > prefix)) | (eq & (tie_rank < need))
-            sel = sel & (x > float("-inf"))
+            sel = sel & (key > _NEG_INF_KEY)
             pos = emitted + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(out_ptr + pos, offs, mask=sel)
             emitted += tl.sum(sel.to(tl.int32), axis=0)
@@ -296,10 +299,12 @@ if _HAS_TRITON:
         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
         BLOCK_P: tl.constexpr, MASK_KIND: tl.constexpr, MASK_PER_HEAD: tl.constexpr, BOUNDS_KIND: tl.constexpr,
         HAS_CTRL: tl.constexpr, SELECT: tl.constexpr, BLOCK_SEL: tl.constexpr, BLOCK_ALL: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
     ):
-        """Group-max page scores ``score[b*Hkv + kvh, p]`` fp32 of a block of pages; with ``SELECT``, the last
-        program of the head writes the top ``n_sel`` pages ``cand[b*Hkv + kvh, :]`` int32 ascending and their
-        count ``ncand[b*Hkv + kvh]`` (pages of ``-inf`` score left out).
+        """Group-max page scores ``score[b*Hkv + kvh, p]`` fp32 of the blocks ``pid_p, pid_p + n_prog, ...`` of
+        ``BLOCK_P`` pages (``NUM_STAGES`` software-pipeline stages); with ``SELECT``, the last program of the
+        head writes the top ``n_sel`` pages ``cand[b*Hkv + kvh, :]`` int32 ascending and their count
+        ``ncand[b*Hkv + kvh]`` (pages of ``-inf`` score left out).
 
         ``BOUNDS_KIND``: 0 fp32, 1 bf16 (upcast exactly), 2 int8 (``code * step`` with the page's
         ``step = max(kabs / 126, 2^-126)``, as :func:`.reference.bounds_f32`). Rows attended densely
@@ -314,53 +319,57 @@ if _HAS_TRITON:
         lim, n_valid, sparse = _row_state(vl_ptr, stride_vb, ctrl_ptr, b, L, n_dense, S, HAS_CTRL)
         if sparse:
             newest = tl.where(lim > 0, (lim - 1) // S, -1)  # C division truncates: guard lim = 0
-            offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
             offs_d = tl.arange(0, D_PAD)
-            p_in = offs_p < P
-            p_ok = p_in & (offs_p < n_valid)
             d_ok = offs_d < D
-
-            # -- stage 1: the pages' bounds, read once for the whole GQA group (pages past valid_len are not)
-            x_off = b * stride_xb + kvh * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :] * stride_xd
-            ld = p_ok[:, None] & d_ok[None, :]
-            kabs = tl.load(kabs_ptr + b * stride_ab + kvh * stride_ah + offs_p * stride_ap, mask=p_ok, other=0.0)
-            kmax = tl.load(kmax_ptr + x_off, mask=ld, other=0)
-            kmin = tl.load(kmin_ptr + x_off, mask=ld, other=0)
-            if BOUNDS_KIND == 2:  # int8 codes on the page's grid: one fp32 division, one max, one multiply
-                step = tl.maximum(tl.div_rn(kabs, 126.0), 1.1754943508222875e-38)  # 2^-126
-                kmax = kmax.to(tl.float32) * step[:, None]
-                kmin = kmin.to(tl.float32) * step[:, None]
-            else:
-                kmax = _exact_f32(kmax)
-                kmin = _exact_f32(kmin)
             mrow = mask_ptr + b * stride_mb
-            if MASK_KIND != 0:
-                if not MASK_PER_HEAD:
-                    mp_shared = _page_mask_max(mrow, stride_ml, offs_p, p_ok, L, S, S_PAD, MASK_KIND)
+            # the program's blocks of pages: pid_p, pid_p + n_prog, ... (few programs, each looping over many
+            # blocks: the select tail's registers then cost occupancy once a program, not once a block)
+            for p0 in tl.range(pid_p * BLOCK_P, P, n_prog * BLOCK_P, num_stages=NUM_STAGES):
+                offs_p = p0 + tl.arange(0, BLOCK_P)
+                p_in = offs_p < P
+                p_ok = p_in & (offs_p < n_valid)
 
-            # -- stage 2: score every query head of the group, reduce with max
-            best = tl.full([BLOCK_P], float("-inf"), tl.float32)
-            for g in tl.static_range(G):
-                h = kvh * G + g
-                qv = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0)
-                qv = qv.to(tl.float32)
-                qp = tl.maximum(qv, 0.0)
-                qn = tl.minimum(qv, 0.0)
-                r = tl.sum(qp[None, :] * kmax + qn[None, :] * kmin, axis=1)
-                slack = slack_c * tl.sum(tl.abs(qv), axis=0) * kabs + under_c
-                s = (r + slack) * scale
+                # -- stage 1: the pages' bounds, read once for the whole GQA group (pages past valid_len are not)
+                x_off = b * stride_xb + kvh * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :] * stride_xd
+                ld = p_ok[:, None] & d_ok[None, :]
+                kabs = tl.load(kabs_ptr + b * stride_ab + kvh * stride_ah + offs_p * stride_ap, mask=p_ok, other=0.0)
+                kmax = tl.load(kmax_ptr + x_off, mask=ld, other=0)
+                kmin = tl.load(kmin_ptr + x_off, mask=ld, other=0)
+                if BOUNDS_KIND == 2:  # int8 codes on the page's grid: one fp32 division, one max, one multiply
+                    step = tl.maximum(tl.div_rn(kabs, 126.0), 1.1754943508222875e-38)  # 2^-126
+                    kmax = kmax.to(tl.float32) * step[:, None]
+                    kmin = kmin.to(tl.float32) * step[:, None]
+                else:
+                    kmax = _exact_f32(kmax)
+                    kmin = _exact_f32(kmin)
                 if MASK_KIND != 0:
-                    if MASK_PER_HEAD:
-                        s = s + _page_mask_max(mrow + h * stride_mh, stride_ml, offs_p, p_ok, L, S, S_PAD, MASK_KIND)
-                    else:
-                        s = s + mp_shared
-                best = tl.maximum(best, s)
+                    if not MASK_PER_HEAD:
+                        mp_shared = _page_mask_max(mrow, stride_ml, offs_p, p_ok, L, S, S_PAD, MASK_KIND)
 
-            # -- stage 3: forced pages (+inf), pages past valid_len (-inf)
-            forced = (offs_p == newest) | (offs_p < sink_pages)
-            best = tl.where(forced, float("inf"), best)
-            best = tl.where(offs_p < n_valid, best, float("-inf"))
-            tl.store(score_ptr + pid_bh * P + offs_p, best, mask=p_in)
+                # -- stage 2: score every query head of the group, reduce with max
+                best = tl.full([BLOCK_P], float("-inf"), tl.float32)
+                for g in tl.static_range(G):
+                    h = kvh * G + g
+                    qv = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0)
+                    qv = qv.to(tl.float32)
+                    qp = tl.maximum(qv, 0.0)
+                    qn = tl.minimum(qv, 0.0)
+                    r = tl.sum(qp[None, :] * kmax + qn[None, :] * kmin, axis=1)
+                    slack = slack_c * tl.sum(tl.abs(qv), axis=0) * kabs + under_c
+                    s = (r + slack) * scale
+                    if MASK_KIND != 0:
+                        if MASK_PER_HEAD:
+                            s = s + _page_mask_max(mrow + h * stride_mh, stride_ml, offs_p, p_ok, L, S, S_PAD,
+                                                   MASK_KIND)
+                        else:
+                            s = s + mp_shared
+                    best = tl.maximum(best, s)
+
+                # -- stage 3: forced pages (+inf), pages past valid_len (-inf)
+                forced = (offs_p == newest) | (offs_p < sink_pages)
+                best = tl.where(forced, float("inf"), best)
+                best = tl.where(offs_p < n_valid, best, float("-inf"))
+                tl.store(score_ptr + pid_bh * P + offs_p, best, mask=p_in)
 
             # -- stage 4: the head's last program selects its top pages
             if SELECT:
@@ -668,6 +677,14 @@ _BLOCK_SEL = 256
 _BLOCK_ALL = 16384
 #: warps of the launches whose last program selects (a [BLOCK_ALL] key vector: 32 keys a thread at 16 warps)
 _SELECT_WARPS = 16
+#: warps of launch 1 resident on an SM, which sizes its grid (one wave of programs), and the registers a thread
+#: that allows (an SM's 64K), passed to ptxas as ``maxnreg`` (the select tail alone would take 168 at 8 warps);
+#: tests/kernels/sm90_compile.py --occupancy checks the compiled kernel against it
+_LAUNCH1_WARPS_PER_SM = 16
+_LAUNCH1_MAX_REGISTERS = 65536 // (32 * _LAUNCH1_WARPS_PER_SM)
+#: software-pipeline stages of launch 1's loop over page blocks: the next block's bounds load (cp.async) while
+#: one is scored
+_LAUNCH1_STAGES = 2
 #: fewest tokens a split of launch 3 visits before another split is used (CUDA; the interpreter uses 8, so that
 #: small test shapes still run several splits)
 _MIN_TOKENS_PER_SPLIT = 128
@@ -716,7 +733,7 @@ class _Plan:
 
     Attributes are plain ints and flags: ``mode`` (0 dense from the shapes, 1 one stage, 2 two stages keeping
     pages, 3 two stages keeping tokens), ``n_cand`` (pages selected by launch 1), ``n_keep`` (units kept by
-    launch 2), ``n_units2`` (units launch 2 ranks), ``block_p``/``n_prog1`` (launch 1), ``cand_per_prog``/
+    launch 2), ``n_units2`` (units launch 2 ranks), ``block_p``/``n_prog1``/``warps1`` (launch 1), ``cand_per_prog``/
     ``n_prog2`` (launch 2), ``ppb`` (pages per block), ``n_splits`` (launch 3).
     """
 
@@ -740,8 +757,20 @@ class _Plan:
         self.n_cand = min(N1, P)
         self.n_keep = K * S if self.mode == 3 else K
         self.n_units2 = self.n_cand * S if self.mode == 3 else self.n_cand
-        self.block_p = min(max(1, 4096 // _pow2(D)), _pow2(P))  # two [BLOCK_P, D] fp32 tiles: ~64 registers a thread
-        self.n_prog1 = -(-P // self.block_p)
+        # launch 1: its warps are the select tail's (resident keys); a block of pages is two [BLOCK_P, D] fp32
+        # tiles of 16 elements a thread at any warp count (at 32, the group's hoisted queries take the registers
+        # of a fourth program an SM); each program loops over every n_prog1-th block, one wave of programs at
+        # _LAUNCH1_WARPS_PER_SM. The interpreter: blocks of a quarter of the pages, two programs a head, so that
+        # small test shapes loop and arrive as the GPU's do.
+        self.warps1 = _select_warps(P)
+        n_blocks = lambda bp: -(-P // bp)  # noqa: E731
+        if cuda:
+            self.block_p = min(_pow2(P), max(1, 16 * 32 * self.warps1 // _pow2(D)))
+            per_sm = max(1, _LAUNCH1_WARPS_PER_SM // self.warps1)
+            self.n_prog1 = max(1, min(n_blocks(self.block_p), sms * per_sm // BH))
+        else:
+            self.block_p = min(_pow2(P), max(4, _pow2(P) // 4))
+            self.n_prog1 = min(2, n_blocks(self.block_p))
         target = -(-2 * sms // BH) if cuda else 2  # launch 2: fill the GPU twice (the interpreter: two programs)
         cpp = max(self.ppb, -(-self.n_cand // max(1, target)))
         self.cand_per_prog = -(-cpp // self.ppb) * self.ppb
@@ -864,7 +893,8 @@ def _launch_select(q, k_cache, kmax, kmin, kabs, vl, vls, mask, mstr, mkind, mpe
         plan.n_dense, plan.n_cand, plan.n_prog1,
         G=G, D=D, D_PAD=_pow2(D), S=S, S_PAD=plan.S_PAD, BLOCK_P=plan.block_p, MASK_KIND=mkind,
         MASK_PER_HEAD=mper, BOUNDS_KIND=_BOUNDS_KINDS[kmax.dtype], HAS_CTRL=has_ctrl, SELECT=select,
-        BLOCK_SEL=_BLOCK_SEL, BLOCK_ALL=min(_BLOCK_ALL, _pow2(P)), num_warps=_select_warps(P),
+        BLOCK_SEL=_BLOCK_SEL, BLOCK_ALL=min(_BLOCK_ALL, _pow2(P)), NUM_STAGES=_LAUNCH1_STAGES,
+        num_warps=plan.warps1, maxnreg=_LAUNCH1_MAX_REGISTERS,
     )
     if not select or plan.mode not in (2, 3):
         return

@@ -1,16 +1,28 @@
 """Compile every Triton kernel of the decode step for an H100/H200 (sm_90) without a GPU.
 
-Run as a script in a process of its own (``--quick``: bf16 only, no mask and an additive per-head mask) (the kernels must not be interpreted): each launch of the op's kernels
+Run as a script in a process of its own (the kernels must not be interpreted): each launch of the op's kernels
 (:data:`triton_sparse_decode.LAUNCHES`) and of the cache write is intercepted and, instead of running, compiled
 through Triton's whole pipeline (front end, MLIR, LLVM, ``ptxas``) for ``GPUTarget("cuda", 90, 32)``, with the
-argument types of the real call on CPU tensors. Prints one line per compiled specialisation and exits non-zero
-on the first failure; exits 3 when Triton's NVIDIA backend or its ``ptxas`` is not installed.
+argument types of the real call on CPU tensors, specialised as Triton's JIT specialises a launch (integers equal
+to 1 become constants; pointers and integers divisible by 16 say so) where this Triton's JIT exposes that.
+Prints one line per compiled specialisation, with its registers, stack (spills) and shared memory as ``ptxas``
+allotted them, and exits non-zero on the first failure; exits 3 when Triton's NVIDIA backend or its ``ptxas`` is
+not installed.
+
+Modes: ``--quick`` (bf16 only, no mask and an additive per-head mask); ``--occupancy``: launch 1 alone at the
+GPU check's shapes (Hq=32, Hkv=8, D=128, bf16; the defaults and the paper rule at 32K and 128K, batch 8) with
+the plan an H200 (132 SMs) gets, checking the occupancy that plan assumes: its programs fit on the SMs in one
+wave at ``_LAUNCH1_WARPS_PER_SM`` warps an SM (registers and shared memory of the compiled kernel); exits 1 when
+they do not.
 """
 from __future__ import annotations
 
 import inspect
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -42,6 +54,55 @@ def _type(v):
     raise TypeError(f"argument of type {type(v).__name__}")
 
 
+def _generic_source(fn, args, kwargs):
+    """``(source, options)`` of a launch from its argument types alone (no specialisation)."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = inspect.signature(fn.fn).bind(*args, **kwargs).arguments
+    const = {p.name for p in fn.params if p.is_constexpr}
+    signature = {name: "constexpr" if name in const else _type(v) for name, v in bound.items()}
+    constexprs = {name: v for name, v in bound.items() if name in const}
+    return ASTSource(fn, signature, constexprs), options
+
+
+def _jit_source(fn, args, kwargs):
+    """``(source, options)`` of a launch as this Triton's JIT would compile it (its own binder and
+    specialisation), or None where the JIT does not expose them (they are Triton internals)."""
+    try:
+        from triton import knobs
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        backend = make_backend(TARGET)
+        kw = dict(kwargs)
+        kw.setdefault("debug", False)
+        for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+            if hasattr(knobs.compilation, name):
+                kw[name] = getattr(knobs.compilation, name)
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*args, **kw)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
+    except Exception:  # pragma: no cover - depends on the Triton version
+        return None
+    return ASTSource(fn, signature, constexprs, attrs), options.__dict__
+
+
+def _resources(out) -> dict:
+    """Registers a thread, stack bytes (spills) and shared memory bytes of a compiled kernel (``cuobjdump``
+    on its cubin; ``regs`` None where the tool is missing)."""
+    res = {"regs": None, "stack": None, "shared": int(out.metadata.shared)}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(tool) and "cubin" in out.asm:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(out.asm["cubin"])
+            text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+        if m:
+            res["regs"], res["stack"] = int(m.group(1)), int(m.group(2))
+    return res
+
+
 class _CompileOnly:
     """Stands in for ``kernel[grid](...)``: compiles the specialisation for sm_90 instead of launching it."""
 
@@ -51,26 +112,98 @@ class _CompileOnly:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             fn = self.kernel
-            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-            bound = inspect.signature(fn.fn).bind(*args, **kwargs).arguments
-            const = {p.name for p in fn.params if p.is_constexpr}
-            signature = {name: "constexpr" if name in const else _type(v) for name, v in bound.items()}
-            constexprs = {name: v for name, v in bound.items() if name in const}
-            key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())),
-                   tuple(sorted(options.items())))
+            made = _jit_source(fn, args, dict(kwargs)) or _generic_source(fn, args, dict(kwargs))
+            src, options = made
+            key = (fn.__name__, src.hash(), tuple(sorted((k, str(v)) for k, v in options.items())))
             if key not in {c[0] for c in compiled}:
-                out = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options=options)
-                regs = getattr(out, "n_regs", None)
-                spills = getattr(out, "n_spills", None)
-                compiled.append((key, regs, spills))
-                print(f"compiled {fn.__name__} for sm_90 {options or ''}: {len(out.asm.get('ptx', ''))} chars of PTX"
-                      + (f", {regs} registers, {spills} spills" if regs is not None else ""), flush=True)
+                out = triton.compile(src, target=TARGET, options=options)
+                res = _resources(out)
+                warps = options.get("num_warps", 4)
+                compiled.append((key, res, warps, tuple(grid)))
+                print(f"compiled {fn.__name__} for sm_90 (num_warps {warps}): {len(out.asm.get('ptx', ''))} chars of "
+                      f"PTX, {res['regs']} registers, {res['stack']} bytes of stack, {res['shared']} bytes of "
+                      f"shared memory", flush=True)
         return launch
 
 
+#: an H200's SMs, and what one SM holds (sm_90): 64K 32-bit registers, 228 KB of shared memory (1 KB of it
+#: reserved per resident block)
+H200_SMS, SM_REGISTERS, SM_SHARED, BLOCK_RESERVED_SHARED = 132, 65536, 233472, 1024
+
+
+def _blocks_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Resident blocks an SM holds for a kernel of ``regs`` registers a thread (allocated per warp in units of
+    256) and ``shared`` bytes of shared memory a block, at most 64 warps an SM."""
+    regs_warp = -(-regs * 32 // 256) * 256
+    by_regs = SM_REGISTERS // (regs_warp * warps)
+    by_shared = SM_SHARED // (shared + BLOCK_RESERVED_SHARED)
+    return min(by_regs, by_shared, 64 // warps)
+
+
+class _Skipped:
+    """Stands in for ``kernel[grid](...)`` of a kernel not looked at: does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def occupancy() -> int:
+    """Launch 1 at the GPU check's shapes with an H200's plan: do its programs fit in one wave at the warps an
+    SM its grid assumes? Prints a line per shape; 1 when one does not fit."""
+    from tinyserve_compile.kernels import triton_sparse_decode as tsd
+    from tinyserve_compile.kernels.spec import SelectionSpec
+
+    tsd._score_pages_kernel = _CompileOnly(tsd._score_pages_kernel)
+    tsd._rank_candidates_kernel = _Skipped()
+
+    class _H200:
+        multi_processor_count = H200_SMS
+
+    torch.cuda.get_device_properties = lambda device=None: _H200()
+    Hkv, G, D = 8, 4, 128
+    bad = 0
+    for name, spec in (("defaults", SelectionSpec.default()),
+                       ("paper", SelectionSpec(16, 2048, 0, 1, 0, False, torch.float32))):
+        for B, L in ((8, 32768), (8, 131072)):
+            P = -(-L // spec.page_size)
+            plan = tsd._Plan(B, Hkv, G, L, D, P, spec, torch.device("cuda"), None)
+            ws = tsd._Workspace(plan, B, Hkv, G, P, D, torch.device("cpu"))
+            q = torch.zeros(B, Hkv * G, 1, D, dtype=torch.bfloat16)
+            kmax = torch.zeros(B, Hkv, P, D, dtype=spec.bounds_dtype)
+            kabs = torch.zeros(B, Hkv, P)
+            keys = torch.empty(B, Hkv, L, D, dtype=q.dtype, device="meta")  # launch 1 reads only its shape
+            vl, vls = tsd._valid_len_view(torch.full((B,), L), B, q.device)
+            mask, mstr, mkind, mper = tsd._mask_view(None, B, Hkv * G, L, ws.scores)
+            n = len(compiled)
+            tsd._launch_select(q, keys, kmax, kmax.clone(), kabs, vl, vls, mask, mstr, mkind, mper, ws.ncand, False,
+                               D ** -0.5, spec, plan, ws, select=True)
+            if len(compiled) == n:
+                print(f"{name} B{B} L{L}: not compiled (the same specialisation as above)")
+                continue
+            res, warps = compiled[-1][1], compiled[-1][2]
+            if res["regs"] is None:
+                print("cuobjdump is missing: registers unknown")
+                return 3
+            per_sm = _blocks_per_sm(res["regs"], res["shared"], warps)
+            assumed = max(1, tsd._LAUNCH1_WARPS_PER_SM // warps)
+            programs = B * Hkv * plan.n_prog1
+            waves = programs / (H200_SMS * per_sm)
+            ok = per_sm >= assumed and waves <= 1.0
+            bad += not ok
+            print(f"{name} B{B} L{L}: grid {B * Hkv}x{plan.n_prog1}, BLOCK_P {plan.block_p}, {warps} warps, "
+                  f"{res['regs']} registers, {res['stack']} bytes of stack, {res['shared']} bytes of shared memory: "
+                  f"{per_sm} programs an SM (the plan assumes {assumed}), {waves:.2f} waves: "
+                  f"{'ok' if ok else 'MISSED'}", flush=True)
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
-    quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # bf16, no mask and an additive per-head mask
+    argv = sys.argv[1:] if argv is None else argv
     from triton.backends.nvidia import compiler as nv  # noqa: F401  (the NVIDIA backend, with its ptxas)
+
+    if "--occupancy" in argv:
+        return occupancy()
+    quick = "--quick" in argv  # bf16, no mask and an additive per-head mask
 
     from tinyserve_compile.kernels import triton_bounds as tb
     from tinyserve_compile.kernels import triton_sparse_decode as tsd
