@@ -207,21 +207,19 @@ if _HAS_TRITON:
         return last
 
     @triton.jit
-    def _select_top_resident(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK: tl.constexpr):
-        """:func:`_select_top` for ``n <= BLOCK``: the keys are loaded once and stay in registers, and the
-        threshold is found one bit a pass (32 reductions, no memory traffic between them)."""
-        # -- stage 1: every key, once (padding keys are 0: below every real key, never counted); the values
-        # themselves are not kept (their registers would double the tail's): -inf is a key of _NEG_INF_KEY
+    def _select_keys(key, ok, n_sel, out_ptr, count_ptr, BLOCK: tl.constexpr):
+        """Write the positions of the ``n_sel`` largest of ``key`` (uint32 sortable keys ``[BLOCK]`` in registers,
+        ``ok`` marks the real ones; padding keys are 0) ascending to ``out`` and their count to ``count``: never
+        one whose value is ``-inf``; ties at the threshold go to the lower position. The threshold is found one
+        bit a pass (32 reductions, no memory traffic between them)."""
         offs = tl.arange(0, BLOCK)
-        ok = offs < n
-        key = tl.where(ok, _sort_key(tl.load(val_ptr + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")), 0)
-        # -- stage 2: the n_sel-th largest key, from the top bit down
+        # -- stage 1: the n_sel-th largest key, from the top bit down
         prefix = tl.zeros([], dtype=tl.uint32)
         for i in tl.static_range(32):
             cand = prefix | (1 << (31 - i))
             above = tl.sum((key >= cand).to(tl.int32), axis=0)
             prefix = tl.where(above >= n_sel, cand, prefix)
-        # -- stage 3: the keys above it, the first ties in index order, written ascending
+        # -- stage 2: the keys above it, the first ties in index order, written ascending
         need = n_sel - tl.sum((key > prefix).to(tl.int32), axis=0)
         eq = ok & (key == prefix)
         tie_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
@@ -229,6 +227,15 @@ if _HAS_TRITON:
         pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(out_ptr + pos, offs, mask=sel)
         tl.store(count_ptr, tl.sum(sel.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _select_top_resident(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK: tl.constexpr):
+        """:func:`_select_top` for ``n <= BLOCK``: the keys are loaded once and stay in registers
+        (:func:`_select_keys`); the values themselves are not kept (their registers would double the tail's)."""
+        offs = tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(val_ptr + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        _select_keys(tl.where(ok, _sort_key(x), 0), ok, n_sel, out_ptr, count_ptr, BLOCK)
 
     @triton.jit
     def _select_any(val_ptr, n, n_sel, out_ptr, count_ptr, BLOCK: tl.constexpr, BLOCK_ALL: tl.constexpr):
@@ -380,6 +387,31 @@ if _HAS_TRITON:
     # ---- launch 2 (two stages): exact logits of the candidates, then the kept tokens or pages --------------------
 
     @triton.jit
+    def _unit_shares(u, n_units, ncand, cand_row, logit_ptr, lrow0, lse, offs_g, lim, newest, sink_pages,
+                     S: tl.constexpr, TOKENS: tl.constexpr, G: tl.constexpr):
+        """``(share, in_range)`` of the candidate units ``u`` (slots ``c*S + s`` with ``TOKENS``, else candidate
+        positions ``c``): the largest over the group's query heads of the unit's log share of the head's softmax
+        mass (``logit - lse``; ``-inf`` for a masked one), ``+inf`` for a forced unit (the newest page, the sink
+        pages), ``-inf`` for a unit past ``ncand`` or ``valid_len``. ``lse`` ``[G_PAD]`` fp32, the logits of head
+        ``g`` at ``logit[(lrow0 + g) * n_units + u]``."""
+        u_in = u < n_units
+        if TOKENS:
+            c = u // S
+        else:
+            c = u
+        ok = u_in & (c < ncand)
+        page = tl.load(cand_row + c, mask=ok, other=0, cache_modifier=".cg")
+        if TOKENS:
+            ok = ok & (page.to(tl.int64) * S + u % S < lim)
+        sh = tl.where(u_in, float("-inf"), float("-inf"))
+        for g in tl.static_range(G):  # one row of logits a head: G independent loads, no [G_PAD, N] tile
+            lse_g = tl.sum(tl.where(offs_g == g, lse, 0.0), axis=0)
+            lg = tl.load(logit_ptr + (lrow0 + g) * n_units + u, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            sh = tl.maximum(sh, tl.where(lg == float("-inf"), float("-inf"), lg - lse_g))  # nan -> -inf (reference)
+        forced = (page == newest) | (page < sink_pages)
+        return tl.where(ok & forced, float("inf"), tl.where(ok, sh, float("-inf"))), u_in
+
+    @triton.jit
     def _rank_candidates_kernel(
         q_ptr, k_ptr, vl_ptr, mask_ptr, ctrl_ptr,
         cand_ptr, ncand_ptr, logit_ptr, stat_m_ptr, stat_l_ptr, share_ptr, kept_ptr, count_ptr, sem_ptr,
@@ -398,9 +430,10 @@ if _HAS_TRITON:
 
         Writes ``logit[bh, g, c*S + s]`` fp32 (``TOKENS``; the masked, scaled logit of slot ``s`` of candidate
         ``c``, ``-inf`` where invalid) or the candidate page's log-sum-exp ``logit[bh, g, c]``; per-program
-        softmax statistics ``stat_m``/``stat_l`` ``[bh, prog, g]``; the last program writes each unit's share
-        ``share[bh, :]``, the kept units ``kept[bh, :]`` int32 ascending (candidate slots ``c*S + s``, or
-        candidate positions ``c``) and their number ``count[bh]``.
+        softmax statistics ``stat_m``/``stat_l`` ``[bh, prog, g]``; the last program ranks the units by
+        :func:`_unit_shares` (in registers up to ``BLOCK_ALL`` units, else through ``share[bh, :]``) and writes
+        the kept units ``kept[bh, :]`` int32 ascending (candidate slots ``c*S + s``, or candidate positions
+        ``c``) and their number ``count[bh]``.
         """
         pid_bh = tl.program_id(0)
         pid = tl.program_id(1)
@@ -472,28 +505,22 @@ if _HAS_TRITON:
                 mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
                 lse = mx_safe + tl.log(tl.sum(sl * tl.exp(sm - mx_safe[None, :]), axis=0))  # [G_PAD]: -inf if none
                 newest = tl.where(lim > 0, (lim - 1) // S, -1)
-                for u0 in range(0, n_units, BLOCK_SEL):
-                    u = u0 + tl.arange(0, BLOCK_SEL)
-                    u_in = u < n_units
-                    if TOKENS:
-                        c = u // S
-                    else:
-                        c = u
-                    ok = u_in & (c < ncand)
-                    page = tl.load(cand_ptr + pid_bh * n_cand + c, mask=ok, other=0, cache_modifier=".cg")
-                    page = page.to(tl.int64)
-                    if TOKENS:
-                        ok = ok & (page * S + u % S < lim)
-                    lg = tl.load(logit_ptr + lrow[:, None] + u[None, :], mask=g_ok[:, None] & ok[None, :],
-                                 other=float("-inf"), cache_modifier=".cg")
-                    sh = tl.where(lg == float("-inf"), float("-inf"), lg - lse[:, None])  # nan -> -inf, as the reference
-                    sh = tl.max(tl.where(g_ok[:, None], sh, float("-inf")), axis=0)
-                    forced = (page == newest) | (page < sink_pages)
-                    sh = tl.where(ok & forced, float("inf"), tl.where(ok, sh, float("-inf")))
-                    tl.store(share_ptr + pid_bh * n_units + u, sh, mask=u_in)
-                tl.debug_barrier()  # the shares written by every thread, before the select reads them
-                _select_any(share_ptr + pid_bh * n_units, n_units, n_keep, kept_ptr + pid_bh * n_keep,
-                            count_ptr + pid_bh, BLOCK_SEL, BLOCK_ALL)
+                cand_row = cand_ptr + pid_bh * n_cand
+                if n_units <= BLOCK_ALL:  # the shares computed in registers and selected there (no store, no reload)
+                    u = tl.arange(0, BLOCK_ALL)
+                    sh, u_in = _unit_shares(u, n_units, ncand, cand_row, logit_ptr, pid_bh * G, lse, offs_g, lim,
+                                            newest, sink_pages, S, TOKENS, G)
+                    _select_keys(tl.where(u_in, _sort_key(sh), 0), u_in, n_keep, kept_ptr + pid_bh * n_keep,
+                                 count_ptr + pid_bh, BLOCK_ALL)
+                else:  # more units than registers hold: shares stored in chunks, then the chunked select
+                    for u0 in range(0, n_units, BLOCK_SEL):
+                        u = u0 + tl.arange(0, BLOCK_SEL)
+                        sh, u_in = _unit_shares(u, n_units, ncand, cand_row, logit_ptr, pid_bh * G, lse, offs_g, lim,
+                                                newest, sink_pages, S, TOKENS, G)
+                        tl.store(share_ptr + pid_bh * n_units + u, sh, mask=u_in)
+                    tl.debug_barrier()  # the shares written by every thread, before the select reads them
+                    _select_top(share_ptr + pid_bh * n_units, n_units, n_keep, kept_ptr + pid_bh * n_keep,
+                                count_ptr + pid_bh, BLOCK_SEL)
 
     # ---- launch 3: split-K attention over what was kept, then the combine ------------------------------------------
 
