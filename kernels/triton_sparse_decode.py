@@ -654,20 +654,14 @@ if _HAS_TRITON:
         tl.store(m_ptr + row, m_i, mask=g_ok)
         tl.store(l_ptr + row, l_i, mask=g_ok)
 
-        # -- stage 2: the head's last split merges the n_eff used splits (max / rescaled sums)
+        # -- stage 2: the head's last split merges the n_eff used splits in one pass (running max, rescaled sums:
+        # one round trip to L2 for every SB splits)
         if _arrive(sem_ptr + pid_bh, n_splits):
             offs_gp = tl.arange(0, G_POW)
             gp_ok = offs_gp < G
             SB: tl.constexpr = 8
             offs_sb = tl.arange(0, SB)
             mx = tl.full([G_POW], float("-inf"), tl.float32)
-            for s0 in range(0, n_eff, SB):
-                sr = s0 + offs_sb
-                mr = (pid_bh * n_splits + sr)[:, None] * G + offs_gp[None, :]
-                ms = tl.load(m_ptr + mr, mask=(sr < n_eff)[:, None] & gp_ok[None, :], other=float("-inf"),
-                             cache_modifier=".cg")
-                mx = tl.maximum(mx, tl.max(ms, axis=0))
-            mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
             num = tl.zeros([G_POW, D_PAD], tl.float32)
             den = tl.zeros([G_POW], tl.float32)
             for s0 in range(0, n_eff, SB):
@@ -676,11 +670,15 @@ if _HAS_TRITON:
                 mr = (pid_bh * n_splits + sr)[:, None] * G + offs_gp[None, :]  # [SB, G_POW]
                 ms = tl.load(m_ptr + mr, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
                 ls = tl.load(l_ptr + mr, mask=s_ok, other=0.0, cache_modifier=".cg")
-                w = tl.exp(ms - mx_safe[None, :])  # [SB, G_POW]
-                den += tl.sum(w * ls, axis=0)
                 a = tl.load(acc_ptr + mr[:, :, None] * D + offs_d[None, None, :],
                             mask=s_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-                num += tl.sum(w[:, :, None] * a, axis=0)
+                m_new = tl.maximum(mx, tl.max(ms, axis=0))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(mx - m_safe)  # 0 while nothing was finite
+                w = tl.exp(ms - m_safe[None, :])  # [SB, G_POW]
+                den = den * alpha + tl.sum(w * ls, axis=0)
+                num = num * alpha[:, None] + tl.sum(w[:, :, None] * a, axis=0)
+                mx = m_new
             o = num / tl.where(den > 0, den, 1.0)[:, None]  # no finite logit: zeros, as SDPA
             orow = b * Hkv * G + kvh * G + offs_gp
             tl.store(out_ptr + orow[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
