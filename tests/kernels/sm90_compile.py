@@ -9,11 +9,11 @@ Prints one line per compiled specialisation, with its registers, stack (spills) 
 allotted them, and exits non-zero on the first failure; exits 3 when Triton's NVIDIA backend or its ``ptxas`` is
 not installed.
 
-Modes: ``--quick`` (bf16 only, no mask and an additive per-head mask); ``--occupancy``: launch 1 alone at the
-GPU check's shapes (Hq=32, Hkv=8, D=128, bf16; the defaults and the paper rule at 32K and 128K, batch 8) with
-the plan an H200 (132 SMs) gets, checking the occupancy that plan assumes: its programs fit on the SMs in one
-wave at ``_LAUNCH1_WARPS_PER_SM`` warps an SM (registers and shared memory of the compiled kernel); exits 1 when
-they do not.
+Modes: ``--quick`` (bf16 only, no mask and an additive per-head mask); ``--occupancy``: the op's launches at
+the GPU check's shapes (Hq=32, Hkv=8, D=128, bf16; the defaults and the paper rule at 32K and 128K, batch 8)
+with the plan an H200 (132 SMs) gets, checking the occupancy that plan assumes from the registers and shared
+memory of the compiled kernels: each launch's programs fit on the SMs in one wave (launch 1's at
+``_LAUNCH1_WARPS_PER_SM`` warps an SM); exits 1 when one does not.
 """
 from __future__ import annotations
 
@@ -108,6 +108,7 @@ class _CompileOnly:
 
     def __init__(self, kernel):
         self.kernel = kernel
+        self.last = None  #: (resources, warps, grid) of the latest launch
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -115,14 +116,17 @@ class _CompileOnly:
             made = _jit_source(fn, args, dict(kwargs)) or _generic_source(fn, args, dict(kwargs))
             src, options = made
             key = (fn.__name__, src.hash(), tuple(sorted((k, str(v)) for k, v in options.items())))
-            if key not in {c[0] for c in compiled}:
+            warps = options.get("num_warps", 4)
+            done = {c[0]: c[1] for c in compiled}
+            if key not in done:
                 out = triton.compile(src, target=TARGET, options=options)
-                res = _resources(out)
-                warps = options.get("num_warps", 4)
-                compiled.append((key, res, warps, tuple(grid)))
+                done[key] = _resources(out)
+                compiled.append((key, done[key], warps, tuple(grid)))
+                res = done[key]
                 print(f"compiled {fn.__name__} for sm_90 (num_warps {warps}): {len(out.asm.get('ptx', ''))} chars of "
                       f"PTX, {res['regs']} registers, {res['stack']} bytes of stack, {res['shared']} bytes of "
                       f"shared memory", flush=True)
+            self.last = (done[key], warps, tuple(grid))
         return launch
 
 
@@ -140,26 +144,23 @@ def _blocks_per_sm(regs: int, shared: int, warps: int) -> int:
     return min(by_regs, by_shared, 64 // warps)
 
 
-class _Skipped:
-    """Stands in for ``kernel[grid](...)`` of a kernel not looked at: does nothing."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def occupancy() -> int:
-    """Launch 1 at the GPU check's shapes with an H200's plan: do its programs fit in one wave at the warps an
-    SM its grid assumes? Prints a line per shape; 1 when one does not fit."""
+    """The op's launches at the GPU check's shapes with an H200's plan: launch 1's programs fit in one wave at
+    the programs an SM its grid assumes (``_LAUNCH1_WARPS_PER_SM``); launches 2 and 3 (sized to fill the GPU about
+    twice at two programs an SM) fit in one wave at what the compiled kernel allows. Prints a line per launch and
+    shape; 1 when one does not fit."""
     from tinyserve_compile.kernels import triton_sparse_decode as tsd
     from tinyserve_compile.kernels.spec import SelectionSpec
 
-    tsd._score_pages_kernel = _CompileOnly(tsd._score_pages_kernel)
-    tsd._rank_candidates_kernel = _Skipped()
+    stubs = {name: _CompileOnly(getattr(tsd, name)) for name in tsd.LAUNCHES}
+    for name, stub in stubs.items():
+        setattr(tsd, name, stub)
 
     class _H200:
         multi_processor_count = H200_SMS
 
     torch.cuda.get_device_properties = lambda device=None: _H200()
+    plan_of = tsd._plan
     Hkv, G, D = 8, 4, 128
     bad = 0
     for name, spec in (("defaults", SelectionSpec.default()),
@@ -167,33 +168,38 @@ def occupancy() -> int:
         for B, L in ((8, 32768), (8, 131072)):
             P = -(-L // spec.page_size)
             plan = tsd._Plan(B, Hkv, G, L, D, P, spec, torch.device("cuda"), None)
-            ws = tsd._Workspace(plan, B, Hkv, G, P, D, torch.device("cpu"))
             q = torch.zeros(B, Hkv * G, 1, D, dtype=torch.bfloat16)
+            k = torch.empty(B, Hkv, L, D, dtype=q.dtype)  # never written or read: only pointers and strides
             kmax = torch.zeros(B, Hkv, P, D, dtype=spec.bounds_dtype)
-            kabs = torch.zeros(B, Hkv, P)
-            keys = torch.empty(B, Hkv, L, D, dtype=q.dtype, device="meta")  # launch 1 reads only its shape
-            vl, vls = tsd._valid_len_view(torch.full((B,), L), B, q.device)
-            mask, mstr, mkind, mper = tsd._mask_view(None, B, Hkv * G, L, ws.scores)
-            n = len(compiled)
-            tsd._launch_select(q, keys, kmax, kmax.clone(), kabs, vl, vls, mask, mstr, mkind, mper, ws.ncand, False,
-                               D ** -0.5, spec, plan, ws, select=True)
-            if len(compiled) == n:
-                print(f"{name} B{B} L{L}: not compiled (the same specialisation as above)")
-                continue
-            res, warps = compiled[-1][1], compiled[-1][2]
-            if res["regs"] is None:
-                print("cuobjdump is missing: registers unknown")
-                return 3
-            per_sm = _blocks_per_sm(res["regs"], res["shared"], warps)
-            assumed = max(1, tsd._LAUNCH1_WARPS_PER_SM // warps)
-            programs = B * Hkv * plan.n_prog1
-            waves = programs / (H200_SMS * per_sm)
-            ok = per_sm >= assumed and waves <= 1.0
-            bad += not ok
-            print(f"{name} B{B} L{L}: grid {B * Hkv}x{plan.n_prog1}, BLOCK_P {plan.block_p}, {warps} warps, "
-                  f"{res['regs']} registers, {res['stack']} bytes of stack, {res['shared']} bytes of shared memory: "
-                  f"{per_sm} programs an SM (the plan assumes {assumed}), {waves:.2f} waves: "
-                  f"{'ok' if ok else 'MISSED'}", flush=True)
+            for stub in stubs.values():
+                stub.last = None
+            tsd._plan = lambda *args: plan  # the H200's plan for these CPU tensors
+            try:
+                tsd.sparse_decode_triton(q, k, torch.empty_like(k), kmax, kmax.clone(), torch.zeros(B, Hkv, P),
+                                         torch.full((B,), L), None, D ** -0.5, spec,
+                                         ctrl=torch.zeros(2, dtype=torch.int32))
+            finally:
+                tsd._plan = plan_of
+            for launch, stub in stubs.items():
+                if stub.last is None:
+                    continue  # launch 2 of a one-stage rule
+                res, warps, grid = stub.last
+                if res["regs"] is None:
+                    print("cuobjdump is missing: registers unknown")
+                    return 3
+                per_sm = _blocks_per_sm(res["regs"], res["shared"], warps)
+                assumed = max(1, tsd._LAUNCH1_WARPS_PER_SM // warps) if launch == tsd.LAUNCHES[0] else 1
+                waves = grid[0] * grid[1] / (H200_SMS * per_sm)
+                ok = per_sm >= assumed and waves <= 1.0
+                bad += not ok
+                extra = f", BLOCK_P {plan.block_p}" if launch == tsd.LAUNCHES[0] else ""
+                if launch == tsd.LAUNCHES[0]:
+                    extra += f", {warps} warps ({assumed} programs an SM assumed)"
+                else:
+                    extra += f", {warps} warps"
+                print(f"{name} B{B} L{L} {launch}: grid {grid[0]}x{grid[1]}{extra}, {res['regs']} registers, "
+                      f"{res['stack']} bytes of stack, {res['shared']} bytes of shared memory: {per_sm} programs an "
+                      f"SM, {waves:.2f} waves: {'ok' if ok else 'MISSED'}", flush=True)
     return 1 if bad else 0
 
 
