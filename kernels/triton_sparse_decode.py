@@ -707,6 +707,9 @@ _SELECT_WARPS = 16
 #: tests/kernels/sm90_compile.py --occupancy checks the compiled kernel against it
 _LAUNCH1_WARPS_PER_SM = 16
 _LAUNCH1_MAX_REGISTERS = 65536 // (32 * _LAUNCH1_WARPS_PER_SM)
+#: programs an SM that size the grids of launches 2 and 3 (one wave): Triton 3.6's attention kernel takes 217
+#: registers a thread (two programs an SM), Triton 3.9's 145 (three); sm90_compile.py --occupancy checks it
+_PROGRAMS_PER_SM = 2
 #: software-pipeline stages of launch 1's loop over page blocks: the next block's bounds load (cp.async) while
 #: one is scored
 _LAUNCH1_STAGES = 2
@@ -796,13 +799,15 @@ class _Plan:
         else:
             self.block_p = min(_pow2(P), max(4, _pow2(P) // 4))
             self.n_prog1 = min(2, n_blocks(self.block_p))
-        target = -(-2 * sms // BH) if cuda else 2  # launch 2: fill the GPU twice (the interpreter: two programs)
+        # launches 2 and 3: _PROGRAMS_PER_SM programs an SM, one wave (rounded down: rounded up, a grid one
+        # program past the wave runs a second; the interpreter: two programs)
+        target = max(1, _PROGRAMS_PER_SM * sms // BH) if cuda else 2
         cpp = max(self.ppb, -(-self.n_cand // max(1, target)))
         self.cand_per_prog = -(-cpp // self.ppb) * self.ppb
         self.n_prog2 = -(-self.n_cand // self.cand_per_prog)
         self.min_per_split = _MIN_TOKENS_PER_SPLIT if cuda else 8
         if n_splits is None:
-            n_splits = -(-2 * sms // BH) if cuda else 4
+            n_splits = max(1, _PROGRAMS_PER_SM * sms // BH) if cuda else 4
             n_splits = max(1, min(n_splits, -(-L // self.min_per_split)))
         self.n_splits = max(1, min(int(n_splits), 1024))
 
@@ -1069,7 +1074,7 @@ def sparse_decode_triton(
         ``keep_tokens`` the ``K * page_size`` candidate tokens of highest softmax share are kept instead of
         ``K`` whole pages (:func:`.reference.rank_candidate_tokens`).
     n_splits : int, optional
-        Split-K programs per KV head of launch 3 (default: enough to fill the device twice). Pass by keyword.
+        Split-K programs per KV head of launch 3 (default: one wave at two programs an SM). Pass by keyword.
     ctrl : torch.Tensor, optional
         int32 ``[2]``: a nonzero ``ctrl[0]`` (stale bounds) or ``ctrl[1]`` (a dense layer) attends every valid
         token. On the device of ``q`` the kernels read it; in host memory it is read here.

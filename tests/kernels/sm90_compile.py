@@ -145,10 +145,10 @@ def _blocks_per_sm(regs: int, shared: int, warps: int) -> int:
 
 
 def occupancy() -> int:
-    """The op's launches at the GPU check's shapes with an H200's plan: launch 1's programs fit in one wave at
-    the programs an SM its grid assumes (``_LAUNCH1_WARPS_PER_SM``); launches 2 and 3 (sized to fill the GPU about
-    twice at two programs an SM) fit in one wave at what the compiled kernel allows. Prints a line per launch and
-    shape; 1 when one does not fit."""
+    """The op's launches at the GPU check's shapes with an H200's plan: each launch's compiled kernel allows the
+    programs an SM its grid assumes (launch 1: ``_LAUNCH1_WARPS_PER_SM`` warps; launches 2 and 3:
+    ``_PROGRAMS_PER_SM``) and its grid fits in one wave. Prints a line per launch and shape; 1 when one does
+    not fit."""
     from tinyserve_compile.kernels import triton_sparse_decode as tsd
     from tinyserve_compile.kernels.spec import SelectionSpec
 
@@ -188,15 +188,13 @@ def occupancy() -> int:
                     print("cuobjdump is missing: registers unknown")
                     return 3
                 per_sm = _blocks_per_sm(res["regs"], res["shared"], warps)
-                assumed = max(1, tsd._LAUNCH1_WARPS_PER_SM // warps) if launch == tsd.LAUNCHES[0] else 1
+                assumed = (max(1, tsd._LAUNCH1_WARPS_PER_SM // warps) if launch == tsd.LAUNCHES[0]
+                           else tsd._PROGRAMS_PER_SM)
                 waves = grid[0] * grid[1] / (H200_SMS * per_sm)
                 ok = per_sm >= assumed and waves <= 1.0
                 bad += not ok
                 extra = f", BLOCK_P {plan.block_p}" if launch == tsd.LAUNCHES[0] else ""
-                if launch == tsd.LAUNCHES[0]:
-                    extra += f", {warps} warps ({assumed} programs an SM assumed)"
-                else:
-                    extra += f", {warps} warps"
+                extra += f", {warps} warps ({assumed} programs an SM assumed)"
                 print(f"{name} B{B} L{L} {launch}: grid {grid[0]}x{grid[1]}{extra}, {res['regs']} registers, "
                       f"{res['stack']} bytes of stack, {res['shared']} bytes of shared memory: {per_sm} programs an "
                       f"SM, {waves:.2f} waves: {'ok' if ok else 'MISSED'}", flush=True)
