@@ -5,9 +5,11 @@
 #   newest: the newest torch release (2.15): the native build, the native kernel tests, the native conformance rows;
 #           then, in the same virtualenv, continuous batching on the oldest transformers it supports (5.19);
 #   isa:    in the main virtualenv, the native kernel built without AVX-512 (TINYSERVE_NATIVE_ISA=avx2, as an
-#           AVX2-only CPU builds it, with ATen on AVX2 too) and portable (=default, x86-64-v2), each through its kernel tests.
+#           AVX2-only CPU builds it, with ATen on AVX2 too) and portable (=default, x86-64-v2), each through its kernel tests;
+#   triton36: the GPU image's Triton (3.6) compiles every decode kernel for sm_90, and each launch's grid fits one
+#           wave at what that compiler's kernels allow (it gives the attention kernel 217 registers, Triton 3.9 145).
 # PIP_CONFIG_FILE=/dev/null lifts this machine's local pip cap (torch<=2.14.1) for these installs only.
-# Usage: bash .ci/matrix.sh [oldest|newest|isa ...]   (default: all three)
+# Usage: bash .ci/matrix.sh [oldest|newest|isa|triton36 ...]   (default: all four)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${CI_VENVS:-.ci-venvs}
@@ -66,14 +68,29 @@ isa_edge() {  # the native kernel's AVX2 and portable builds on this machine, in
     done
 }
 
+triton_edge() {  # Triton 3.6 (the GPU image's, beside torch 2.11+cu130 there) on the local CPU torch: no CUDA needed
+    local venv="$ROOT/triton36" t0
+    t0=$(date +%s)
+    echo "=== matrix edge 'triton36': Triton 3.6, every decode kernel compiled for sm_90, the grids' occupancy"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q $PIP_NET torch==2.13.0 numpy
+    "$venv/bin/pip" install -q $PIP_NET --no-deps "triton==3.6.0"
+    "$venv/bin/pip" install -q --no-deps -e .
+    "$venv/bin/python" -c "import triton; print('triton', triton.__version__)"
+    "$venv/bin/python" tests/kernels/sm90_compile.py --quick
+    "$venv/bin/python" tests/kernels/sm90_compile.py --occupancy
+    echo "=== matrix edge 'triton36' passed in $(( $(date +%s) - t0 )) s"
+}
+
 EDGES=("$@")
-[ ${#EDGES[@]} -eq 0 ] && EDGES=(oldest newest isa)
+[ ${#EDGES[@]} -eq 0 ] && EDGES=(oldest newest isa triton36)
 for e in "${EDGES[@]}"; do
     case $e in
         # torch 2.8 ships Triton 3.4, whose interpreter (the conformance table's Triton column) needs numpy < 2.4
         oldest) edge oldest 2.8.0 4.56.2 "numpy<2.4" "${NATIVE_TESTS[@]}" "${BACKEND_TESTS[@]}" ;;
         newest) edge newest 2.15.0 5.24.0 numpy "${NATIVE_TESTS[@]}" ;;
         isa) isa_edge ;;
-        *) echo "unknown edge $e (oldest, newest, isa)"; exit 2 ;;
+        triton36) triton_edge ;;
+        *) echo "unknown edge $e (oldest, newest, isa, triton36)"; exit 2 ;;
     esac
 done
