@@ -457,6 +457,25 @@ def plot(rows, meta, path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def compiled_resources(tsd) -> list:
+    """Registers, spills and shared memory of every compiled specialisation of the op's kernels (what the driver
+    reports once they ran), a dict per kernel; empty under the interpreter. Triton internals: an error is
+    recorded in place of the list's entries, never raised."""
+    out = []
+    for name in tsd.LAUNCHES:
+        fn = getattr(tsd, name)
+        try:
+            for caches in getattr(fn, "device_caches", {}).values():
+                for kernel in caches[0].values():
+                    kernel._init_handles()
+                    md = kernel.metadata
+                    out.append(dict(kernel=name, num_warps=md.num_warps, num_stages=md.num_stages,
+                                    registers=kernel.n_regs, spills=kernel.n_spills, shared=md.shared))
+        except Exception as e:  # noqa: BLE001 - a record, not a check
+            out.append(dict(kernel=name, error=f"{type(e).__name__}: {e}"))
+    return out
+
+
 def main(argv=None):
     p = cli.parser("gpu", __doc__.split("\n\n")[0], quick="4K and 32K, batch 1", threads=False)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -537,6 +556,9 @@ def main(argv=None):
             break
         state = "not run" if t["met"] is None else f"{t['worst']:.2f} -> {'met' if t['met'] else 'MISSED'}"
         print(f"# target {t['target']}: {state}")
+    meta["kernels"] = compiled_resources(tsd)
+    for k_ in meta["kernels"]:
+        print("# compiled " + ", ".join(f"{key} {val}" for key, val in k_.items()))
     bad = [r for r in rows if r["ok"] is False]
     for r in bad:
         print(f"# CORRECTNESS FAILURE at ctx={r['context']} B={r['batch']} {r['dtype']}: "
