@@ -791,23 +791,23 @@ class _Plan:
         # _LAUNCH1_WARPS_PER_SM. The interpreter: blocks of a quarter of the pages, two programs a head, so that
         # small test shapes loop and arrive as the GPU's do.
         self.warps1 = _select_warps(P)
-        n_blocks = lambda bp: -(-P // bp)  # noqa: E731
         if cuda:
             self.block_p = min(_pow2(P), max(1, 16 * 32 * self.warps1 // _pow2(D)))
-            per_sm = max(1, _LAUNCH1_WARPS_PER_SM // self.warps1)
-            self.n_prog1 = max(1, min(n_blocks(self.block_p), sms * per_sm // BH))
+            programs1 = sms * max(1, _LAUNCH1_WARPS_PER_SM // self.warps1) // BH
         else:
             self.block_p = min(_pow2(P), max(4, _pow2(P) // 4))
-            self.n_prog1 = min(2, n_blocks(self.block_p))
+            programs1 = 2
+        self.n_prog1 = max(1, min(-(-P // self.block_p), programs1))
         # launches 2 and 3: _PROGRAMS_PER_SM programs an SM, one wave (rounded down: rounded up, a grid one
-        # program past the wave runs a second; the interpreter: two programs)
-        target = max(1, _PROGRAMS_PER_SM * sms // BH) if cuda else 2
-        cpp = max(self.ppb, -(-self.n_cand // max(1, target)))
+        # program past the wave runs a second; the interpreter: two programs, four splits)
+        per_head = max(1, _PROGRAMS_PER_SM * sms // BH)
+        target = per_head if cuda else 2
+        cpp = max(self.ppb, -(-self.n_cand // target))
         self.cand_per_prog = -(-cpp // self.ppb) * self.ppb
         self.n_prog2 = -(-self.n_cand // self.cand_per_prog)
         self.min_per_split = _MIN_TOKENS_PER_SPLIT if cuda else 8
         if n_splits is None:
-            n_splits = max(1, _PROGRAMS_PER_SM * sms // BH) if cuda else 4
+            n_splits = per_head if cuda else 4
             n_splits = max(1, min(n_splits, -(-L // self.min_per_split)))
         self.n_splits = max(1, min(int(n_splits), 1024))
 

@@ -39,7 +39,7 @@ except Exception as e:  # pragma: no cover - depends on the environment
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
         torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.int16: "*i16"}
 TARGET = GPUTarget("cuda", 90, 32)
-compiled = []
+compiled = {}  #: (kernel name, source hash, options) -> resources of the compiled specialisation
 
 
 def _type(v):
@@ -113,20 +113,16 @@ class _CompileOnly:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             fn = self.kernel
-            made = _jit_source(fn, args, dict(kwargs)) or _generic_source(fn, args, dict(kwargs))
-            src, options = made
+            src, options = _jit_source(fn, args, dict(kwargs)) or _generic_source(fn, args, dict(kwargs))
             key = (fn.__name__, src.hash(), tuple(sorted((k, str(v)) for k, v in options.items())))
             warps = options.get("num_warps", 4)
-            done = {c[0]: c[1] for c in compiled}
-            if key not in done:
+            if key not in compiled:
                 out = triton.compile(src, target=TARGET, options=options)
-                done[key] = _resources(out)
-                compiled.append((key, done[key], warps, tuple(grid)))
-                res = done[key]
+                res = compiled[key] = _resources(out)
                 print(f"compiled {fn.__name__} for sm_90 (num_warps {warps}): {len(out.asm.get('ptx', ''))} chars of "
                       f"PTX, {res['regs']} registers, {res['stack']} bytes of stack, {res['shared']} bytes of "
                       f"shared memory", flush=True)
-            self.last = (done[key], warps, tuple(grid))
+            self.last = (compiled[key], warps, tuple(grid))
         return launch
 
 

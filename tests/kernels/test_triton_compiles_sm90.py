@@ -18,14 +18,21 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_every_kernel_compiles_for_sm90():
+def _run(flag: str, timeout: int):
+    """``sm90_compile.py flag`` in a process of its own (not interpreted); skips where Triton's NVIDIA backend (or
+    its ptxas/cuobjdump) is missing (exit status 3)."""
     script = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, script, flag], capture_output=True, text=True, env=env, timeout=timeout)
+    if run.returncode == 3:
+        pytest.skip(f"Triton's NVIDIA backend, its ptxas or cuobjdump is not installed: {run.stdout.strip()[-300:]}")
+    return run
+
+
+def test_every_kernel_compiles_for_sm90():
     # --quick: bf16 (the GPU's dtype) with no mask and an additive per-head one, every setting; the whole grid
     # (fp16, fp32, bool masks too) is `python tests/kernels/sm90_compile.py` (about 5 minutes cold on 2 cores)
-    run = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, env=env, timeout=900)
-    if run.returncode == 3:
-        pytest.skip(f"Triton's NVIDIA backend is not installed: {run.stdout.strip()[-300:]}")
+    run = _run("--quick", 900)
     assert run.returncode == 0, f"sm_90 compile failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     names = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("compiled ")}
     assert {"_score_pages_kernel", "_rank_candidates_kernel", "_attend_kernel", "_cache_write_kernel"} <= names, names
@@ -37,11 +44,7 @@ def test_grids_fit_one_wave_on_an_h200():
     (``_LAUNCH1_WARPS_PER_SM``), at the GPU check's shapes: the defaults and the paper rule, 32K and 128K, batch 8.
     A kernel that takes more registers than its plan allows (launch 1's select tail took 168 at 8 warps before
     ``maxnreg``: 1.94 waves) fails here."""
-    script = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, script, "--occupancy"], capture_output=True, text=True, env=env, timeout=600)
-    if run.returncode == 3:
-        pytest.skip(f"Triton's NVIDIA backend or cuobjdump is not installed: {run.stdout.strip()[-300:]}")
+    run = _run("--occupancy", 600)
     assert run.returncode == 0, f"a grid does not fit its plan:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     lines = [line for line in run.stdout.splitlines() if line.endswith(": ok")]
     # 3 launches at the defaults' two points, 2 (one stage) at the paper rule's
