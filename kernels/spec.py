@@ -18,6 +18,7 @@ from typing import List, Sequence
 import torch
 
 __all__ = ["SelectionSpec", "BOUNDS_CODES", "BOUNDS_DTYPE_NAMES", "KERNELS", "PAGED_KERNELS", "candidate_pages",
+           "MAX_INDEX", "MAX_PAGE_SIZE", "MASKED_AT_OR_BELOW", "attended",
            "DEFAULT_PAGE_SIZE", "DEFAULT_TOKEN_BUDGET", "DEFAULT_SINK_PAGES", "DEFAULT_CANDIDATE_FACTOR",
            "DEFAULT_CANDIDATE_EXTRA", "DEFAULT_KEEP_TOKENS", "DEFAULT_BOUNDS_DTYPE"]
 
@@ -51,6 +52,38 @@ BOUNDS_CODES = tuple(getattr(torch, name) for name in BOUNDS_DTYPE_NAMES)
 KERNELS = ("auto", "native", "torch", "triton")
 #: those of the paged op (:mod:`.paged_sparse_decode`), which has no Triton kernel
 PAGED_KERNELS = tuple(k for k in KERNELS if k != "triton")
+
+
+#: the largest value of every integer field of the spec (and option of the config): the kernels index pages and
+#: tokens with 32-bit integers (the native kernel's page lists, Triton's offsets), and the native kernel forms
+#: ``candidate_factor * K`` in 64 bits, which two 31-bit factors cannot overflow
+MAX_INDEX = 2**31 - 1
+#: the largest page: the kernels hold a page's tokens in one tile (Triton pads it to a power of two in registers),
+#: and every implementation pads the cache to whole pages
+MAX_PAGE_SIZE = 1024
+
+#: what "masked" means in an additive float mask, for every path: a value at or below this (``-inf``,
+#: ``torch.finfo(dtype).min`` of any float dtype, ``-1e9``, BERT's ``-10000``) is a masked position, as ``False`` is
+#: in a boolean mask. Where a row attends a position above it, such a position's softmax weight is exactly 0 in
+#: fp32 whether it is added or left out (``exp`` underflows to 0 below -104), so the ops add float masks as they
+#: are; the rule decides where a site's valid length ends (one past the newest position attended in any row).
+MASKED_AT_OR_BELOW = -1.0e4
+
+
+def attended(attn_mask: torch.Tensor) -> torch.Tensor:
+    """Which positions a mask attends: itself when boolean, else ``attn_mask > MASKED_AT_OR_BELOW`` (NaN: masked).
+
+    Parameters
+    ----------
+    attn_mask : torch.Tensor
+        Bool (True = attend) or additive float, any shape.
+
+    Returns
+    -------
+    torch.Tensor
+        Bool, the shape of ``attn_mask``.
+    """
+    return attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT_OR_BELOW
 
 
 def candidate_pages(page_size: int, token_budget: int, candidate_factor: int = 1, candidate_extra: int = 0) -> int:
@@ -160,29 +193,46 @@ class SelectionSpec:
         valid lengths: every row has at most :attr:`n_dense_pages` valid pages. Decided from the shapes alone."""
         return cache_pages <= self.n_dense_pages
 
+    def for_cache(self, length: int) -> "SelectionSpec":
+        """This spec with its sizes bounded by a cache of ``length`` tokens, selecting the same.
+
+        A spec whose dense rule covers every page of the cache (:meth:`dense_cache`) attends every row densely;
+        it becomes the smallest spec with that rule (a budget of the whole cache, no extra candidates), so that
+        no size that follows from the options (kept pages, candidates, their buffers) exceeds the cache. Any
+        other spec already keeps fewer pages than the cache holds and is returned as it is. Every implementation
+        runs the spec this returns.
+
+        Parameters
+        ----------
+        length : int
+            Tokens of the cache (``L``; a paged cache: its pages per row times ``page_size``).
+        """
+        P = max(1, -(-int(length) // self.page_size))
+        if not self.dense_cache(P) or (self.n_pages, self.n_candidates) == (P, P):
+            return self
+        return self.replace(token_budget=P * self.page_size, sink_pages=min(self.sink_pages, P - 1),
+                            candidate_factor=1, candidate_extra=0)
+
     # ---- checks --------------------------------------------------------------------------------------
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
+        """Raise ``ValueError`` naming the first bad field: every integer field is an int in its range, at most
+        :data:`MAX_INDEX` (the kernels' index type)."""
 
         def bad(name, msg):
             raise ValueError(f"selection spec: argument '{name}' {msg}")
 
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
+        def check_int(name, lo, hi=MAX_INDEX, what=""):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                bad(name, f"must be an int in [{lo}, {hi}]{what}, got {v!r}")
 
-        if not is_int(self.page_size) or self.page_size <= 0:
-            bad("page_size", f"must be a positive int, got {self.page_size!r}")
-        if not is_int(self.token_budget) or self.token_budget < self.page_size:
-            bad("token_budget", f"must be an int of at least one page ({self.page_size} tokens), "
-                                f"got {self.token_budget!r}")
-        K = self.token_budget // self.page_size
-        if not is_int(self.sink_pages) or not 0 <= self.sink_pages < K:
-            bad("sink_pages", f"must be an int in [0, {K}) (fewer than the pages in the budget), "
-                              f"got {self.sink_pages!r}")
-        if not is_int(self.candidate_factor) or self.candidate_factor < 1:
-            bad("candidate_factor", f"must be an int >= 1, got {self.candidate_factor!r}")
-        if not is_int(self.candidate_extra) or self.candidate_extra < 0:
-            bad("candidate_extra", f"must be an int >= 0 (tokens), got {self.candidate_extra!r}")
+        check_int("page_size", 1, MAX_PAGE_SIZE)
+        check_int("token_budget", self.page_size if isinstance(self.page_size, int) else 1,
+                  what=" (at least one page)")
+        check_int("sink_pages", 0, self.token_budget // self.page_size - 1,
+                  what=" (fewer than the pages in the budget)")
+        check_int("candidate_factor", 1)
+        check_int("candidate_extra", 0, what=" (tokens)")
         if not isinstance(self.keep_tokens, bool):
             bad("keep_tokens", f"must be a bool, got {self.keep_tokens!r}")
         if self.bounds_dtype not in BOUNDS_CODES:

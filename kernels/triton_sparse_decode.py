@@ -968,6 +968,7 @@ def page_scores_triton(q, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: S
     """
     B, Hq, _, D = q.shape
     Hkv, P = kmax.shape[1], kmax.shape[2]
+    spec = spec.for_cache(length)  # sizes bounded by the cache
     keys = torch.empty(B, Hkv, length, D, dtype=q.dtype, device="meta")  # only its shape is read
     plan, ws, vl, vls, mask, mstr, mkind, mper, ctrl_t, _, _ = _prepare(
         q, keys, kmax, kmin, kabs, valid_len, attn_mask, spec, None, None)
@@ -997,6 +998,7 @@ def select_pages_triton(q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, scal
     """
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    spec = spec.for_cache(L)  # sizes bounded by the cache
     S = spec.page_size
     plan, ws, vl, vls, mask, mstr, mkind, mper, ctrl_t, has_ctrl, _ = _prepare(
         q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, spec, None, None)
@@ -1087,6 +1089,7 @@ def sparse_decode_triton(
     B, Hq, _, D = q.shape
     Hkv, L = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
+    spec = spec.for_cache(L)  # sizes bounded by the cache
     S = spec.page_size
     plan, ws, vl, vls, mask, mstr, mkind, mper, ctrl_t, has_ctrl, host_dense = _prepare(
         q, k_cache, kmax, kmin, kabs, valid_len, attn_mask, spec, ctrl, n_splits)

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from tinyserve_compile.kernels.spec import MASKED_AT_OR_BELOW
 from ._node_meta import example_value, fake
 
 
@@ -15,8 +16,9 @@ def decode_valid_len(graph: fx.Graph, k_view: fx.Node, attn_mask: Optional[fx.No
                      device) -> fx.Node:
     """Insert the int64 ``[1]`` valid length of a rewritten decode site: the keys dense SDPA can attend.
 
-    With a mask, one past the newest position the mask allows in any row (later
-    keys are masked for every row); without one, every key read: the ``[:n]``
+    With a mask, one past the newest position the mask attends in any row (later
+    keys are masked for every row; "attends" as :func:`tinyserve_compile.kernels.spec.attended`
+    says, for boolean and additive masks alike); without one, every key read: the ``[:n]``
     prefix ``length`` (an int or a SymInt node) or the whole sequence dim of
     ``k_view`` (``[B, Hkv, L, D]``). This is how
     :func:`tinyserve_compile.testing.reference_sparse_attention` reads it too.
@@ -28,8 +30,9 @@ def decode_valid_len(graph: fx.Graph, k_view: fx.Node, attn_mask: Optional[fx.No
         return call(aten.full.default, ([1], n), {"dtype": torch.int64, "device": device})
     L = call(aten.sym_size.int, (attn_mask, -1))
     mt = fake(attn_mask)
+    # kernels.spec.attended: what a float mask holds at or below MASKED_AT_OR_BELOW (-inf, finfo.min) is masked
     allowed = attn_mask if mt is not None and mt.dtype == torch.bool else \
-        call(aten.gt.Scalar, (attn_mask, float("-inf")))
+        call(aten.gt.Scalar, (attn_mask, MASKED_AT_OR_BELOW))
     ends = call(aten.arange.start, (1, call(operator.add, (L, 1))), {"dtype": torch.int64, "device": device})
     last = call(aten.amax.default, (call(aten.mul.Tensor, (allowed, ends)), []))  # newest allowed + 1
     return call(aten.reshape.default, (last, [1]))

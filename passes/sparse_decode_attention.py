@@ -92,7 +92,9 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
         kmax, kmin, kabs, ctrl = site.bounds
         query_aware = config.policy == "query_aware"
         native = query_aware and runtime.decode_kernel(q.device, config) == "native"
-        spec = SelectionSpec.from_config(config).to_list()
+        spec = SelectionSpec.from_config(config)
+        length = site.k_layout.full(fake(site.k_base))[2]
+        spec = (spec.for_cache(length) if isinstance(length, int) else spec).to_list()  # sizes bounded by the cache
         with graph.inserting_before(site.node):
             # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
             k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)

@@ -22,6 +22,7 @@ from .kernels.spec import (
     DEFAULT_TOKEN_BUDGET,
 )
 from .kernels.spec import KERNELS as KERNEL_CHOICES
+from .kernels.spec import MAX_INDEX, SelectionSpec
 
 __all__ = [
     "TinyServeConfig",
@@ -152,32 +153,17 @@ class TinyServeConfig:
         def bad(name, msg):
             raise ValueError(f"tinyserve option '{name}' {msg}")
 
-        for name in ("page_size", "token_budget"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                bad(name, f"must be a positive int, got {v!r}")
-        if self.token_budget < self.page_size:
-            bad("token_budget", f"must be at least one page ({self.page_size} tokens), got {self.token_budget}")
-        for name in ("dense_layers", "sink_pages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                bad(name, f"must be an int >= 0, got {v!r}")
-        if self.sink_pages >= self.token_budget // self.page_size:
-            bad("sink_pages", f"must be fewer than the pages in the budget ({self.token_budget // self.page_size})")
-        c = self.candidate_factor
-        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
-            bad("candidate_factor", f"must be an int >= 1, got {c!r}")
-        e = self.candidate_extra
-        if not isinstance(e, int) or isinstance(e, bool) or e < 0:
-            bad("candidate_extra", f"must be an int >= 0 (tokens), got {e!r}")
-        if not isinstance(self.keep_tokens, bool):
-            bad("keep_tokens", f"must be a bool, got {self.keep_tokens!r}")
+        if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) or \
+                not 0 <= self.dense_layers <= MAX_INDEX:
+            bad("dense_layers", f"must be an int in [0, {MAX_INDEX}], got {self.dense_layers!r}")
+        if self.bounds_dtype not in BOUNDS_DTYPES:
+            bad("bounds_dtype", f"must be one of {BOUNDS_DTYPES}, got {self.bounds_dtype!r}")
+        # the selection's fields are checked where they are defined: by the spec they build (ranges, MAX_INDEX)
+        SelectionSpec.from_config(self)
         if self.lower not in LOWERINGS:
             bad("lower", f"must be one of {LOWERINGS}, got {self.lower!r}")
         if self.kernel not in KERNEL_CHOICES:
             bad("kernel", f"must be one of {KERNEL_CHOICES}, got {self.kernel!r}")
-        if self.bounds_dtype not in BOUNDS_DTYPES:
-            bad("bounds_dtype", f"must be one of {BOUNDS_DTYPES}, got {self.bounds_dtype!r}")
         if not isinstance(self.strict, bool):
             bad("strict", f"must be a bool, got {self.strict!r}")
         if not isinstance(self.decode_linear, bool):
@@ -238,9 +224,7 @@ class TinyServeConfig:
     @property
     def candidate_pages(self) -> int:
         """Candidate pages of the first stage (two-stage when more than ``token_budget // page_size``)."""
-        from .kernels.reference import candidate_pages
-
-        return candidate_pages(self.page_size, self.token_budget, self.candidate_factor, self.candidate_extra)
+        return SelectionSpec.from_config(self).n_candidates
 
     def cudagraphs_requested(self, mode: Optional[str] = None) -> bool:
         """Whether CUDA graphs are asked for: :attr:`cudagraphs`, or when it is None, ``mode``.

@@ -423,7 +423,7 @@ def paged_attention(
         ``[B, Hq, 1, D]``, dtype of ``q``.
     """
     bounds = PageBounds(kmax, kmin, kabs)
-    sel = SelectionSpec.from_list(spec)
+    sel = SelectionSpec.from_list(spec).for_cache(k_cache.shape[2])  # sizes bounded by the cache
     st = _state_of_bounds(kmax)
     if st is not None and st.mirror and st.ctrl.data_ptr() == ctrl.data_ptr():
         flags = st._flags.tolist()  # what the (device) ctrl holds, as the host pushed it: no sync

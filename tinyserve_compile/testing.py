@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .config import TinyServeConfig
-from .kernels.spec import SelectionSpec
+from .kernels.spec import SelectionSpec, attended
 from .kernels.reference import page_bounds, sparse_decode_reference
 from .policies import DecodeContext, get_policy
 
@@ -68,7 +68,7 @@ class _SparseReferenceMode(TorchFunctionMode):
         if mask is None:
             valid = torch.tensor([L])
         else:
-            allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
+            allowed = attended(mask)
             allowed = allowed.expand(q.shape[0], -1, 1, L).any(1)[:, 0]  # [B, L]
             pos = torch.arange(L).expand_as(allowed)
             valid = torch.where(allowed, pos + 1, torch.zeros_like(pos)).amax(-1)  # newest attendable + 1

@@ -240,9 +240,11 @@ inline Plan& thread_plan() {
 template <typename T, typename BT>
 void build_ctx(Ctx<T, BT>& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kmax,
                const at::Tensor& kmin, const at::Tensor& kabs, const at::Tensor& valid_len,
-               const c10::optional<at::Tensor>& attn_mask, double scale, const Spec& spec, bool force_dense,
+               const c10::optional<at::Tensor>& attn_mask, double scale, const Spec& full_spec, bool force_dense,
                std::vector<float>& qbuf, const PageTable* pt = nullptr) {
-  const int64_t S = spec.page_size;
+  const int64_t S = full_spec.page_size;
+  // sizes bounded by the cache (kept pages, candidates and their buffers), selecting the same
+  const Spec spec = full_spec.for_cache(((pt ? pt->pages * S : k.size(2)) + S - 1) / S);
   c.B = q.size(0);
   c.Hq = q.size(1);
   c.D = q.size(3);

@@ -273,9 +273,9 @@ def _softmax_attend(logits, v):
 
 def sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, spec):
     """Static-graph ``reference.choose`` + exact attention over the kept pages (or tokens)."""
-    sp = SelectionSpec.from_list(spec)
     B, Hq, _, D = _dims(q)
     _, Hkv, L, _ = _dims(k_cache)
+    sp = SelectionSpec.from_list(spec).for_cache(L)  # sizes bounded by the cache
     G, S = Hq // Hkv, sp.page_size
     P, K = L // S, sp.n_pages
     scale, sinks = float(scale), sp.sink_pages
