@@ -55,6 +55,8 @@ N_CASES = 36
 
 #: one row per (test, implementation): filled by the tests, printed by the conftest's terminal summary
 RESULTS: list = []
+#: one line per fuzzed implementation (test_fuzz.py): its draws and what each ended in
+FUZZ: list = []
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 for _shared in ("kernels", "export"):  # triton_interp and export_helpers, shared with those folders' tests
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / _shared))
 
-from conformance_cases import RESULTS  # noqa: E402  (one row per test: filled by the tests, printed below)
+from conformance_cases import FUZZ, RESULTS  # noqa: E402  (one row per test: filled by the tests, printed below)
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +23,10 @@ def triton_interpreted():
 
 
 def pytest_terminal_summary(terminalreporter):
+    if FUZZ:
+        terminalreporter.section("conformance: fuzz counts (test_fuzz.py)")
+        for line in FUZZ:
+            terminalreporter.write_line(line)
     if not RESULTS:
         return
     tr = terminalreporter
