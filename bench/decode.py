@@ -67,7 +67,10 @@ What one *point* (context, batch) does
   ``tinyserve_compile.quantization.Int4PlainWeightOnlyConfig`` (plain buffers of ``Int4Linear`` modules, which
   every provider, eager included, runs through ``tinyserve::linear_int4``).
 * **llama.cpp** (``--llamacpp``, ``bench/llamacpp.py``): the same GGUF run by llama.cpp (F32/F32, F16/F16,
-  Q4_1/F16), batch 1, in the same rounds as the other providers; the module doc says how it fills and times.
+  Q4_1/F16), batch 1, in the same rounds as the other providers, with flash attention on and off (on only for
+  a quantized V cache) and each ``--llamacpp-threads`` count; the fastest setting of each config is recorded
+  once more as its anchor ``llama.cpp <config>``, the one the ratios against llama.cpp use. The module doc says
+  how it fills and times.
 
 Outputs: a table with ratios against the fastest stock provider at each point, the decode targets
 (:data:`TARGETS` on a CPU, :data:`GPU_TARGETS` on CUDA), and with ``--out PATH``: the records (a list of dicts
@@ -603,6 +606,7 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
         if complete:
             for p in extra:
                 rows.append(p.record(times[p.name], dict(point, date=date)))
+            rows = llamacpp.with_anchors(rows)  # each llama.cpp config's fastest setting, the anchor of its ratios
         stock = [r["ms_per_token"] for r in rows if r["provider"] in STOCK and r["ms_per_token"]]
         best = min(stock) if stock else None
         for r in rows:

@@ -7,9 +7,17 @@ One provider per :data:`CONFIGS` entry, ``"<weights>/<KV cache type>"``:
 * ``F32/F32`` and ``F16/F16``: the GGUF dequantized to F32 or F16 by llama.cpp's quantize tool (the source is
   already quantized, so ``--allow-requantize`` is needed; token embedding and output types are set to the
   target too), with an F32 or F16 KV cache;
-* ``Q4_1/F16``: the GGUF as shipped, with an F16 KV cache (the configuration a llama.cpp user runs).
+* ``Q4_1/F16``: the GGUF as shipped, with an F16 KV cache (the configuration a llama.cpp user runs);
+* ``Q4_1/Q8_0`` (only when named, not in ``all``): the GGUF as shipped, with a Q8_0 KV cache.
 
-Flash attention on, ``--threads`` threads (default: torch's thread count), batch 1 only.
+Batch 1 only. Which flash-attention setting is faster depends on the model and the cache type, so each config
+is timed with flash attention on and off, in the same rounds (one provider per setting, named
+``llama.cpp <config> fa=on`` / ``fa=off``), and with each thread count of ``--llamacpp-threads`` (default:
+torch's thread count; with several, the names end in ``t=<threads>``). A quantized V cache needs flash
+attention in llama.cpp: such a config runs ``fa=on`` only and its records say why (``flash_attn_reason``).
+At each point :func:`with_anchors` adds the *anchor* ``llama.cpp <config>``: a copy of the fastest setting's
+record, with ``llamacpp_won`` (which setting), ``fa_on_ms``, ``fa_off_ms`` and ``llamacpp_variants_ms``;
+the ratios against llama.cpp (:func:`markdown_tables`) use the anchor only.
 
 Two ways to run llama.cpp
 -------------------------
@@ -22,7 +30,8 @@ Two ways to run llama.cpp
   providers' prefill (batches of 512). *Timing*: as for the PyTorch providers, each round rolls the cache
   back to ``context`` tokens, runs one untimed step and then ``steps`` timed single-token ``eval`` calls
   (one ``llama_decode`` each, no sampling), interleaved with the other providers' rounds. GGUF conversion
-  through ``llama_cpp.llama_model_quantize``.
+  through ``llama_cpp.llama_model_quantize``. Each setting holds its own model and cache (twice the memory
+  of one setting).
 * **a llama-bench binary** (``--llamacpp-bench PATH``): each round is one
   ``llama-bench -d <context> -n <steps> -p 0 -r 1 -o json`` call (llama-bench fills the context itself, then
   times ``steps`` generated tokens); the round's value is its mean ms per token. GGUF conversion through the
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import re
@@ -47,19 +57,26 @@ import shutil
 import statistics
 import subprocess
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["CONFIGS", "parse_configs", "quantize_command", "convert_gguf", "gguf_shape", "kv_bytes", "system_isa",
-           "llama_bench_command", "parse_llama_bench_json", "LlamaCppProvider", "LlamaBenchProvider",
-           "add_arguments", "providers_from_args", "markdown_tables"]
+           "llama_bench_command", "parse_llama_bench_json", "flash_attn_settings", "variant_name",
+           "LlamaCppProvider", "LlamaBenchProvider", "add_arguments", "provider_settings", "providers_from_args",
+           "anchor_row", "with_anchors", "markdown_tables"]
 
 #: provider config -> (GGUF weights type, KV cache type)
-CONFIGS = {"F32/F32": ("F32", "f32"), "F16/F16": ("F16", "f16"), "Q4_1/F16": ("Q4_1", "f16")}
+CONFIGS = {"F32/F32": ("F32", "f32"), "F16/F16": ("F16", "f16"), "Q4_1/F16": ("Q4_1", "f16"),
+           "Q4_1/Q8_0": ("Q4_1", "q8_0")}
+#: the configs ``--llamacpp all`` runs (the quantized cache only when named)
+ALL_CONFIGS = ("F32/F32", "F16/F16", "Q4_1/F16")
 #: llama_ftype of a converted file (LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_F16)
 FTYPES = {"F32": 0, "F16": 1}
-#: ggml_type of a KV cache or tensor type name (GGML_TYPE_F32, GGML_TYPE_F16)
-GGML_TYPES = {"f32": 0, "f16": 1}
-KV_ITEMSIZE = {"f32": 4, "f16": 2}
+#: ggml_type of a KV cache or tensor type name (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0)
+GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+#: KV cache type -> (bytes, values) of one ggml block (Q8_0: 32 int8 codes and an fp16 scale)
+KV_BLOCK = {"f32": (4, 1), "f16": (2, 1), "q8_0": (34, 32)}
+#: KV cache types llama.cpp stores unquantized: only these run with flash attention off
+PLAIN_KV = ("f32", "f16")
 #: the shipped GGUF's type (general.file_type 3 = LLAMA_FTYPE_MOSTLY_Q4_1)
 SOURCE_TYPE = "Q4_1"
 DECODE_TOKEN = 100  # the token every timed step feeds (python -m bench decode feeds 100 to its first row)
@@ -67,9 +84,9 @@ N_BATCH = 512
 
 
 def parse_configs(text: str) -> List[str]:
-    """``"all"`` or a comma-separated subset of :data:`CONFIGS` -> the list of configs."""
+    """``"all"`` (:data:`ALL_CONFIGS`) or a comma-separated subset of :data:`CONFIGS` -> the list of configs."""
     if text.strip() == "all":
-        return list(CONFIGS)
+        return list(ALL_CONFIGS)
     out = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in out if c not in CONFIGS]
     if bad or not out:
@@ -139,8 +156,14 @@ def gguf_shape(path: str) -> dict:
     """Layers, KV heads, head size, tensor types and the bytes one decode step reads of a GGUF file.
 
     Weight bytes: every tensor once; the token embedding counts as one row when an ``output.weight`` exists
-    (untied), in full when it is also the output head (SmolLM2 ties them).
+    (untied), in full when it is also the output head (SmolLM2 ties them). Read once per path and process (each
+    flash-attention setting and thread count of a config is a provider on the same file).
     """
+    return dict(_read_gguf_shape(os.path.realpath(path)))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_gguf_shape(path: str) -> dict:
     import gguf
 
     r = gguf.GGUFReader(path)
@@ -167,7 +190,8 @@ def gguf_shape(path: str) -> dict:
 
 def kv_bytes(n_layers: int, n_kv_heads: int, head_dim: int, context: int, kv_type: str) -> int:
     """Bytes of K and V one decode step reads at ``context`` tokens (dense attention over the cache)."""
-    return 2 * n_layers * n_kv_heads * head_dim * context * KV_ITEMSIZE[kv_type]
+    nbytes, nvalues = KV_BLOCK[kv_type]
+    return 2 * n_layers * n_kv_heads * head_dim * context * nbytes // nvalues
 
 
 def system_isa(info: str) -> str:
@@ -189,10 +213,33 @@ def system_isa(info: str) -> str:
     return cpu_isa(flags)
 
 
-def llama_bench_command(binary: str, gguf_path: str, context: int, steps: int, threads: int, kv_type: str) -> List[str]:
+def llama_bench_command(binary: str, gguf_path: str, context: int, steps: int, threads: int, kv_type: str,
+                        flash_attn: bool = True) -> List[str]:
     """One llama-bench round: fill ``context`` tokens (``-d``), time ``steps`` generated tokens, JSON out."""
     return [binary, "-m", gguf_path, "-p", "0", "-n", str(steps), "-d", str(context), "-t", str(threads),
-            "-fa", "1", "-ctk", kv_type, "-ctv", kv_type, "-r", "1", "-o", "json"]
+            "-fa", "1" if flash_attn else "0", "-ctk", kv_type, "-ctv", kv_type, "-r", "1", "-o", "json"]
+
+
+def flash_attn_settings(kv_type: str) -> Tuple[List[bool], str]:
+    """The flash-attention settings to time with a ``kv_type`` cache, and why any is left out ("" if none).
+
+    llama.cpp refuses a quantized V cache without flash attention, so only "on" runs for one.
+
+    Parameters
+    ----------
+    kv_type : str
+        A key of :data:`KV_BLOCK` (``-ctk``/``-ctv``).
+
+    Returns
+    -------
+    settings : list of bool
+        ``[True, False]`` (on, off) for an unquantized cache, ``[True]`` for a quantized one.
+    reason : str
+        Why off is not run; "" when both are.
+    """
+    if kv_type in PLAIN_KV:
+        return [True, False], ""
+    return [True], f"flash attention on only: llama.cpp needs it for a quantized V cache ({kv_type})"
 
 
 def parse_llama_bench_json(text: str) -> List[float]:
@@ -217,15 +264,28 @@ def parse_llama_bench_json(text: str) -> List[float]:
 
 
 # ------------------------------------------------------------------------------------------------ providers
+def variant_name(flash_attn: bool, threads: Optional[int] = None) -> str:
+    """The setting's part of a provider name: ``fa=on`` / ``fa=off``, with `` t=<threads>`` when given."""
+    return f"fa={'on' if flash_attn else 'off'}" + ("" if threads is None else f" t={threads}")
+
+
 class _Base:
-    """What both ways share: the config, the GGUF file and its shape, the record."""
+    """What both ways share: the config, the GGUF file and its shape, the setting, the record.
+
+    ``variant`` (:func:`variant_name`, "" for none) names one setting of several timed for the config: the
+    provider is then ``llama.cpp <config> <variant>`` and :func:`with_anchors` adds the config's anchor.
+    """
 
     way = ""
 
-    def __init__(self, config: str, gguf_path: str, threads: int):
+    def __init__(self, config: str, gguf_path: str, threads: int, flash_attn: bool = True, variant: str = ""):
         self.config, self.gguf_path, self.threads = config, gguf_path, threads
         self.weights, self.kv_type = CONFIGS[config]
-        self.name = f"llama.cpp {config}"
+        settings, self.flash_attn_reason = flash_attn_settings(self.kv_type)
+        if flash_attn not in settings:
+            raise ValueError(f"llamacpp {config}: {self.flash_attn_reason}")
+        self.flash_attn, self.variant = flash_attn, variant
+        self.name = f"llama.cpp {config}" + (f" {variant}" if variant else "")
         self.shape = gguf_shape(gguf_path)
         self.fill_s = 0.0
         self.context = 0
@@ -236,7 +296,11 @@ class _Base:
 
     def record(self, times: List[float], point: dict) -> dict:
         """One record of bench.decode (same keys) from the round times of one point; ``point`` holds the keys
-        every provider of the point shares (context, batch, stream_gbps, rounds, warmup, date, threads)."""
+        every provider of the point shares (context, batch, stream_gbps, rounds, warmup, date, threads).
+
+        Besides: ``threads`` (llama.cpp's own), ``flash_attn`` ("on"/"off"), ``flash_attn_reason`` (why "off"
+        is not timed, or ""), ``llamacpp_config``, ``llamacpp_variant`` and ``anchor`` (False for one of
+        several settings: :func:`with_anchors` adds the anchor)."""
         ts = sorted(times)
         ms = statistics.median(ts) * 1e3
         s = self.shape
@@ -246,10 +310,12 @@ class _Base:
                     ms_p90=ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e3, compile_s=0.0, first_call_s=self.fill_s,
                     model=f"smollm2 GGUF {self.weights} ({s['tensor_types']})", fill=self.fill_desc(point["context"]),
                     dtype=f"{self.weights}/{self.kv_type}", weights=self.weights, device="cpu",
-                    row_lengths=str(point["context"]), steps=len(ts),
-                    options=json.dumps(dict(way=self.way, type_k=self.kv_type, type_v=self.kv_type, flash_attn=True,
-                                            threads=self.threads, gguf=os.path.basename(self.gguf_path)),
-                                       sort_keys=True),
+                    row_lengths=str(point["context"]), steps=len(ts), threads=self.threads,
+                    options=json.dumps(dict(way=self.way, type_k=self.kv_type, type_v=self.kv_type,
+                                            flash_attn=self.flash_attn, threads=self.threads,
+                                            gguf=os.path.basename(self.gguf_path)), sort_keys=True),
+                    llamacpp_config=self.config, llamacpp_variant=self.variant, anchor=not self.variant,
+                    flash_attn="on" if self.flash_attn else "off", flash_attn_reason=self.flash_attn_reason,
                     sparse_sites=0, dense_sites=0, native_kernel="", timed_bounds_rebuilds=0,
                     kv_bytes_per_step=kv, weight_bytes=s["weight_bytes"], floor_ms=floor_ms,
                     pct_of_floor=floor_ms / ms * 100, cold_compile=False, aten_isa="", native_isa=self.isa)
@@ -261,8 +327,8 @@ class LlamaCppProvider(_Base):
     way = "llama-cpp-python"
 
     def __init__(self, config: str, gguf_path: str, threads: int, prompt: Callable[[int], List[int]],
-                 state_dir: Optional[str] = None, isa: str = "unknown"):
-        super().__init__(config, gguf_path, threads)
+                 state_dir: Optional[str] = None, isa: str = "unknown", flash_attn: bool = True, variant: str = ""):
+        super().__init__(config, gguf_path, threads, flash_attn, variant)
         self.isa = isa  # system_isa of the loaded llama-cpp-python, read once by providers_from_args
         self.prompt = prompt
         self.state_dir = state_dir
@@ -276,15 +342,18 @@ class LlamaCppProvider(_Base):
         return how
 
     def state_path(self, context: int, n_ctx: int, ids: Sequence[int]) -> Optional[str]:
-        """Where the filled state of this GGUF, KV type, slot count and prompt lives (``None``: no state dir)."""
+        """Where the filled state of this GGUF, KV type, slot count, prompt and flash-attention setting lives
+        (``None``: no state dir). llama.cpp stores V transposed without flash attention, so the two settings'
+        states differ; "on" keeps the name it had before "off" was timed."""
         if not self.state_dir:
             return None
         import hashlib
 
         digest = hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
         name = os.path.basename(self.gguf_path).replace(".gguf", "")
+        fa = "" if self.flash_attn else "-fa0"
         return os.path.join(self.state_dir,
-                            f"{name}-{self.weights}-{self.kv_type}-c{context}-n{n_ctx}-{digest}.state")
+                            f"{name}-{self.weights}-{self.kv_type}-c{context}-n{n_ctx}-{digest}{fa}.state")
 
     def prepare(self, context: int, n_pos: int, warmup: int) -> None:
         """Load the model with a context of ``context + n_pos`` slots, fill ``context`` tokens, warm up."""
@@ -294,7 +363,7 @@ class LlamaCppProvider(_Base):
         self.context = context
         self.llm = llama_cpp.Llama(
             model_path=self.gguf_path, n_ctx=context + n_pos + 1, n_batch=N_BATCH, n_ubatch=N_BATCH,
-            n_threads=self.threads, n_threads_batch=self.threads, flash_attn=True,
+            n_threads=self.threads, n_threads_batch=self.threads, flash_attn=self.flash_attn,
             type_k=GGML_TYPES[self.kv_type], type_v=GGML_TYPES[self.kv_type], logits_all=False, verbose=False)
         ids = list(self.prompt(context))
         if len(ids) != context:
@@ -365,15 +434,17 @@ class LlamaBenchProvider(_Base):
 
     way = "llama-bench"
 
-    def __init__(self, config: str, gguf_path: str, threads: int, binary: str):
-        super().__init__(config, gguf_path, threads)
+    def __init__(self, config: str, gguf_path: str, threads: int, binary: str, flash_attn: bool = True,
+                 variant: str = ""):
+        super().__init__(config, gguf_path, threads, flash_attn, variant)
         self.binary = binary
 
     def fill_desc(self, context: int) -> str:
         return f"llama-bench -d {context} (its own fill, untimed)"
 
     def _run(self, steps: int) -> List[float]:
-        cmd = llama_bench_command(self.binary, self.gguf_path, self.context, steps, self.threads, self.kv_type)
+        cmd = llama_bench_command(self.binary, self.gguf_path, self.context, steps, self.threads, self.kv_type,
+                                  self.flash_attn)
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-500:]}")
@@ -398,32 +469,59 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The llama.cpp flags of python -m bench decode."""
     g = ap.add_argument_group("llama.cpp providers (batch 1 only)")
     g.add_argument("--llamacpp", nargs="?", const="all", default=None, metavar="CONFIGS",
-                   help=f"also time llama.cpp on the same GGUF: 'all' (default) or a comma-separated subset of "
-                        f"{','.join(CONFIGS)} (weights/KV cache type)")
+                   help=f"also time llama.cpp on the same GGUF, with flash attention on and off (the faster is the "
+                        f"anchor of the ratios): 'all' ({','.join(ALL_CONFIGS)}) or a comma-separated subset of "
+                        f"{','.join(CONFIGS)} (weights/KV cache type; a quantized V cache runs flash attention on "
+                        f"only)")
     g.add_argument("--llamacpp-bench", default=None, metavar="PATH",
                    help="use this llama-bench binary (and llama-quantize next to it) instead of llama-cpp-python")
+    g.add_argument("--llamacpp-threads", type=int, nargs="+", default=None, metavar="N",
+                   help="llama.cpp's thread counts, each timed (default: torch's thread count); the fastest "
+                        "setting is the anchor")
     g.add_argument("--llamacpp-dir", default="results/.gguf", help="where the converted GGUF files go")
     g.add_argument("--llamacpp-state", default="results/.llamacpp_state", metavar="DIR",
                    help="where llama-cpp-python's filled contexts are saved and reloaded from (a 32K fill takes "
                         "minutes on 2 cores); 'none' fills by eval every time")
 
 
+def provider_settings(configs: Sequence[str], thread_counts: Sequence[int]) -> List[Tuple[str, bool, int, str]]:
+    """``(config, flash_attn, threads, variant)`` of every llama.cpp provider, in the order they are made.
+
+    Each config gets each of its :func:`flash_attn_settings` with each thread count; the variant names the
+    thread count only when there are several (:func:`variant_name`).
+    """
+    if not thread_counts or min(thread_counts) < 1:
+        raise ValueError(f"--llamacpp-threads: need counts >= 1, got {list(thread_counts)}")
+    several = len(thread_counts) > 1
+    out = []
+    for config in configs:
+        for threads in thread_counts:
+            for fa in flash_attn_settings(CONFIGS[config][1])[0]:
+                out.append((config, fa, threads, variant_name(fa, threads if several else None)))
+    return out
+
+
 def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
                         log: Callable[[str], None] = print) -> list:
-    """The llama.cpp providers the parsed arguments ask for ([] when skipped, with a message)."""
+    """The llama.cpp providers the parsed arguments ask for ([] when skipped, with a message): one per config,
+    flash-attention setting and thread count (:func:`provider_settings`)."""
     if not a.llamacpp:
         return []
     configs = parse_configs(a.llamacpp)
+    plan = provider_settings(configs, getattr(a, "llamacpp_threads", None) or [threads])
     from tinyserve_compile.smollm2 import smollm2_gguf_path
 
     src = str(smollm2_gguf_path())
+    said = (f"configs {', '.join(configs)}, flash attention on and off (on only for a quantized V cache), "
+            f"threads {sorted({t for _, _, t, _ in plan})}")
     if a.llamacpp_bench:
         binary = shutil.which(a.llamacpp_bench) or a.llamacpp_bench
         if not os.access(binary, os.X_OK):
             raise ValueError(f"--llamacpp-bench: {a.llamacpp_bench} is not an executable file")
         quantize = os.path.join(os.path.dirname(binary), "llama-quantize")
+        log(f"# llama.cpp: {binary}, {said}")
         paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], quantize, threads, log) for c in configs}
-        return [LlamaBenchProvider(c, paths[c], threads, binary) for c in configs]
+        return [LlamaBenchProvider(c, paths[c], t, binary, fa, v) for c, fa, t, v in plan]
     try:
         import llama_cpp
     except ImportError as e:
@@ -431,12 +529,42 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
             f"'pip install llama-cpp-python' (builds llama.cpp from source) or pass --llamacpp-bench PATH")
         return []
     isa = system_isa(llama_cpp.llama_print_system_info().decode(errors="replace"))
-    log(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__} built for {isa}, {threads} threads, flash attention, "
-        f"configs {', '.join(configs)}")
+    log(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__} built for {isa}, {said}")
     paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], None, threads, log) for c in configs}
     state = getattr(a, "llamacpp_state", None)
     state_dir = None if state in (None, "", "none") else state
-    return [LlamaCppProvider(c, paths[c], threads, prompt, state_dir, isa) for c in configs]
+    return [LlamaCppProvider(c, paths[c], t, prompt, state_dir, isa, fa, v) for c, fa, t, v in plan]
+
+
+# ------------------------------------------------------------------------------------------------ anchors
+def anchor_row(variants: Sequence[dict]) -> dict:
+    """The anchor of one config at one point: a copy of its fastest setting's record, named
+    ``llama.cpp <config>``, with ``anchor`` True, ``llamacpp_won`` (the winning variant), ``fa_on_ms`` and
+    ``fa_off_ms`` (each setting's best ms, None where not run) and ``llamacpp_variants_ms`` (JSON)."""
+    best = min(variants, key=lambda r: r["ms_per_token"])
+
+    def fastest(setting):
+        return min((r["ms_per_token"] for r in variants if r["flash_attn"] == setting), default=None)
+
+    return dict(best, provider=f"llama.cpp {best['llamacpp_config']}", anchor=True, llamacpp_variant="",
+                llamacpp_won=best["llamacpp_variant"], fa_on_ms=fastest("on"), fa_off_ms=fastest("off"),
+                llamacpp_variants_ms=json.dumps({r["llamacpp_variant"]: r["ms_per_token"] for r in variants}))
+
+
+def with_anchors(rows: Sequence[dict]) -> List[dict]:
+    """``rows`` with :func:`anchor_row` of each (context, batch, config) inserted before its first setting's
+    row; the rows of one setting each (``anchor`` False) stay as they are."""
+    groups: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        if r.get("anchor") is False and r.get("ms_per_token") is not None:
+            groups.setdefault((r["context"], r["batch"], r["llamacpp_config"]), []).append(r)
+    out = []
+    for r in rows:
+        key = (r.get("context"), r.get("batch"), r.get("llamacpp_config"))
+        if key in groups and r is groups[key][0]:
+            out.append(anchor_row(groups[key]))
+        out.append(r)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ tables
@@ -456,14 +584,19 @@ def markdown_tables(runs: Sequence[Sequence[dict]], batch: int = 1) -> str:
     """Two markdown tables for docs/benchmarks.md from python -m bench decode runs (each a list of records, one
     ``--out`` file) at ``batch``.
 
-    1. ms/token per provider and context; a provider timed in several runs (the llama.cpp rows, timed in every
-       run) shows its range over the runs, ``low-high``.
+    1. ms/token per provider and context, every llama.cpp setting included; a provider timed in several runs
+       (the llama.cpp rows, timed in every run) shows its range over the runs, ``low-high``.
     2. llama.cpp ms / tinyserve ms (above 1: tinyserve is faster), only between records of the same run,
-       each run's ratio listed (a range when several runs hold the pair).
+       each run's ratio listed (a range when several runs hold the pair), against the anchors only (the
+       fastest setting, :func:`with_anchors`). A note names the llama.cpp rows of records from before both
+       flash-attention settings were timed (no ``anchor`` field): their ratios are against "on" only.
     """
     ctxs = sorted({r["context"] for run in runs for r in run if r["batch"] == batch})
     ms: Dict[tuple, List[float]] = {}
     ratios: Dict[tuple, List[float]] = {}
+    llama = [r for run in runs for r in run if r["batch"] == batch and r["provider"].startswith("llama.cpp")]
+    anchors = {_label(r) for r in llama if r.get("anchor") is not False}
+    on_only = sorted({_label(r) for r in llama if "anchor" not in r})
     for run in runs:
         rs = {(_label(r), r["context"]): r["ms_per_token"] for r in run if r["batch"] == batch}
         for key, v in rs.items():
@@ -472,7 +605,7 @@ def markdown_tables(runs: Sequence[Sequence[dict]], batch: int = 1) -> str:
             if not lab.startswith("tinyserve"):
                 continue
             for (other, c2), w in rs.items():
-                if c2 == c and other.startswith("llama.cpp"):
+                if c2 == c and other in anchors:
                     ratios.setdefault((lab, other, c), []).append(w / v)
     labels = list(dict.fromkeys(lab for lab, _ in ms))
 
@@ -493,7 +626,11 @@ def markdown_tables(runs: Sequence[Sequence[dict]], batch: int = 1) -> str:
             cells = [cell(ratios.get((lab, other, c)), "{:.2f}x") for c in ctxs]
             if any(cells):
                 lines.append(f"| {lab} | {other} | " + " | ".join(cells) + " |")
-    lines += ["", "llama.cpp ms / tinyserve ms in the same run (above 1: tinyserve is faster)."]
+    lines += ["", "llama.cpp ms / tinyserve ms in the same run (above 1: tinyserve is faster), against each llama.cpp "
+                  "config's fastest timed setting (flash attention on or off)" + (", except:" if on_only else ".")]
+    if on_only:
+        lines.append(f"{', '.join(on_only)}: records from before flash attention off was timed, with flash attention "
+                     f"on only; not against the faster setting.")
     return "\n".join(lines)
 
 

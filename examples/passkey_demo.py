@@ -45,7 +45,7 @@ import random
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -254,6 +254,38 @@ def _timed(step, cache, last: int, a, wname: str, sched: Optional[str], busy: bo
             native.set_scheduling(old)
 
 
+def timed_windows(name: str, busy: bool) -> List[Tuple[str, Optional[str], bool]]:
+    """The timed windows of provider ``name``, in order: ``(window name, native scheduling, busy neighbour)``.
+
+    Parameters
+    ----------
+    name : str
+        The provider's name; a ``tinyserve`` one also times its native kernel's two forced schedulings.
+    busy : bool
+        ``--busy``: add the busy-neighbour windows.
+
+    Returns
+    -------
+    list of tuple
+        One ``(window, sched, busy)`` per window; ``sched`` None is the kernel's default scheduling.
+    """
+    out = [("idle", None, False)]
+    if busy:
+        out.append(("busy", None, True))
+        if name.startswith("tinyserve"):  # the native kernel's own pool against at::parallel_for, each forced
+            out += [("idle, native kernel on its pool", "pool", False),
+                    ("busy, native kernel on its pool", "pool", True),
+                    ("idle, native kernel on at::parallel_for", "omp", False),
+                    ("busy, native kernel on at::parallel_for", "omp", True)]
+    return out
+
+
+def decode_positions(names: List[str], a) -> int:
+    """Cache slots the decode writes after the prompt: the warm-up and every timed window of the provider with
+    the most windows (:func:`timed_windows`), each provider decoding from its own copy of the cache."""
+    return a.warmup + a.steps * max(len(timed_windows(n, a.busy)) for n in names)
+
+
 def run_provider(name: str, step: Callable, cache, first: torch.Tensor, a, eos: int, tok) -> dict:
     """Warm-up, timed idle window, and with ``a.busy`` the busy-neighbour windows of one compiled provider."""
     c = copy.deepcopy(cache)
@@ -261,16 +293,8 @@ def run_provider(name: str, step: Callable, cache, first: torch.Tensor, a, eos: 
     t0 = time.perf_counter()
     toks, _ = decode_steps(step, c, first.reshape(1, 1), a.warmup)  # compiles here
     compile_s = time.perf_counter() - t0
-    variants = [("idle", None, False)]
-    if a.busy:
-        variants.append(("busy", None, True))
-        if name.startswith("tinyserve"):  # the native kernel's own pool against at::parallel_for, each forced
-            variants += [("idle, native kernel on its pool", "pool", False),
-                         ("busy, native kernel on its pool", "pool", True),
-                         ("idle, native kernel on at::parallel_for", "omp", False),
-                         ("busy, native kernel on at::parallel_for", "omp", True)]
     windows = []
-    for wname, sched, busy in variants:
+    for wname, sched, busy in timed_windows(name, a.busy):
         more, w = _timed(step, c, toks[-1], a, wname, sched, busy, watch)
         windows.append(w)
         toks += more
@@ -280,7 +304,23 @@ def run_provider(name: str, step: Callable, cache, first: torch.Tensor, a, eos: 
     return {"provider": name, "answer": answer, "compile_s": compile_s, "windows": windows}
 
 
-def main(argv=None) -> List[dict]:
+#: the stock provider's name; the sparse one's is :func:`provider_names`'s second
+STOCK_NAME = "stock torch.compile (inductor)"
+
+
+def provider_names(token_budget: int) -> List[str]:
+    """The providers' names, in the order they run: stock, then tinyserve at ``token_budget``."""
+    return [STOCK_NAME, f"tinyserve (budget {token_budget})"]
+
+
+def cache_length(ctx: int, names: List[str], a) -> int:
+    """Slots of the static cache: the prompt's ``ctx`` tokens, every position the decode of any provider in
+    ``names`` writes (:func:`decode_positions`), and one spare."""
+    return ctx + decode_positions(names, a) + 1
+
+
+def parse_args(argv=None) -> Tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser (for its usage errors) and the parsed, checked arguments."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=None,
                     help=f"prompt length in tokens (default: fill the {CONTEXT}-token context)")
@@ -301,7 +341,13 @@ def main(argv=None) -> List[dict]:
     a = ap.parse_args(argv)
     if a.warmup < 2 or a.steps < 1:
         ap.error("--warmup needs >= 2 (the first steps compile), --steps >= 1")
+    if a.threads is not None and a.threads < 1:
+        ap.error(f"--threads: need >= 1, got {a.threads}")
+    return ap, a
 
+
+def main(argv=None) -> List[dict]:
+    ap, a = parse_args(argv)
     import tinyserve_compile as tc
     from tinyserve_compile.config import TinyServeConfig
     from tinyserve_compile.cost import kv_bytes_per_token
@@ -309,16 +355,16 @@ def main(argv=None) -> List[dict]:
     from transformers import StaticCache
 
     if a.threads is not None:
-        if a.threads < 1:
-            ap.error(f"--threads: need >= 1, got {a.threads}")
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     passkey = random.Random(a.seed).randint(10000, 99999)
     t_start = time.perf_counter()
     print("loading SmolLM2-135M-Instruct (GGUF, dequantized to fp32) ...", flush=True)
     model, tok = load_smollm2()
-    windows = 1 + (3 if a.busy else 0)
-    n_steps = a.warmup + windows * a.steps
+    options = {} if a.budget is None else {"token_budget": a.budget}
+    cfg = TinyServeConfig.from_options(options)
+    names = provider_names(cfg.token_budget)
+    n_steps = decode_positions(names, a)
     max_len = min(CONTEXT, model.config.max_position_embeddings)
     n_tokens = a.tokens or max_len - n_steps - 8
     if n_tokens + n_steps > max_len:
@@ -327,15 +373,12 @@ def main(argv=None) -> List[dict]:
     ctx = ids.shape[1]
     print(f"SmolLM2-135M-Instruct, prompt of {ctx} tokens, passkey {passkey} at depth {a.depth:.0%}, "
           f"{torch.get_num_threads()} threads", flush=True)
-    cache = StaticCache(config=model.config, max_cache_len=ctx + n_steps + 1)
+    cache = StaticCache(config=model.config, max_cache_len=cache_length(ctx, names, a))
     logits = prefill(model, ids, cache, a.chunk)
     first = logits.argmax(-1)
-    options = {} if a.budget is None else {"token_budget": a.budget}
-    cfg = TinyServeConfig.from_options(options)
-    sparse_name = f"tinyserve (budget {cfg.token_budget})"
     providers = {
-        "stock torch.compile (inductor)": (lambda: torch.compile(model), None),
-        sparse_name: (lambda: torch.compile(model, backend="tinyserve", options=options), cfg),
+        names[0]: (lambda: torch.compile(model), None),
+        names[1]: (lambda: torch.compile(model, backend="tinyserve", options=options), cfg),
     }
     rows = []
     for name, (make, pcfg) in providers.items():

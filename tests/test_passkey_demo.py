@@ -1,6 +1,7 @@
 """The helpers of examples/passkey_demo.py: prompt building, chunked prefill, the compile watch, the neighbour."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -97,3 +98,49 @@ def test_timed_window_refuses_compiles():
     assert demo._window("idle", [0.5, 0.25], {"frames": 0, "graphs": 0})["tok_s"] == pytest.approx(2 / 0.75)
     with pytest.raises(RuntimeError, match="compiled"):
         demo._window("idle", [0.5], {"frames": 1, "graphs": 0})
+
+
+class _PositionCache:
+    """Stands in for the static cache: ``slots`` positions, the next one written at ``pos``."""
+
+    def __init__(self, slots: int, pos: int):
+        self.slots, self.pos = slots, pos
+
+
+def _stepper(written: list):
+    """A decode step that writes the next position of the cache it is given (logged in ``written``) and refuses one
+    outside the cache, as tinyserve's op does."""
+
+    def step(input_ids, cache, use_cache):
+        if cache.pos >= cache.slots:
+            raise ValueError(f"position {cache.pos} outside the cache's {cache.slots} slots")
+        written.append(cache.pos)
+        cache.pos += 1
+        return type("Out", (), {"logits": torch.zeros(1, 1, 8)})()
+
+    return step
+
+
+class _DecodeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("argv", [["--busy"], ["--busy", "--steps", "5", "--warmup", "3"], []])
+def test_the_cache_covers_every_position_each_provider_writes(argv, monkeypatch):
+    """The cache main() sizes (the demo's own plan, no model) holds every position each provider's warm-up and
+    timed windows write, --busy's six windows of tinyserve included."""
+    monkeypatch.setattr(demo, "BusyNeighbour", lambda *a, **kw: contextlib.nullcontext())  # no spinning process
+    _, a = demo.parse_args(argv)
+    names = demo.provider_names(2048)
+    ctx = 100
+    slots = demo.cache_length(ctx, names, a)
+    for name in names:
+        written = []
+        cache = _PositionCache(slots, ctx)
+        r = demo.run_provider(name, _stepper(written), cache, torch.tensor([0]), a, eos=-1, tok=_DecodeTokenizer())
+        assert cache.pos == ctx  # each provider decodes on its own copy
+        assert len(r["windows"]) == len(demo.timed_windows(name, a.busy))
+        assert written == list(range(ctx, ctx + a.warmup + a.steps * len(r["windows"])))
+        assert written[-1] < slots
+    assert len(demo.timed_windows(names[1], True)) == 6 and len(demo.timed_windows(names[0], True)) == 2
