@@ -37,7 +37,7 @@ from .reference import (
     top_pages,
 )
 from .native import when_loaded
-from .spec import KERNELS, SelectionSpec
+from .spec import KERNELS, SelectionSpec, reads_every_key
 
 __all__ = ["sparse_decode", "attend_selection", "check_decode_inputs", "resolve_kernel", "run_kernel", "KERNELS"]
 
@@ -348,7 +348,8 @@ def _fast_two_stage(q, k_cache, v_cache, kmax, kmin, kabs, n, scale, page_size, 
     else:
         scores = page_scores(q, PageBounds(kmax, kmin, kabs), scale)  # [B,Hkv,P] fp32
         idx = top_pages(scores, vl, S, n_cand, sink_pages).idx  # [B,Hkv,Kc] ascending, every one a valid page
-        kg = None if 2 * idx.shape[-1] >= n_valid else _gather_pages_raw(k_cache, idx, S).view(B, Hkv, -1, D).float()
+        kg = None if reads_every_key(idx.shape[-1], n_valid) else \
+            _gather_pages_raw(k_cache, idx, S).view(B, Hkv, -1, D).float()
     Kc = idx.shape[-1]
     # ---- stage 2: exact logits over the candidates' keys; rank pages by softmax mass
     qg = q.float().reshape(B, Hkv, G, D)

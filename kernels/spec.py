@@ -18,7 +18,7 @@ from typing import List, Sequence
 import torch
 
 __all__ = ["SelectionSpec", "BOUNDS_CODES", "BOUNDS_DTYPE_NAMES", "KERNELS", "PAGED_KERNELS", "candidate_pages",
-           "MAX_INDEX", "MAX_PAGE_SIZE", "MASKED_AT_OR_BELOW", "attended",
+           "MAX_INDEX", "MAX_PAGE_SIZE", "MASKED_AT_OR_BELOW", "attended", "reads_every_key",
            "DEFAULT_PAGE_SIZE", "DEFAULT_TOKEN_BUDGET", "DEFAULT_SINK_PAGES", "DEFAULT_CANDIDATE_FACTOR",
            "DEFAULT_CANDIDATE_EXTRA", "DEFAULT_KEEP_TOKENS", "DEFAULT_BOUNDS_DTYPE"]
 
@@ -91,6 +91,13 @@ def candidate_pages(page_size: int, token_budget: int, candidate_factor: int = 1
     with ``K = token_budget // page_size``; two-stage when it exceeds ``K``."""
     K = token_budget // page_size
     return max(1, int(candidate_factor)) * K + max(0, int(candidate_extra)) // page_size
+
+def reads_every_key(n_candidates: int, n_pages: int) -> bool:
+    """Whether the exact stage scores every key of the ``n_pages`` valid pages instead of gathering its
+    ``n_candidates`` pages: when they are at least half of them, one pass over every key costs less than copying
+    most of them. A choice of cost, not of selection: both give the same logits (the PyTorch path, the ONNX twin).
+    """
+    return 2 * n_candidates >= n_pages
 
 _FIELDS = ("page_size", "token_budget", "sink_pages", "candidate_factor", "candidate_extra", "keep_tokens",
            "bounds_dtype")

@@ -697,8 +697,8 @@ _BOUNDS_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 #: elements of one select chunk when the keys do not fit in registers (16 thresholds against BLOCK_SEL keys a step)
 _BLOCK_SEL = 256
 #: most keys a select keeps in registers (the page scores of 128K tokens in pages of 8): loaded once, then 32
-#: one-bit passes. On an H200 (2026-12-04, the looping select alone) the select tails were most of the op's time:
-#: 0.55 of 0.57 ms at 128K, batch 1, each pass re-reading the scores from L2 in 256-key steps
+#: one-bit passes, instead of each pass re-reading the scores from L2 in BLOCK_SEL-key steps (docs/gpu: what the
+#: looping select cost on an H200, README)
 _BLOCK_ALL = 16384
 #: warps of the launches whose last program selects (a [BLOCK_ALL] key vector: 32 keys a thread at 16 warps)
 _SELECT_WARPS = 16

@@ -56,13 +56,12 @@ DEFAULT_KERNEL = "auto"
 #: native CPU GEMV that streams each weight once (ATen's mm runs these shapes well below the read bandwidth)
 DEFAULT_DECODE_LINEAR = True
 #: ``inductor_options`` with ``cpp_wrapper`` on: compile the C++ wrapper and the kernels as separate files unless
-#: the caller says otherwise (SmolLM2's decode graph: 84 s against 412 s as one file)
+#: the caller says otherwise (a large decode graph compiles several times faster so: docs/design.md)
 CPP_WRAPPER_BUILD_SEPARATE = True
 #: Inductor settings the backend compiles with unless ``inductor_options`` sets them: no per-call re-check of the
 #: compiled graph's input sizes, strides and alignment. Dynamo's guards check every tensor input's size and stride
-#: before the graph runs (a weight held as a tensor subclass: its inner tensors too), so these asserts repeat them:
-#: about 850 ``assert_size_stride`` calls per SmolLM2 decode step at 0.56 us each, ~0.5 ms (3% of an int4 step at
-#: 2K; side by side in one process the steps differed by less than the noise, 0.97-0.99x). vLLM turns them off for
+#: before the graph runs (a weight held as a tensor subclass: its inner tensors too), so these asserts repeat them,
+#: one ``assert_size_stride`` call per input per step (docs/design.md gives what they cost). vLLM turns them off for
 #: serving the same way. ``inductor_options={"size_asserts": True}`` brings them back.
 INDUCTOR_DEFAULTS = MappingProxyType({"size_asserts": False, "alignment_asserts": False})
 #: ``cudagraphs``: None runs the rewritten graph under Inductor's CUDA graphs when ``torch.compile``'s ``mode`` asks

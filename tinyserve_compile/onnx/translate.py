@@ -37,7 +37,7 @@ import onnx
 from onnxscript import opset18 as op
 
 from ..kernels.reference import _INT8_STEP_FLOOR, score_slack_factor, score_underflow_slack
-from ..kernels.spec import SelectionSpec
+from ..kernels.spec import SelectionSpec, reads_every_key
 
 __all__ = ["TRANSLATIONS", "translation_table"]
 
@@ -326,7 +326,7 @@ def sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, position, scale, spec):
     # or K*S tokens
     Kc = n1
     cand, cand_ok = bound_topk(Kc)  # [B,Hkv,Kc]
-    if 2 * Kc >= P:  # most pages are candidates: one pass over every key beats copying most of them
+    if reads_every_key(Kc, P):  # most pages are candidates: one pass over every key
         full = op.Reshape(all_logits(), _ints(B, Hkv, G, P, S))
         sel_c = op.Expand(op.Reshape(cand, _ints(B, Hkv, 1, Kc, 1)), _ints(B, Hkv, G, Kc, S))
         logits = op.Reshape(op.GatherElements(full, sel_c, axis=3), _ints(B, Hkv, G, Kc * S))
