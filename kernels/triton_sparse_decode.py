@@ -841,12 +841,17 @@ class _Workspace:
 
 
 _WORKSPACES: "dict" = {}
+#: workspaces kept before the oldest one no captured graph holds is dropped
 _MAX_WORKSPACES = 32
+#: keys of the workspaces handed out while a CUDA graph was being captured: the graph holds their pointers for as
+#: long as it may be replayed, so they are never dropped (freed memory would be reused under a live graph)
+_CAPTURED: "set" = set()
 _SIDE_STREAMS: "dict" = {}  #: device -> the stream workspaces are allocated on
 
 
 def _workspace(plan: _Plan, B, Hkv, G, P, D, spec: SelectionSpec, device) -> _Workspace:
-    """The workspace of a shape, allocated once per shape and device (the oldest of more than 32 is dropped).
+    """The workspace of a shape, allocated once per shape and device (past 32, the oldest one that no captured
+    graph holds is dropped; one handed out during a capture is kept for good).
 
     On CUDA it is allocated on a side stream of its own, so that it never comes from a CUDA graph's memory pool:
     Inductor's CUDA graph trees route the allocations of the stream they warm up on to the graph's pool and
@@ -855,6 +860,8 @@ def _workspace(plan: _Plan, B, Hkv, G, P, D, spec: SelectionSpec, device) -> _Wo
     key = (str(device), B, Hkv, G, P, D, plan.n_splits, tuple(spec.to_list()))
     ws = _WORKSPACES.get(key)
     if ws is not None:
+        if _capturing(device):
+            _CAPTURED.add(key)
         return ws
     if device.type != "cuda":
         ws = _Workspace(plan, B, Hkv, G, P, D, device)
@@ -871,10 +878,16 @@ def _workspace(plan: _Plan, B, Hkv, G, P, D, spec: SelectionSpec, device) -> _Wo
         main.wait_stream(side)  # the counters' zeros are written before any launch reads them
         for t in vars(ws).values():
             t.record_stream(main)  # used on the main stream: freed (evicted) only after its work there
-    if len(_WORKSPACES) >= _MAX_WORKSPACES:
-        _WORKSPACES.pop(next(iter(_WORKSPACES)))
+    droppable = [k for k in _WORKSPACES if k not in _CAPTURED]
+    if len(_WORKSPACES) >= _MAX_WORKSPACES and droppable:
+        _WORKSPACES.pop(droppable[0])
     _WORKSPACES[key] = ws
     return ws
+
+
+def _capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_bounds(kmax, kmin, kabs):

@@ -201,3 +201,29 @@ def test_looping_select_equals_the_resident_one(setting, monkeypatch):
     got = tsd.select_pages_triton(q, k, *bounds, vl, mask, D ** -0.5, spec)
     assert torch.equal(got.idx, want.idx) and torch.equal(got.ok, want.ok)
     assert torch.equal(_call(q, k, v, bounds, vl, mask, spec), out_want)
+
+
+def test_a_workspace_handed_out_under_capture_is_never_dropped(monkeypatch):
+    """A graph captured over a call holds its workspace's pointers: past ``_MAX_WORKSPACES`` shapes the oldest
+    workspace no capture holds is dropped, never a captured one (freed, its memory would be reused under the
+    graph). ``_capturing`` stands in for ``torch.cuda.is_current_stream_capturing`` on this CPU."""
+    monkeypatch.setattr(tsd, "_WORKSPACES", {})
+    monkeypatch.setattr(tsd, "_CAPTURED", set())
+    monkeypatch.setattr(tsd, "_MAX_WORKSPACES", 4)
+    spec, _ = SETTINGS["tokens"]
+    device = torch.device("cpu")
+
+    def workspace(batch):
+        plan = tsd._plan(batch, HKV, G, L, D, -(-L // S), spec, device, None)
+        return tsd._workspace(plan, batch, HKV, G, -(-L // S), D, spec, device)
+
+    first = workspace(1)
+    monkeypatch.setattr(tsd, "_capturing", lambda dev: True)
+    assert workspace(1) is first  # fetched while a graph is captured: pinned
+    monkeypatch.setattr(tsd, "_capturing", lambda dev: False)
+    second = workspace(2)
+    for batch in range(3, 12):  # more shapes than the cache keeps
+        workspace(batch)
+    assert workspace(1) is first, "a captured workspace was dropped"
+    assert workspace(2) is not second, "workspaces no capture holds are still dropped past the limit"
+    assert len(tsd._WORKSPACES) == 4
