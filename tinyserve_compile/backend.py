@@ -7,6 +7,12 @@ CUDA graphs: ``mode="reduce-overhead"`` (HF generate's default ``CompileConfig``
 ``cudagraphs`` option runs the rewritten graph under Inductor's CUDA graphs when it can
 (:func:`_cudagraphs_decision`); :func:`~tinyserve_compile.explain` says per graph whether
 they are on, and why not, including the reasons Inductor gives for skipping them.
+
+A compile that fails (a pass, the Inductor lowering, ...) is recorded in its graph's explain record before the
+exception goes on to Dynamo (which then graph-breaks, runs the frame eagerly under ``suppress_errors``, or raises
+``BackendCompilerFailed``): :func:`~tinyserve_compile.explain` shows the graph as failed, with the exception, and
+does not count its sites as rewritten. A rewritten graph counts its calls, so a graph that was compiled and never
+run is shown as such too.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import torch
 
 from . import runtime
 from .config import INDUCTOR_DEFAULTS, TinyServeConfig
-from .explain import latest_graph, record_cudagraphs, record_graph
+from .explain import latest_graph, record_cudagraphs, record_failure, record_graph
 
 __all__ = ["tinyserve_backend", "register"]
 
@@ -203,6 +209,16 @@ def _check_freezing(gm: torch.fx.GraphModule, config: TinyServeConfig) -> None:
                          f"freezing folds them as constants, losing the writes: needs torch >= 2.9, or freezing off")
 
 
+def _describe_failure(e: BaseException) -> str:
+    """``"Type: first line of the message"`` of a failed compile (the backend's own exception inside Dynamo's
+    ``BackendCompilerFailed``), at most 300 characters."""
+    inner = getattr(e, "inner_exception", None)
+    if isinstance(inner, BaseException):
+        e = inner
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
+
+
 def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: Optional[dict] = None,
                       mode: Optional[str] = None, **unused) -> Callable:
     """Dynamo backend: rewrite decode-mode SDPA into paged sparse attention, then lower.
@@ -220,15 +236,33 @@ def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], optio
         unless it is "default"): "reduce-overhead" and "max-autotune" turn CUDA graphs on unless the
         ``cudagraphs`` option says otherwise.
     """
-    from tinyserve_compile.passes import run_passes
-
     config = TinyServeConfig.from_options(options)
     config.cudagraphs_requested(mode)  # a bad mode raises before any work
+    step = {"stage": "the passes", "info": None}  # what runs now, and the graph's explain record once made
+    try:
+        return _compile(gm, example_inputs, config, mode, step)
+    except Exception as e:
+        # recorded before Dynamo sees it: whatever Dynamo does next (a graph break, the frame run eagerly under
+        # suppress_errors, BackendCompilerFailed to the caller), explain() shows the graph as failed
+        if step["info"] is None:  # failed before the graph was recorded: a record without sites
+            record_graph(gm, config)
+            step["info"] = latest_graph()
+        record_failure(step["info"], step["stage"], _describe_failure(e))
+        raise
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: List[Any], config: TinyServeConfig, mode: Optional[str],
+             step: dict) -> Callable:
+    """The body of :func:`tinyserve_backend`; ``step["stage"]`` names the stage that runs and ``step["info"]``
+    holds the graph's explain record once it is made, for the record of a failure."""
+    from tinyserve_compile.passes import run_passes
+
     _check_freezing(gm, config)
     gm = run_passes(_copy(gm), config)
     _finish_dynamo_metadata(gm)
     record_graph(gm, config)
-    info = latest_graph()  # this graph's record in explain()
+    info = step["info"] = latest_graph()  # this graph's record in explain()
+    step["stage"] = "the backend"
     if config.strict:
         for site in gm.meta.get("tinyserve_sites", []):
             if site.query_len == 1 and site.status == "dense" and "dense_layers" not in site.reason:
@@ -242,6 +276,7 @@ def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], optio
     if cudagraphs:
         _watch_cudagraph_skips()
     skips = _inductor_cudagraph_skips()
+    step["stage"] = f"lowering ({config.lower})"
     _CURRENT[0] = info if cudagraphs else None  # a skip Inductor logs while compiling is this graph's
     try:
         compiled = _lower(gm, list(example_inputs) + extra, config, cudagraphs)
@@ -252,10 +287,12 @@ def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], optio
     dense_layers = config.dense_layers
     if not slots and not cudagraphs:
         return compiled
+    info["calls"] = 0  # a graph with rewritten sites counts its calls: explain() tells one that never ran
 
     if not cudagraphs:
         def run(*args):
             # one version check per key-cache buffer, then the graph with the bounds as inputs
+            info["calls"] += 1
             out = compiled(*args, *runtime.enter(slots, args, dense_layers))
             runtime.leave(slots, args)
             return out
@@ -264,6 +301,7 @@ def tinyserve_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], optio
 
     def run_cudagraphs(*args):
         # as run, and a skip that CUDA graphs log during the call (a mutated input, re-recording) is this graph's
+        info["calls"] += 1
         extra_now = runtime.enter(slots, args, dense_layers) if slots else ()
         _CURRENT[0] = info
         try:

@@ -4,7 +4,9 @@
 :func:`reset`: ``graphs``, ``attention_sites``, ``decode_sites``, ``rewritten``,
 ``dense``, ``prefill_sites`` and one ``dense:<reason>`` key per reason; ``cudagraphs``
 (graphs that run under CUDA graphs) and ``cudagraphs_off`` (graphs that asked for them
-and do not get them; each graph's record says why).
+and do not get them; each graph's record says why); ``failed_graphs`` (graphs whose backend compile raised: Dynamo
+runs their code without the backend, so their sites count in none of the site counters; each graph's record holds
+the exception, :attr:`ExplainReport.failures`).
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import List
 
-__all__ = ["counters", "explain", "reset", "ExplainReport", "record_graph", "record_cudagraphs", "latest_graph"]
+__all__ = ["counters", "explain", "reset", "ExplainReport", "record_graph", "record_cudagraphs", "record_failure",
+           "latest_graph"]
 
 counters: Counter = Counter()
 _GRAPHS: List[dict] = []
@@ -30,20 +33,8 @@ def record_graph(gm, config) -> dict:
     devices = {n.meta["example_value"].device.type for n in gm.graph.nodes
                if n.op == "placeholder" and hasattr(n.meta.get("example_value"), "device")}
     info = {"graph": len(_GRAPHS), "config": config, "sites": [s.describe() for s in sites],
-            "device": "cpu" if devices <= {"cpu"} else "/".join(sorted(devices))}
-    for s in sites:
-        counters["attention_sites"] += 1
-        if s.status == "prefill":
-            counters["prefill_sites"] += 1
-            continue
-        if s.query_len == 1:
-            counters["decode_sites"] += 1
-        if s.status == "sparse":
-            counters["rewritten"] += 1
-        else:
-            counters["dense"] += 1
-            counters[f"dense:{_reason_key(s.reason)}"] += 1
-    counters["cache_writes_rewritten"] += len(slots)
+            "device": "cpu" if devices <= {"cpu"} else "/".join(sorted(devices)), "cache_writes": len(slots)}
+    _count_sites(info, 1)
     lin = gm.meta.get("tinyserve_linears")
     if lin is not None:  # passes/decode_linear.py: linears now the native GEMV, the rest with why
         info["linears"] = {"rewritten": lin["rewritten"], "int4": lin.get("int4", 0),
@@ -51,6 +42,55 @@ def record_graph(gm, config) -> dict:
                            "reason": lin["reason"], "grouped": lin.get("grouped", 0), "groups": lin.get("groups", 0)}
     _GRAPHS.append(info)
     return info
+
+
+def _count_sites(info: dict, sign: int) -> None:
+    """Add (``sign`` 1) or take back (-1) a graph record's sites and cache writes in the counters."""
+    for s in info["sites"]:
+        counters["attention_sites"] += sign
+        if s["status"] == "prefill":
+            counters["prefill_sites"] += sign
+            continue
+        if s["query_len"] == 1:
+            counters["decode_sites"] += sign
+        if s["status"] == "sparse":
+            counters["rewritten"] += sign
+        else:
+            counters["dense"] += sign
+            counters[f"dense:{_reason_key(s['reason'])}"] += sign
+    counters["cache_writes_rewritten"] += sign * info.get("cache_writes", 0)
+
+
+def record_failure(info: dict, stage: str, error: str) -> None:
+    """Record in a graph's record (from :func:`record_graph`) that its backend compile failed.
+
+    Dynamo then runs the graph's code without the backend (a graph break, the frame run eagerly), or raises: the
+    graph's sites do not run as the passes left them, so they leave the site counters (``failed_graphs`` counts
+    the graph), each site's ``status`` becomes ``"not compiled"`` (the passes' verdict and reason kept as
+    ``planned`` and ``planned_reason``), its linears leave the report's sum, and a graph recorded as running under
+    CUDA graphs is recorded as not.
+
+    Parameters
+    ----------
+    info : dict
+        The graph's record.
+    stage : str
+        What failed: "the passes", "the backend", "lowering (inductor)", ...
+    error : str
+        The exception, ``"Type: first line of its message"``.
+    """
+    if info.get("failed"):
+        return
+    if any(g is info for g in _GRAPHS):  # counted since the last reset(): the counters follow
+        _count_sites(info, -1)
+        counters["failed_graphs"] += 1
+    cg = info.get("cudagraphs")
+    if cg is not None and cg["on"]:
+        record_cudagraphs(info, False, "the backend compile failed")
+    for s in info["sites"]:
+        s["planned"], s["planned_reason"] = s["status"], s["reason"]
+        s["status"], s["reason"] = "not compiled", f"the graph's compile failed in {stage}"
+    info["failed"] = {"stage": stage, "error": error}
 
 
 def record_cudagraphs(info: dict, on: bool, reason: str = "") -> None:
@@ -118,26 +158,49 @@ class ExplainReport:
         return [s["reason"] for g in self.graphs for s in g["sites"] if s["status"] == "dense"]
 
     @property
+    def failures(self) -> List[dict]:
+        """Per graph whose backend compile failed, ``{"graph": int, "stage": str, "error": str}`` (the error is
+        ``"Type: first line of the exception's message"``)."""
+        return [{"graph": g["graph"], **g["failed"]} for g in self.graphs if g.get("failed")]
+
+    @property
+    def not_run(self) -> List[int]:
+        """The graphs that compiled and were never called (Dynamo compiled them, then ran something else): their
+        rewritten sites have not run. Only graphs the backend wraps count their calls: those with rewritten sites or
+        CUDA graphs."""
+        return [g["graph"] for g in self.graphs if g.get("calls") == 0 and not g.get("failed")]
+
+    @property
     def cudagraphs(self) -> List[dict]:
         """Per graph, ``{"on": bool, "reason": str}``: whether it runs under CUDA graphs, and why not."""
         return [dict(g["cudagraphs"]) for g in self.graphs if "cudagraphs" in g]
 
     def __str__(self) -> str:
         c = self.counters
-        lines = [f"tinyserve: {c.get('graphs', 0)} graph(s), {c.get('attention_sites', 0)} attention site(s): "
+        failed = f" ({c['failed_graphs']} failed to compile)" if c.get("failed_graphs") else ""
+        lines = [f"tinyserve: {c.get('graphs', 0)} graph(s){failed}, {c.get('attention_sites', 0)} attention site(s): "
                  f"{c.get('rewritten', 0)} rewritten, {c.get('dense', 0)} dense decode, "
                  f"{c.get('prefill_sites', 0)} prefill"]
         for g in self.graphs:
+            if g.get("failed"):
+                f = g["failed"]
+                lines.append(f"  graph {g['graph']}: compile FAILED in {f['stage']} ({f['error']}): its code runs "
+                             f"without tinyserve (Dynamo's fallback), or the call raised")
+            elif g.get("calls") == 0:
+                sparse = sum(s["status"] == "sparse" for s in g["sites"])
+                lines.append(f"  graph {g['graph']}: compiled, never called"
+                             + (f": its {sparse} rewritten site(s) have not run" if sparse else ""))
             for s in g["sites"]:
                 why = f"  ({s['reason']})" if s["reason"] else ""
-                lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{why}")
+                planned = f" (the passes made it {s['planned']})" if s.get("planned") else ""
+                lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{planned}{why}")
             lin = g.get("linears")
-            if _has_linears(lin):
+            if _has_linears(lin) and not g.get("failed"):
                 lines.append(f"  graph {g['graph']} linears: {_linears_text(lin)}")
             cg = g.get("cudagraphs")
             if cg is not None:
                 lines.append(f"  graph {g['graph']} CUDA graphs: " + ("on" if cg["on"] else f"off ({cg['reason']})"))
-        per_graph = [g["linears"] for g in self.graphs if _has_linears(g.get("linears"))]
+        per_graph = [g["linears"] for g in self.graphs if _has_linears(g.get("linears")) and not g.get("failed")]
         if len(per_graph) > 1:  # a graph break splits a step: the sum over its graphs
             total = {k: sum(lin.get(k, 0) for lin in per_graph) for k in ("rewritten", "int4", "int4_calls", "grouped",
                                                                             "groups")}

@@ -15,7 +15,6 @@ summary of the conformance suite ("fuzz counts").
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections import Counter
