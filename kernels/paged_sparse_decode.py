@@ -33,6 +33,7 @@ import torch
 from .native import when_loaded
 from .spec import PAGED_KERNELS, SelectionSpec
 from .reference import PageBounds, sparse_decode_reference, store_bounds
+from .torch_sparse_decode import sparse_decode_torch
 
 __all__ = [
     "gather_pages",
@@ -283,9 +284,7 @@ def _paged_sparse_decode_torch(q, k_tokens, v_tokens, page_rows, page_ids, seq_l
     k = gather_pages(k_tokens, rows, S)  # [R,Hkv,P*S,D]
     v = gather_pages(v_tokens, rows, S)
     b = _row_bounds(bounds, ids)  # [R,Hkv,P,D]
-    from .sparse_decode import _sparse_decode_torch
-
-    return _sparse_decode_torch(q, k, v, b.kmax, b.kmin, b.kabs, seq_lens.to(torch.int64), None, scale, spec)
+    return sparse_decode_torch(q, k, v, b.kmax, b.kmin, b.kabs, seq_lens.to(torch.int64), None, scale, spec)
 
 
 def paged_python_kernel(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, scale, spec, kernel):

@@ -264,7 +264,7 @@ def test_fast_path_covers_cache_lengths_off_the_page_grid(monkeypatch):
     while the newest page is a full page of the cache, and the result equals the reference."""
     import importlib
 
-    sd = importlib.import_module("tinyserve_compile.kernels.sparse_decode")
+    sd = importlib.import_module("tinyserve_compile.kernels.torch_sparse_decode")
 
     calls = []
     real = sd._gather_pages_raw
@@ -289,7 +289,7 @@ def test_two_stage_fast_path_matches_reference(monkeypatch, L, n, cf, sink):
     dtype = torch.float32
     import importlib
 
-    sd = importlib.import_module("tinyserve_compile.kernels.sparse_decode")
+    sd = importlib.import_module("tinyserve_compile.kernels.torch_sparse_decode")
     calls = []
     real = sd._fast_two_stage
     monkeypatch.setattr(sd, "_fast_two_stage", lambda *a: calls.append(1) or real(*a))

@@ -13,8 +13,8 @@ from typing import ClassVar, Dict, Optional, Tuple
 import torch
 
 from ..kernels.reference import PageBounds, Selection, choose_with, mask_page_max
-from ..kernels.sparse_decode import attend_selection
 from ..kernels.spec import SelectionSpec
+from ..kernels.torch_sparse_decode import attend_selection
 
 __all__ = ["DecodeContext", "PagePolicy", "register_policy", "get_policy", "POLICIES"]
 
