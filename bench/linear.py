@@ -18,7 +18,8 @@ activations are bf16. Methods: ``aten`` (``_weight_int4pack_mm_for_cpu``, the ke
 (``F.linear`` on the ``Int4OpaqueTensor`` weight: the kernel plus torchao's dispatch, what eager and stock
 ``torch.compile`` run) and ``native`` (``tinyserve::linear_int4``, ``kernels/csrc/gemv_int4.cpp``).
 
-Usage: ``python -m bench linear [--rows 1 8] [--threads 1 2] [--dtypes float32 bfloat16 int4] [--out PATH]``.
+Usage: ``python -m bench linear [--rows 1 8] [--threads 1 2] [--dtypes float32 bfloat16 int4]
+[--shapes smollm2 llama3-8b llama3-1b] [--out PATH]``.
 """
 from __future__ import annotations
 
@@ -28,8 +29,28 @@ import time
 import torch
 import torch.nn.functional as F
 
-#: (N, K) of SmolLM2-135M's linears: q/o, k/v, gate/up (down is K=1536), lm_head
-SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))
+
+
+def linear_shapes(model: str):
+    """``(N, K)`` of a model shape's decode linears (``bench.models.SHAPES``): q/o, k/v, gate/up, down, lm_head.
+
+    Parameters
+    ----------
+    model : str
+        A key of ``bench.models.SHAPES`` (``smollm2``, ``llama3-8b``, ``llama3-1b``, ``tiny``).
+    """
+    from bench.models import SHAPES as MODELS
+
+    if model not in MODELS:
+        raise ValueError(f"argument '--shapes': unknown model shape {model!r}, expected one of {sorted(MODELS)}")
+    m = MODELS[model]
+    hidden, inter, hd = m["hidden_size"], m["intermediate_size"], m["head_dim"]
+    return ((m["num_attention_heads"] * hd, hidden), (m["num_key_value_heads"] * hd, hidden), (inter, hidden),
+            (hidden, inter), (m["vocab_size"], hidden))
+
+
+#: (N, K) of SmolLM2-135M's linears (the default): q/o, k/v, gate/up, down, lm_head
+SHAPES = linear_shapes("smollm2")
 #: bytes of weight per method call stack (above the last-level cache of the 2-core VM)
 STACK_BYTES = 192 * 2**20
 
@@ -205,11 +226,15 @@ def main(argv=None):
                     help="torch thread counts, each timed in turn (default: torch's default)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "int4"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--shapes", nargs="+", default=["smollm2"], metavar="MODEL",
+                    help="the linears of these model shapes (smollm2, llama3-8b, llama3-1b): q/o, k/v, gate/up, down, "
+                         "lm_head")
     ap.add_argument("--autotune", action="store_true", help="also inductor max-autotune with freezing (slow)")
     a = cli.parse(ap, argv, compare="linear times single linear layers, not the backend: it has no "
                   "TinyServeConfig options to vary")
     path = cli.out_path(a.out, "linear")
-    kw = dict(shapes=SHAPES[:1], stack_bytes=8 * 2**20) if a.quick else {}
+    shapes = tuple(dict.fromkeys(nk for m in a.shapes for nk in linear_shapes(m)))  # in order, each once
+    kw = dict(shapes=shapes[:1], stack_bytes=8 * 2**20) if a.quick else dict(shapes=shapes)
     records = run(a.rows, a.threads, [d if d == "int4" else getattr(torch, d) for d in a.dtypes], 1 if a.quick else a.reps, a.autotune,
                   **kw)
     print(table(records))

@@ -1,16 +1,13 @@
 """bench linear on one tiny shape: every method runs (no error rows) and the records carry the same-run bandwidth."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.linear import run, table  # noqa: E402
-from tinyserve_compile.kernels.linear import load_native_linear  # noqa: E402
+from bench.linear import run, table
+from tinyserve_compile.kernels.linear import load_native_linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -35,3 +32,19 @@ def test_tiny_int4_run_has_every_method():
     assert all(r["dtype"] == "int4" and r["gbs"] > 0 and r["read_bw_gbs"] > 0 for r in records)
     assert all(r["vs_aten"] > 0 for r in records)
     assert "| int4 | 1 | 64x64 | native |" in table(records) or not native
+
+
+def test_shapes_flag_gives_each_models_linears(monkeypatch):
+    """``--shapes llama3-8b llama3-1b``: q/o, k/v, gate/up, down and the head of each shape, in order, each once."""
+    import bench.linear as bl
+
+    seen = {}
+    monkeypatch.setattr(bl, "run", lambda *a, **kw: seen.update(kw) or [])
+    monkeypatch.setattr(bl, "table", lambda records: "")
+    bl.main(["--shapes", "llama3-8b", "llama3-1b", "--dtypes", "int4", "--out", ""])
+    assert seen["shapes"] == ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096),
+                              (2048, 2048), (512, 2048), (8192, 2048), (2048, 8192), (128256, 2048))
+    assert bl.linear_shapes("smollm2") == bl.SHAPES == ((576, 576), (192, 576), (1536, 576), (576, 1536),
+                                                        (49152, 576))
+    with pytest.raises(ValueError, match="'--shapes'"):
+        bl.linear_shapes("llama3-70b")
