@@ -86,7 +86,7 @@ def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
             nodes.append(node)
             last_placeholder = node
         slots.append(slot)
-        write_op = runtime.write_op(device)
+        write_op = runtime.write_op()
         with graph.inserting_before(w.node):
             pos = _positions(graph, site, device)
             # other layouts ([B, L, H, D] ...): write through the [B, Hkv, L, D] view, the source permuted alike

@@ -1,8 +1,8 @@
-"""Pass: replace each rewritable decode SDPA with ``tinyserve::sparse_decode`` or ``tinyserve::paged_attention``.
+"""Pass: replace each rewritable decode SDPA with ``tinyserve::sparse_decode`` or ``tinyserve::policy_attention``.
 
 With the ``query_aware`` policy the site becomes one call of ``tinyserve::sparse_decode``
 (the dispatcher runs the native kernel on CPU, Triton on CUDA); the other policies run
-through ``tinyserve::paged_attention``.
+through ``tinyserve::policy_attention`` (:mod:`tinyserve_compile.policies.op`).
 
 The op reads the cache buffers directly, so the ``repeat_kv`` copy of the whole
 cache that the stock graph makes (expand + reshape) disappears with it.
@@ -19,6 +19,7 @@ import torch.fx as fx
 from tinyserve_compile import runtime
 from tinyserve_compile.explain import counters
 from tinyserve_compile.kernels.spec import SelectionSpec
+from tinyserve_compile.policies.op import POLICY_ATTENTION
 
 from ._masks import compact_mask, decode_valid_len, pad_mask
 from ._node_meta import fake, is_inplace
@@ -108,7 +109,7 @@ def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
                 )
             else:
                 new = graph.call_function(
-                    torch.ops.tinyserve.paged_attention.default,
+                    POLICY_ATTENTION,
                     (a["query"], k, v, kmax, kmin, kabs, ctrl, valid_len, mask, float(scale), spec,
                      config.policy, config.kernel),
                 )

@@ -24,6 +24,7 @@ import torch
 from . import runtime
 from .config import INDUCTOR_DEFAULTS, TinyServeConfig
 from .explain import latest_graph, record_cudagraphs, record_failure, record_graph
+from .policies.op import POLICY_ATTENTION
 
 __all__ = ["tinyserve_backend", "register"]
 
@@ -32,7 +33,7 @@ BACKEND_NAME = "tinyserve"
 TORCH_EXECUTED_OPS = (
     "torch.ops.tinyserve.cache_write.default",
     "torch.ops.tinyserve.sparse_decode.default",
-    "torch.ops.tinyserve.paged_attention.default",
+    "torch.ops.tinyserve.policy_attention.default",
     "torch.ops.tinyserve.linear_int4.default",  # Int4Linear modules (tinyserve_compile.quantization)
     "torch.ops.tinyserve.linear_int4_group.default",
 )
@@ -109,9 +110,8 @@ def _cudagraphs_decision(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
     if "cuda" not in devices:
         return False, f"device is {'/'.join(sorted(devices)) or 'cpu'}"
-    if any(n.op == "call_function" and n.target is torch.ops.tinyserve.paged_attention.default
-           for n in gm.graph.nodes):
-        return False, f"policy {config.policy} runs Python per call (tinyserve::paged_attention)"
+    if any(n.op == "call_function" and n.target is POLICY_ATTENTION for n in gm.graph.nodes):
+        return False, f"policy {config.policy} runs Python per call (tinyserve::policy_attention)"
     if any(n.op == "call_function" and n.target is torch.ops.tinyserve.sparse_decode.default for n in gm.graph.nodes):
         kernel = runtime.decode_kernel(torch.device("cuda"), config)
         if kernel != "triton":  # the PyTorch path reads ctrl and the valid lengths on the host

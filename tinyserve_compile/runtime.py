@@ -42,10 +42,10 @@ Ops put into graphs (every one takes the selection as one packed ``int[] spec``,
     (:mod:`.kernels.bounds`; native on CPU, Triton on CUDA).
 ``tinyserve::sparse_decode(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, mask, scale, spec, kernel, ctrl)``
     Query-aware decode attention (:mod:`.kernels.sparse_decode`; native on CPU, Triton on CUDA).
-``tinyserve::paged_attention(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, mask, scale, spec, policy, kernel)``
-    Decode attention through another policy (``full``, ``streaming``, ``h2o``, ``oracle``): Python
-    classes with per-buffer Python state (:mod:`.policies`), research baselines with no device kernel, so
-    they stay one Python op of their own.
+``tinyserve::policy_attention(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, mask, scale, spec, policy, kernel)``
+    Decode attention through another policy (``full``, ``streaming``, ``h2o``, ``oracle``;
+    :mod:`.policies.op`), which reads the bounds, ``ctrl`` (:func:`ctrl_flags`) and the policies' per-buffer
+    state (:attr:`StaticKVState.policy_state`) that this module keeps.
 """
 from __future__ import annotations
 
@@ -57,14 +57,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .kernels.bounds import allocate_bounds, rebuild_bounds_impl
+from .kernels.bounds import allocate_bounds
 from .kernels.reference import PageBounds
 from .kernels.sparse_decode import resolve_kernel
-from .kernels.spec import SelectionSpec
-from .policies import DecodeContext, get_policy
 
-__all__ = ["BoundsSlot", "PagedKVState", "state_for", "enter", "leave", "runtime_stats", "reset_runtime", "write_op",
-           "decode_kernel", "native_unavailable_reason", "device_ctrl"]
+__all__ = ["BoundsSlot", "StaticKVState", "state_for", "state_of_bounds", "ctrl_flags", "enter", "leave",
+           "runtime_stats", "reset_runtime", "write_op", "decode_kernel", "native_unavailable_reason", "device_ctrl"]
 
 #: run-time counters: bounds rebuilds and updates, foreign writes, decode calls (sparse / dense layers), copies of
 #: new flags into a device ``ctrl`` (``ctrl_copies``)
@@ -139,8 +137,12 @@ class BoundsSlot:
 
 
 @dataclass
-class PagedKVState:
+class StaticKVState:
     """Bounds of one key-cache buffer, and what is known about its writes.
+
+    The buffer is a static cache's: one tensor per layer that the graph writes in place, a row per sequence (HF's
+    ``StaticCache``, gpt-fast's and litgpt's caches). Continuous batching's paged cache, whose pages the sequences
+    share through page tables, keeps its bounds in :mod:`tinyserve_compile.continuous_batching` instead.
 
     Attributes
     ----------
@@ -192,7 +194,7 @@ def _flag_source(stale: int, dense: int, pin: bool) -> torch.Tensor:
     return t
 
 
-def _push_flags(st: PagedKVState, stale: bool, dense: bool) -> bool:
+def _push_flags(st: StaticKVState, stale: bool, dense: bool) -> bool:
     """Set ``st.ctrl`` to ``[stale, dense]``; return whether that took a copy into ``ctrl``.
 
     A host ``ctrl`` is written through its numpy view (never a copy). A mirrored one (a CUDA ``ctrl``) gets one
@@ -214,8 +216,8 @@ def _push_flags(st: PagedKVState, stale: bool, dense: bool) -> bool:
     return True
 
 
-_STATES: Dict[int, PagedKVState] = {}
-_BY_BOUNDS: Dict[int, PagedKVState] = {}  #: id(kmax) -> state, for the policies' per-buffer state
+_STATES: Dict[int, StaticKVState] = {}
+_BY_BOUNDS: Dict[int, StaticKVState] = {}  #: id(kmax) -> state, for the policies' per-buffer state
 _NEXT_RANK = [0]  #: rank of the next new buffer; back to 0 whenever a ranked buffer is written
 
 
@@ -242,7 +244,7 @@ def _view(cache: torch.Tensor, perm, rows: Optional[int] = None) -> torch.Tensor
 
 
 def state_for(cache: torch.Tensor, page_size: int, bounds_dtype: Optional[torch.dtype] = None,
-              perm: Optional[Sequence[int]] = None, rows: Optional[int] = None) -> PagedKVState:
+              perm: Optional[Sequence[int]] = None, rows: Optional[int] = None) -> StaticKVState:
     """The state of the key-cache buffer ``cache``, created (stale) for a new buffer.
 
     Parameters
@@ -273,8 +275,8 @@ def state_for(cache: torch.Tensor, page_size: int, bounds_dtype: Optional[torch.
         # addresses that hold for the buffer's life: CUDA graphs may keep them (an unguarded mark, no recompile)
         for t in (*bounds, ctrl):
             mark_static_address(t, guard=False)
-    st = PagedKVState(None, (page_size, bounds_dtype, tuple(view.shape)), bounds, ctrl, _NEXT_RANK[0],
-                      mirror=device_ctrl(cache.device))
+    st = StaticKVState(None, (page_size, bounds_dtype, tuple(view.shape)), bounds, ctrl, _NEXT_RANK[0],
+                       mirror=device_ctrl(cache.device))
     _NEXT_RANK[0] += 1
     key = id(cache)
     st.cache_ref = weakref.ref(cache, lambda _r, k=key, s=weakref.ref(st): _forget(k, s))
@@ -359,8 +361,8 @@ def native_unavailable_reason() -> Optional[str]:
     return None if native.load_native() else native.native_unavailable_reason()
 
 
-def write_op(device: torch.device):
-    """The cache-write op of a graph (the dispatcher picks its kernel for ``device``)."""
+def write_op():
+    """The cache-write op of a graph, ``tinyserve::cache_write`` (the dispatcher picks its kernel per device)."""
     return torch.ops.tinyserve.cache_write.default
 
 
@@ -373,71 +375,30 @@ def decode_kernel(device: torch.device, config) -> str:
         raise ValueError(f"tinyserve option 'kernel'={config.kernel!r}: {e}") from None
 
 
-def _state_of_bounds(kmax: torch.Tensor) -> Optional[PagedKVState]:
+def state_of_bounds(kmax: torch.Tensor) -> Optional[StaticKVState]:
+    """The state whose bounds ``kmax`` is (None when no state owns it): how an op of a graph, which receives the
+    bounds, finds the buffer's state (the policies' per-buffer state, the host mirror of ``ctrl``)."""
     return _BY_BOUNDS.get(id(kmax))
 
 
-# ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("tinyserve::paged_attention", mutates_args=())
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kmax: torch.Tensor,
-    kmin: torch.Tensor,
-    kabs: torch.Tensor,
-    ctrl: torch.Tensor,
-    valid_len: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
-    scale: float,
-    spec: List[int],
-    policy: str,
-    kernel: str,
-) -> torch.Tensor:
-    """Decode attention of ``q`` over the paged cache through a selection policy.
+def ctrl_flags(st: Optional[StaticKVState], ctrl: torch.Tensor) -> List[int]:
+    """``[stale, dense]`` as ``ctrl`` holds them, read without a device sync where possible.
 
     Parameters
     ----------
-    q : torch.Tensor
-        ``[B, Hq, 1, D]``.
-    k_cache, v_cache : torch.Tensor
-        ``[B, Hkv, L, D]``, the caches themselves (no GQA repeat).
-    kmax, kmin, kabs : torch.Tensor
-        The key cache's page bounds (kept by ``tinyserve::cache_write``).
+    st : StaticKVState or None
+        The state of the buffer whose ``ctrl`` this is (:func:`state_of_bounds`), if any.
     ctrl : torch.Tensor
-        int32 ``[2]``; ``ctrl[0] != 0`` rebuilds the bounds first, ``ctrl[1] != 0`` attends densely (a dense
-        layer). A CPU tensor is read in place; a device one through the host mirror of its state
-        (:class:`PagedKVState`), without a device sync (read from the device only when no state owns ``kmax``).
-    valid_len : torch.Tensor
-        int64 ``[1]`` or ``[B]``: newest written position + 1.
-    attn_mask : torch.Tensor, optional
-        Bool or additive float, broadcastable to ``[B, Hq, 1, L]``.
-    scale : float
-    spec : list of int
-        :meth:`~tinyserve_compile.kernels.spec.SelectionSpec.to_list`.
-    policy, kernel : str
+        int32 ``[2]``.
 
     Returns
     -------
-    torch.Tensor
-        ``[B, Hq, 1, D]``, dtype of ``q``.
+    list of int
+        From the host mirror of ``st`` when ``ctrl`` is its mirrored ``ctrl`` (as the host pushed the flags: no
+        sync); else read from ``ctrl`` (host memory for a CPU ``ctrl``, a device sync for a device ``ctrl`` of no
+        known state).
     """
-    bounds = PageBounds(kmax, kmin, kabs)
-    sel = SelectionSpec.from_list(spec).for_cache(k_cache.shape[2])  # sizes bounded by the cache
-    st = _state_of_bounds(kmax)
     if st is not None and st.mirror and st.ctrl.data_ptr() == ctrl.data_ptr():
-        flags = st._flags.tolist()  # what the (device) ctrl holds, as the host pushed it: no sync
-    else:
-        flags = ctrl.tolist()  # a CPU ctrl: a read of host memory; a device ctrl of no known state: a sync
-    if flags[0]:  # never read stale bounds (a CPU write op clears this first; a device ctrl keeps it for the call)
-        rebuild_bounds_impl(k_cache, kmax, kmin, kabs, sel.page_size)
-    B = q.shape[0]
-    vl = valid_len.reshape(-1).to(torch.int64).expand(B)
-    ctx = DecodeContext(q, k_cache, v_cache, bounds, vl, attn_mask, scale, sel,
-                        st.policy_state if st is not None else {}, kernel)
-    return get_policy("full" if flags[1] else policy)(ctx)
+        return st._flags.tolist()
+    return ctrl.tolist()
 
-
-@paged_attention.register_fake
-def _(q, k_cache, v_cache, kmax, kmin, kabs, ctrl, valid_len, attn_mask, scale, spec, policy, kernel):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -154,7 +154,7 @@ def test_cuda_decode_graph_has_no_cpu_placeholder_and_static_bounds():
 @pytest.mark.parametrize("policy, mode, want", [
     ("query_aware", "reduce-overhead", (True, "")),
     ("query_aware", None, (False, "not requested")),
-    ("h2o", "reduce-overhead", (False, "policy h2o runs Python per call (tinyserve::paged_attention)")),
+    ("h2o", "reduce-overhead", (False, "policy h2o runs Python per call (tinyserve::policy_attention)")),
 ])
 def test_cudagraphs_decision_on_a_cuda_graph(policy, mode, want):
     gm, _ = decode_graph(gpt_fast_model())
@@ -251,8 +251,8 @@ def test_inductor_skipping_cudagraphs_at_compile_is_reported(monkeypatch):
 def _mirrored_state(flags=(1, 0)):
     k = torch.randn(1, 2, 40, 8)
     b = page_bounds(k, 4, dtype=torch.float32)
-    return runtime.PagedKVState(None, (4, torch.float32, tuple(k.shape)), b, torch.tensor(flags, dtype=torch.int32),
-                                0, mirror=True)
+    return runtime.StaticKVState(None, (4, torch.float32, tuple(k.shape)), b, torch.tensor(flags, dtype=torch.int32),
+                                 0, mirror=True)
 
 
 def test_push_flags_copies_only_on_change():
@@ -273,8 +273,8 @@ def test_push_flags_copies_only_on_change():
 
 def test_push_flags_writes_a_host_ctrl_in_place():
     k = torch.randn(1, 2, 40, 8)
-    st = runtime.PagedKVState(None, (4, torch.float32, tuple(k.shape)), page_bounds(k, 4),
-                              torch.tensor([1, 0], dtype=torch.int32), 0)
+    st = runtime.StaticKVState(None, (4, torch.float32, tuple(k.shape)), page_bounds(k, 4),
+                               torch.tensor([1, 0], dtype=torch.int32), 0)
     assert not st.mirror
     for flags in ((0, 1), (1, 1), (0, 0)):
         assert runtime._push_flags(st, *flags) is False
@@ -331,25 +331,27 @@ def test_stale_of_a_mirrored_state_lasts_until_the_call_returns(monkeypatch):
     assert not st.stale and st.ctrl.tolist() == [0, 0]
 
 
-def test_paged_attention_reads_the_mirror_of_a_mirrored_ctrl(monkeypatch):
+def test_policy_attention_reads_the_mirror_of_a_mirrored_ctrl(monkeypatch):
     """The policies' op takes the flags from the host mirror (no device read): here the mirror says 'dense layer'
     while the tensor itself says otherwise, and the op attends densely."""
+    from tinyserve_compile.kernels.bounds import rebuild_bounds_impl
+
     monkeypatch.setattr(runtime, "device_ctrl", lambda device: True)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
     q = torch.randn(1, 4, 1, 8, generator=g)
     slot = BoundsSlot(0, tuple(k.shape), k.dtype, 4, torch.float32, decode_sites=1)
     kmax, kmin, kabs, ctrl = runtime.enter([slot], (k,), dense_layers=1)
-    runtime.rebuild_bounds_impl(k, kmax, kmin, kabs, 4)
+    rebuild_bounds_impl(k, kmax, kmin, kabs, 4)
     runtime.leave([slot], (k,))
     ctrl.zero_()  # the tensor: sparse, not stale; the mirror: [1, 1]
     assert state_for(k, 4)._flags.tolist() == [1, 1]
     args = (q, k, v, kmax, kmin, kabs, ctrl, torch.tensor([40]), None, 0.35, _spec())
-    got = torch.ops.tinyserve.paged_attention(*args, "streaming", "torch")
-    want = torch.ops.tinyserve.paged_attention(*args, "full", "torch")
+    got = torch.ops.tinyserve.policy_attention(*args, "streaming", "torch")
+    want = torch.ops.tinyserve.policy_attention(*args, "full", "torch")
     assert torch.equal(got, want)
-    sparse = torch.ops.tinyserve.paged_attention(q, k, v, kmax, kmin, kabs, torch.zeros(2, dtype=torch.int32),
-                                                 torch.tensor([40]), None, 0.35, _spec(), "streaming", "torch")
+    sparse = torch.ops.tinyserve.policy_attention(q, k, v, kmax, kmin, kabs, torch.zeros(2, dtype=torch.int32),
+                                                  torch.tensor([40]), None, 0.35, _spec(), "streaming", "torch")
     assert not torch.equal(sparse, want)  # the check can fail: streaming over this cache is not dense
 
 

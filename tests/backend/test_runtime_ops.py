@@ -20,7 +20,7 @@ def _spec(dtype):
     return SelectionSpec(4, 8, 0, 1, 0, False, dtype).to_list()
 
 
-def test_opcheck_cache_write_and_paged_attention():
+def test_opcheck_cache_write_and_policy_attention():
     k, v = _cache()
     for dtype in (torch.float32, torch.bfloat16):
         b = allocate_bounds(k, 4, dtype)
@@ -36,7 +36,7 @@ def test_opcheck_cache_write_and_paged_attention():
                 ctrl = torch.tensor([0, dense], dtype=torch.int32)
                 for policy in ("h2o", "full"):
                     args = (q, k, v, *b, ctrl, torch.tensor([30]), m, 0.35, _spec(dtype), policy, "torch")
-                    torch.library.opcheck(torch.ops.tinyserve.paged_attention.default, args)
+                    torch.library.opcheck(torch.ops.tinyserve.policy_attention.default, args)
 
 
 def _step(slot, args, pos):

@@ -22,6 +22,6 @@ class QueryAwarePolicy(PagePolicy):
         return page_scores(ctx.q, ctx.bounds, ctx.scale, ctx.mask_pages())
 
     def __call__(self, ctx: DecodeContext) -> torch.Tensor:
-        # the op's implementation, called directly: this runs inside tinyserve::paged_attention already
+        # the op's implementation, called directly: this runs inside tinyserve::policy_attention already
         return run_kernel(resolve_kernel(ctx.kernel, ctx.q.device), ctx.q, ctx.k_cache, ctx.v_cache, *ctx.bounds,
                           ctx.valid_len, ctx.attn_mask, float(ctx.scale), ctx.spec)
