@@ -1,11 +1,19 @@
 """FX passes of the tinyserve backend, one per file, run in the order of :data:`PASSES`.
 
-Each pass is ``(gm, config) -> gm``; they share findings through ``gm.meta``.
+Each pass is ``(gm: fx.GraphModule, config: TinyServeConfig) -> fx.GraphModule``; they share their findings
+through the graph's :class:`~.state.PassState` (:func:`~.state.pass_state`).
 """
+from __future__ import annotations
+
+import torch.fx as fx
+
+from tinyserve_compile.config import TinyServeConfig
+
 from .decode_linear import decode_linear
-from .find_decode_attention import AttentionSite, find_decode_attention
+from .find_decode_attention import find_decode_attention
 from .keep_bounds_on_cache_writes import BOUNDS_PREFIX, keep_bounds_on_cache_writes
 from .sparse_decode_attention import sparse_decode_attention
+from .state import AttentionSite, LinearReport, PassState, pass_state
 
 PASSES = [
     find_decode_attention,
@@ -15,11 +23,11 @@ PASSES = [
 ]
 
 
-def run_passes(gm, config):
+def run_passes(gm: fx.GraphModule, config: TinyServeConfig) -> fx.GraphModule:
     """Run :data:`PASSES` in order."""
     for p in PASSES:
         gm = p(gm, config)
     return gm
 
 
-__all__ = ["PASSES", "run_passes", "AttentionSite", "BOUNDS_PREFIX"]
+__all__ = ["PASSES", "run_passes", "AttentionSite", "LinearReport", "PassState", "pass_state", "BOUNDS_PREFIX"]

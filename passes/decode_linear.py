@@ -19,24 +19,24 @@ call and one parallel region for all of them. So do the ``tinyserve::linear_int4
 themselves, when they read the same bf16 ``x`` of at most :data:`GEMV_MAX_ROWS` static rows on the CPU with one
 group size and no bias. The counts go to ``counters``
 (``linear_rewritten``, ``linear_int4_rewritten``, ``linear_int4_calls`` (the modules' own calls found),
-``linear_grouped``, ``linear_kept:<reason>``) and to
-``gm.meta["tinyserve_linears"]`` for
-:func:`~tinyserve_compile.explain`.
+``linear_grouped``, ``linear_kept:<reason>``) and to the graph's :attr:`.state.PassState.linears` (a
+:class:`~.state.LinearReport`) for :func:`~tinyserve_compile.explain`.
 """
 from __future__ import annotations
 
 import sys
-from collections import Counter
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.explain import counters
 from tinyserve_compile.kernels.linear import (GEMV_MAX_ROWS, GEMV_MAX_ROWS_BF16, INT4_BLOCK_N, int4_layout_problem,
                                                load_native_linear, native_linear_reason)
 
 from ._node_meta import fake
+from .state import LinearReport, pass_state
 
 __all__ = ["decode_linear"]
 
@@ -160,7 +160,7 @@ def _uses_read_columns(graph: fx.Graph, call: fx.Node, members, outs) -> None:
         start = end
 
 
-def _rewrite_group(graph: fx.Graph, members, report) -> None:
+def _rewrite_group(graph: fx.Graph, members, report: LinearReport) -> None:
     """Replace bias-free linears that read one ``x`` (q, k and v; gate and up) by one grouped call.
 
     ``tinyserve::linear_group`` or ``tinyserve::linear_int4_group`` runs every weight in one parallel region: one
@@ -179,15 +179,15 @@ def _rewrite_group(graph: fx.Graph, members, report) -> None:
             call = graph.call_function(torch.ops.tinyserve.linear_int4_group.default,
                                        (x, [q for q, _ in parts], [sz for _, sz in parts], int(fws[0].block_size[1]),
                                         [int(fw.shape[0]) for fw in fws]))  # [..., sum N_i]
-            report["int4"] += len(members)
+            report.int4 += len(members)
         else:
             call = graph.call_function(torch.ops.tinyserve.linear_group.default, (x, weights))  # [..., sum N_i]
         _uses_read_columns(graph, call, members, outs)
     for n in members:
         graph.erase_node(n)
-    report["rewritten"] += len(members)
-    report["grouped"] += len(members)
-    report["groups"] += 1
+    report.rewritten += len(members)
+    report.grouped += len(members)
+    report.groups += 1
 
 
 def _int4_call_key(n: fx.Node):
@@ -207,7 +207,7 @@ def _int4_call_key(n: fx.Node):
     return x, gs
 
 
-def _group_int4_calls(graph: fx.Graph, calls, report) -> bool:
+def _group_int4_calls(graph: fx.Graph, calls, report: LinearReport) -> bool:
     """One ``tinyserve::linear_int4_group`` call per set of ``linear_int4`` calls that read one ``x``."""
     groups = {}
     for n in calls:
@@ -230,8 +230,8 @@ def _group_int4_calls(graph: fx.Graph, calls, report) -> bool:
             _uses_read_columns(graph, call, members, outs)
         for n in members:
             graph.erase_node(n)
-        report["grouped"] += len(members)
-        report["groups"] += 1
+        report.grouped += len(members)
+        report.groups += 1
         changed = True
     return changed
 
@@ -240,21 +240,22 @@ def _group_int4_calls(graph: fx.Graph, calls, report) -> bool:
 INT4_CALL_TARGETS = (torch.ops.tinyserve.linear_int4.default, torch.ops.tinyserve.linear_int4)
 
 
-def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
+def decode_linear(gm: fx.GraphModule, config: TinyServeConfig) -> fx.GraphModule:
+    """Rewrite the decode-shaped linears (and group the Int4Linear modules' calls); the graph's
+    :attr:`.state.PassState.linears` says what was done."""
     graph = gm.graph
     linears = [n for n in graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS]
     int4_calls = [n for n in graph.nodes if n.op == "call_function" and n.target in INT4_CALL_TARGETS]
-    report = {"rewritten": 0, "int4": 0, "int4_calls": len(int4_calls), "grouped": 0, "groups": 0,
-              "kept": Counter(), "reason": None}
-    gm.meta["tinyserve_linears"] = report
+    report = LinearReport(int4_calls=len(int4_calls))
+    pass_state(gm).linears = report
     counters["linear_int4_calls"] += len(int4_calls)
     if not linears and not int4_calls:
         return gm
     if not config.decode_linear:
-        report["reason"] = "decode_linear=False"
+        report.reason = "decode_linear=False"
         return gm
     if config.lower == "tensorrt":
-        report["reason"] = "lower='tensorrt' compiles the linears itself"
+        report.reason = "lower='tensorrt' compiles the linears itself"
         return gm
     grouped_calls = bool(int4_calls) and load_native_linear() and \
         _group_int4_calls(graph, int4_calls, report)
@@ -264,10 +265,10 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
         if why is None:
             candidates.append(n)
         else:
-            report["kept"][why] += 1
+            report.kept[why] += 1
     if candidates and not load_native_linear():
-        report["reason"] = f"native GEMV unavailable: {native_linear_reason()}"
-        report["kept"]["native GEMV unavailable"] += len(candidates)
+        report.reason = f"native GEMV unavailable: {native_linear_reason()}"
+        report.kept["native GEMV unavailable"] += len(candidates)
         candidates = []
     groups = {}  # (x, kind, dtype or group size) -> the bias-free linears reading x, in graph order
     for n in candidates:
@@ -294,17 +295,17 @@ def decode_linear(gm: fx.GraphModule, config) -> fx.GraphModule:
                 qdata, sz = _int4_parts(graph, w, fw)
                 new = graph.call_function(torch.ops.tinyserve.linear_int4.default,
                                           (x, qdata, sz, int(fw.block_size[1]), int(fw.shape[0]), b))  # [..., N]
-                report["int4"] += 1
+                report.int4 += 1
             else:
                 new = graph.call_function(torch.ops.tinyserve.linear.default, (x, w, b))  # [..., N]
         new.meta.update(n.meta)
         n.replace_all_uses_with(new)
         graph.erase_node(n)
-        report["rewritten"] += 1
-    counters["linear_rewritten"] += report["rewritten"]
-    counters["linear_int4_rewritten"] += report["int4"]
-    counters["linear_grouped"] += report["grouped"]
-    for why, k in report["kept"].items():
+        report.rewritten += 1
+    counters["linear_rewritten"] += report.rewritten
+    counters["linear_int4_rewritten"] += report.int4
+    counters["linear_grouped"] += report.grouped
+    for why, k in report.kept.items():
         counters[f"linear_kept:{why}"] += k
     if candidates or grouped_calls:
         graph.lint()

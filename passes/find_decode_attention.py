@@ -21,60 +21,23 @@ A site is rewritten (status ``"sparse"``) only when all of these hold:
 The first ``dense_layers`` layers are rewritten too, and attend densely at run
 time (:mod:`tinyserve_compile.runtime` ranks layers across graphs).
 
-Everything else stays dense, with the reason in ``gm.meta["tinyserve_sites"]``.
+Everything else stays dense, with the reason in the graph's :attr:`.state.PassState.sites`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import List
 
 import torch.fx as fx
 
-from ._cache_writes import CacheWrite, cache_writes, describe_write, is_sliding_window_write
+from tinyserve_compile.config import TinyServeConfig
+
+from ._cache_writes import cache_writes, describe_write, is_sliding_window_write
 from ._node_meta import SDPA_TARGETS, ancestors, fake, is_dtensor, node_order, same_int, sdpa_args, size_node
 from ._views import (CacheLayout, cache_layout, first_non_view, is_buffer_node, is_written_in_place, layout_name,
                      trace_view_chain)
+from .state import AttentionSite, pass_state
 
-__all__ = ["AttentionSite", "find_decode_attention"]
-
-
-@dataclass
-class AttentionSite:
-    """One SDPA call in a graph and what the backend does with it."""
-
-    index: int
-    node: fx.Node
-    query_len: Optional[int]
-    status: str = "dense"  #: "sparse" | "dense" | "prefill"
-    reason: str = ""
-    k_base: Optional[fx.Node] = None
-    v_base: Optional[fx.Node] = None
-    k_layout: Optional[CacheLayout] = None  #: how the key operand reads ``k_base``
-    v_layout: Optional[CacheLayout] = None
-    k_write: Optional[CacheWrite] = None
-    kv_len: Any = None  #: keys read when SDPA reads a ``[:n]`` prefix (an int or a SymInt node), else None
-    positions: Any = None  #: node holding the written positions (set by the write pass)
-    bounds: Any = None  #: the kmax, kmin, kabs, ctrl placeholders of the key cache (set by the write pass)
-    slot: Optional[int] = None  #: index of the key cache's BoundsSlot in ``gm.meta["tinyserve_bounds"]`` (write pass)
-    args: dict = field(default_factory=dict)
-
-    @property
-    def k_perm(self) -> Optional[Tuple[int, ...]]:
-        """``k_base.permute(k_perm)`` is the ``[B, Hkv, L, D]`` key cache (None: the buffer itself)."""
-        return self.k_layout.perm if self.k_layout is not None else None
-
-    @property
-    def v_perm(self) -> Optional[Tuple[int, ...]]:
-        return self.v_layout.perm if self.v_layout is not None else None
-
-    def describe(self) -> dict:
-        out = {"index": self.index, "node": self.node.name, "query_len": self.query_len, "status": self.status,
-               "reason": self.reason}
-        if self.k_base is not None:  # a tensor attribute by its path (torch 2.8: ...layers_3_keys), an input by name
-            out["cache"] = self.k_base.target if self.k_base.op == "get_attr" else self.k_base.name
-        if self.k_layout is not None and self.k_layout.perm is not None:
-            out["layout"] = layout_name(self.k_layout.perm)
-        return out
+__all__ = ["find_decode_attention"]
 
 
 def _cache_of(node, n_q_heads: int, enable_gqa: bool):
@@ -143,6 +106,8 @@ def _writes_reason(base: fx.Node, lay: CacheLayout, order: dict, site_node: fx.N
 
 
 def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
+    """Set ``site``'s status and reason, and what the later passes read of a site they rewrite (its caches, their
+    layouts, the key cache's write, the length of a ``[:n]`` prefix read)."""
     a = site.args
     q = fake(a["query"])
     if q is None or q.dim() != 4:
@@ -160,17 +125,10 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
     gqa = bool(a["enable_gqa"])
     k_base, k_lay = _cache_of(a["key"], int(q.shape[1]), gqa)
     v_base, v_lay = _cache_of(a["value"], int(q.shape[1]), gqa)
-    why = k_lay if k_base is None else (v_lay if v_base is None else "")
     if site.query_len != 1:
-        # prefill stays dense; its key-cache write is kept bounds-aware when the layout is known
-        n = site.query_len if site.query_len is not None else f"{q.shape[2]}, dynamic"
-        site.status, site.reason = "prefill", f"prefill (query length {n}) stays dense"
-        if k_base is not None:
-            site.k_base, site.k_layout = k_base, k_lay
-            site.k_write, _ = _writes_reason(k_base, k_lay, order, site.node)
-            if site.k_write is None:
-                site.k_base = None
+        _classify_prefill(site, q, k_base, k_lay, order)
         return
+    why = k_lay if k_base is None else (v_lay if v_base is None else "")
     if why:
         site.reason = why
         return
@@ -179,59 +137,89 @@ def _classify(site: AttentionSite, order: dict, graph: fx.Graph) -> None:
     if site.k_write is None:
         site.reason, site.k_base = why, None
         return
-    if k_base is v_base:
-        site.reason = "K and V read the same buffer"
+    # in this order: the prefix length is looked up (a node of the graph) only for operands that fit
+    why = _operands_reason(site, q) or _prefix_reason(site, graph) or _mask_reason(site, q)
+    if why:
+        site.reason = why
         return
-    if a["is_causal"]:
-        site.reason = "is_causal=True with one query token attends only the first key; left to SDPA"
-        return
-    if a["dropout_p"] not in (0, 0.0):
-        site.reason = "dropout_p != 0"
-        return
-    kt, vt = fake(k_base), fake(v_base)
-    k_shape, v_shape = k_lay.full(kt), v_lay.full(vt)
-    L_sym = kt.shape[k_lay.seq_dim]
-    if k_shape != v_shape or kt.dtype != vt.dtype:
-        site.reason = f"K and V caches differ in shape or dtype ({k_shape} {kt.dtype} vs {v_shape} {vt.dtype})"
-        return
-    if k_lay.batch != v_lay.batch or not (k_lay.length is v_lay.length is None or same_int(k_lay.length, v_lay.length)):
-        site.reason = "K and V read different parts of their caches"
-        return
-    if kt.dtype != q.dtype:
-        site.reason = f"query dtype {q.dtype} differs from cache dtype {kt.dtype}"
-        return
-    mask = a["attn_mask"]
-    L = k_shape[2]
-    if k_lay.length is not None:
-        site.kv_len = size_node(graph, k_lay.length)
-        if site.kv_len is None:
-            site.reason = f"K/V read a [:n] prefix of the cache, n={k_lay.length} is not a value of the graph"
-            return
-    if mask is not None:
-        mt = fake(mask)
-        if mt is None:
-            site.reason = "attention mask is not a tensor"
-            return
-        # the mask covers exactly the keys read: the whole cache, or the [:n] prefix read (keys past n are never
-        # attended, so the op's mask is padded with "not attended" up to the cache length)
-        keys = L_sym if k_lay.length is None else k_lay.length
-        what = f"the cache length {L}" if k_lay.length is None else f"the {k_lay.length} keys read (a [:n] prefix)"
-        if mt.dim() > 4 or not same_int(mt.shape[-1], keys):
-            if mt.dim() <= 4 and same_int(mt.shape[-1], 1):
-                site.reason = (f"attention mask shape {tuple(mt.shape)} broadcasts one value over all keys "
-                               f"(last dim 1), not one per key of {what}")
-            else:
-                site.reason = f"attention mask shape {tuple(mt.shape)} does not cover {what}"
-            return
-        if mt.dim() == 4 and int(mt.shape[1]) not in (1, int(q.shape[1])):
-            site.reason = (f"attention mask shape {tuple(mt.shape)} has {int(mt.shape[1])} heads, "
-                           f"neither 1 nor the {int(q.shape[1])} query heads")
-            return
     site.status, site.reason = "sparse", ""
 
 
-def find_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
-    """Record an :class:`AttentionSite` per SDPA call in ``gm.meta["tinyserve_sites"]``."""
+def _classify_prefill(site: AttentionSite, q, k_base, k_lay, order: dict) -> None:
+    """A prefill stays dense; its key-cache write is kept bounds-aware when the layout is known (``k_base`` a
+    cache buffer, read through ``k_lay``)."""
+    n = site.query_len if site.query_len is not None else f"{q.shape[2]}, dynamic"
+    site.status, site.reason = "prefill", f"prefill (query length {n}) stays dense"
+    if k_base is not None:
+        site.k_base, site.k_layout = k_base, k_lay
+        site.k_write, _ = _writes_reason(k_base, k_lay, order, site.node)
+        if site.k_write is None:
+            site.k_base = None
+
+
+def _operands_reason(site: AttentionSite, q) -> str:
+    """Why a decode site whose K and V read cache buffers (and whose key cache is written once before it) stays
+    dense for its arguments: the buffers, their shapes and dtypes, ``is_causal``, dropout ("" when they fit)."""
+    a = site.args
+    if site.k_base is site.v_base:
+        return "K and V read the same buffer"
+    if a["is_causal"]:
+        return "is_causal=True with one query token attends only the first key; left to SDPA"
+    if a["dropout_p"] not in (0, 0.0):
+        return "dropout_p != 0"
+    k_lay, v_lay = site.k_layout, site.v_layout
+    kt, vt = fake(site.k_base), fake(site.v_base)
+    k_shape, v_shape = k_lay.full(kt), v_lay.full(vt)
+    if k_shape != v_shape or kt.dtype != vt.dtype:
+        return f"K and V caches differ in shape or dtype ({k_shape} {kt.dtype} vs {v_shape} {vt.dtype})"
+    if k_lay.batch != v_lay.batch or not (k_lay.length is v_lay.length is None or same_int(k_lay.length, v_lay.length)):
+        return "K and V read different parts of their caches"
+    if kt.dtype != q.dtype:
+        return f"query dtype {q.dtype} differs from cache dtype {kt.dtype}"
+    return ""
+
+
+def _prefix_reason(site: AttentionSite, graph: fx.Graph) -> str:
+    """Set ``site.kv_len`` to the graph's value of ``n`` when K/V read a ``[:n]`` prefix of the cache; the reason
+    why the site stays dense when no value of the graph holds ``n`` ("" otherwise)."""
+    length = site.k_layout.length
+    if length is None:
+        return ""
+    site.kv_len = size_node(graph, length)
+    if site.kv_len is None:
+        return f"K/V read a [:n] prefix of the cache, n={length} is not a value of the graph"
+    return ""
+
+
+def _mask_reason(site: AttentionSite, q) -> str:
+    """Why the site's attention mask keeps it dense ("" without a mask, or with one that covers exactly the keys
+    read, with 1 or the query's head count of heads)."""
+    mask = site.args["attn_mask"]
+    if mask is None:
+        return ""
+    mt = fake(mask)
+    if mt is None:
+        return "attention mask is not a tensor"
+    k_lay = site.k_layout
+    kt = fake(site.k_base)
+    L = k_lay.full(kt)[2]
+    # the mask covers exactly the keys read: the whole cache, or the [:n] prefix read (keys past n are never
+    # attended, so the op's mask is padded with "not attended" up to the cache length)
+    keys = kt.shape[k_lay.seq_dim] if k_lay.length is None else k_lay.length
+    what = f"the cache length {L}" if k_lay.length is None else f"the {k_lay.length} keys read (a [:n] prefix)"
+    if mt.dim() > 4 or not same_int(mt.shape[-1], keys):
+        if mt.dim() <= 4 and same_int(mt.shape[-1], 1):
+            return (f"attention mask shape {tuple(mt.shape)} broadcasts one value over all keys "
+                    f"(last dim 1), not one per key of {what}")
+        return f"attention mask shape {tuple(mt.shape)} does not cover {what}"
+    if mt.dim() == 4 and int(mt.shape[1]) not in (1, int(q.shape[1])):
+        return (f"attention mask shape {tuple(mt.shape)} has {int(mt.shape[1])} heads, "
+                f"neither 1 nor the {int(q.shape[1])} query heads")
+    return ""
+
+
+def find_decode_attention(gm: fx.GraphModule, config: TinyServeConfig) -> fx.GraphModule:
+    """Record an :class:`~.state.AttentionSite` per SDPA call in the graph's :attr:`.state.PassState.sites`."""
     order = node_order(gm.graph)
     sites: List[AttentionSite] = []
     for node in gm.graph.nodes:
@@ -240,5 +228,5 @@ def find_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
         site = AttentionSite(len(sites), node, None, args=sdpa_args(node))
         _classify(site, order, gm.graph)
         sites.append(site)
-    gm.meta["tinyserve_sites"] = sites
+    pass_state(gm).sites = sites
     return gm

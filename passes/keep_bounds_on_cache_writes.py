@@ -10,8 +10,8 @@ where ``kmax, kmin, kabs, ctrl`` are four new graph inputs per key-cache buffer
 ``cache_write`` is ``tinyserve::cache_write`` (the dispatcher runs the native kernel on CPU).
 Decode sites that will be rewritten and prefill sites that write a cache are
 handled, so that a compiled prefill keeps the bounds current. Each buffer is
-recorded as a :class:`~tinyserve_compile.runtime.BoundsSlot` in
-``gm.meta["tinyserve_bounds"]``; ``site.bounds`` holds its four nodes.
+recorded as a :class:`~tinyserve_compile.runtime.BoundsSlot` in the graph's
+:attr:`.state.PassState.bounds`; ``site.bounds`` holds its four nodes.
 
 The four placeholders are static inputs: they carry ``meta["tensor_dict"]`` =
 :data:`STATIC_INPUT_META`, the record Dynamo leaves on the placeholder of a
@@ -31,10 +31,12 @@ import torch
 import torch.fx as fx
 
 from tinyserve_compile import runtime
+from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.kernels.spec import SelectionSpec
 
 from ._node_meta import fake
 from ._views import cache_view
+from .state import pass_state
 
 __all__ = ["keep_bounds_on_cache_writes", "BOUNDS_PREFIX", "STATIC_INPUT_META"]
 
@@ -51,11 +53,14 @@ def _positions(graph: fx.Graph, site, device) -> fx.Node:
     return graph.call_function(torch.arange, (start, stop), {"device": device, "dtype": torch.int64})
 
 
-def keep_bounds_on_cache_writes(gm: fx.GraphModule, config) -> fx.GraphModule:
-    sites = gm.meta.get("tinyserve_sites", [])
+def keep_bounds_on_cache_writes(gm: fx.GraphModule, config: TinyServeConfig) -> fx.GraphModule:
+    """Make the key-cache write of every rewritten site, and of every prefill site that writes a cache, keep the
+    page bounds; record each buffer in the graph's :attr:`.state.PassState.bounds`."""
+    state = pass_state(gm)
+    sites = state.sites
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    slots = gm.meta.setdefault("tinyserve_bounds", [])
+    slots = state.bounds
     done = {}
     last_placeholder = placeholders[-1] if placeholders else None
     for site in sites:

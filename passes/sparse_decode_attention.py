@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from tinyserve_compile import runtime
+from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.explain import counters
 from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.policies.op import POLICY_ATTENTION
@@ -24,6 +25,7 @@ from tinyserve_compile.policies.op import POLICY_ATTENTION
 from ._masks import compact_mask, decode_valid_len, pad_mask
 from ._node_meta import fake, is_inplace
 from ._views import cache_view
+from .state import pass_state
 
 __all__ = ["sparse_decode_attention"]
 
@@ -74,12 +76,15 @@ def _mask_and_valid_len(graph: fx.Graph, shared: dict, site, attn_mask, k: fx.No
     return shared[key]
 
 
-def sparse_decode_attention(gm: fx.GraphModule, config) -> fx.GraphModule:
+def sparse_decode_attention(gm: fx.GraphModule, config: TinyServeConfig) -> fx.GraphModule:
+    """Replace each site of status ``"sparse"`` whose key-cache write keeps the bounds with the op of
+    ``config.policy``; count each rewritten site in its key cache's slot (``decode_sites``)."""
     graph = gm.graph
     shared = {}  # (mask node, prefix length, cache length, device) -> (mask, valid length) of sites sharing them
-    slots = gm.meta.get("tinyserve_bounds", [])
+    state = pass_state(gm)
+    slots = state.bounds
     replaced = {}  # an erased site node -> the op call that replaced it (a later site may read it, e.g. as its query)
-    for site in gm.meta.get("tinyserve_sites", []):
+    for site in state.sites:
         if site.status != "sparse":
             continue
         if site.positions is None:  # the write pass did not run for it: stay dense

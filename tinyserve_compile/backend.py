@@ -24,6 +24,9 @@ import torch
 from . import runtime
 from .config import INDUCTOR_DEFAULTS, TinyServeConfig
 from .explain import latest_graph, record_cudagraphs, record_failure, record_graph
+from .passes import run_passes
+from .passes._views import is_written_in_place
+from .passes.state import pass_state
 from .policies.op import POLICY_ATTENTION
 
 __all__ = ["tinyserve_backend", "register"]
@@ -195,7 +198,6 @@ def _check_freezing(gm: torch.fx.GraphModule, config: TinyServeConfig) -> None:
     ``get_attr`` of the graph; freezing folds attributes as constants, so the cache writes are lost and decode
     gives wrong tokens (stock ``torch.compile`` too). torch 2.9 makes such tensors graph inputs.
     """
-    from tinyserve_compile.passes._views import is_written_in_place
     import torch._inductor.config as inductor_config
 
     opts = config.inductor_options or {}
@@ -255,20 +257,19 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: List[Any], config: TinySe
              step: dict) -> Callable:
     """The body of :func:`tinyserve_backend`; ``step["stage"]`` names the stage that runs and ``step["info"]``
     holds the graph's explain record once it is made, for the record of a failure."""
-    from tinyserve_compile.passes import run_passes
-
     _check_freezing(gm, config)
     gm = run_passes(_copy(gm), config)
     _finish_dynamo_metadata(gm)
-    record_graph(gm, config)
+    state = pass_state(gm)
+    record_graph(gm, config, state)
     info = step["info"] = latest_graph()  # this graph's record in explain()
     step["stage"] = "the backend"
     if config.strict:
-        for site in gm.meta.get("tinyserve_sites", []):
+        for site in state.sites:
             if site.query_len == 1 and site.status == "dense" and "dense_layers" not in site.reason:
                 raise ValueError(f"tinyserve option 'strict'=True: decode attention site {site.node.name} "
                                  f"stays dense: {site.reason}")
-    slots = gm.meta.get("tinyserve_bounds", [])
+    slots = state.bounds
     # each buffer's bounds (and on CUDA its ctrl) live on the buffer's device
     extra = [t for slot in slots for t in slot.example_inputs(slot.cache(example_inputs).device)]
     cudagraphs, why_not = _cudagraphs_decision(gm, example_inputs, config, mode)

@@ -25,21 +25,31 @@ def _reason_key(reason: str) -> str:
     return reason.split(":")[0].split(" (")[0]
 
 
-def record_graph(gm, config) -> dict:
-    """Count and record what the passes did to ``gm``; returns the graph's record (a dict in :func:`explain`)."""
-    sites = gm.meta.get("tinyserve_sites", [])
+def record_graph(gm, config, state=None) -> dict:
+    """Count and record what the passes did to ``gm``; returns the graph's record (a dict in :func:`explain`).
+
+    Parameters
+    ----------
+    gm : torch.fx.GraphModule
+        The graph; its placeholders give its device.
+    config : TinyServeConfig
+    state : PassState, optional
+        What the passes found and did (:func:`tinyserve_compile.passes.state.pass_state`), handed in by the
+        backend (this module sits below the passes); None for a graph the passes have not finished: no sites,
+        cache writes or linears.
+    """
+    sites = state.sites if state is not None else []
     counters["graphs"] += 1
-    slots = gm.meta.get("tinyserve_bounds", [])
+    slots = state.bounds if state is not None else []
     devices = {n.meta["example_value"].device.type for n in gm.graph.nodes
                if n.op == "placeholder" and hasattr(n.meta.get("example_value"), "device")}
     info = {"graph": len(_GRAPHS), "config": config, "sites": [s.describe() for s in sites],
             "device": "cpu" if devices <= {"cpu"} else "/".join(sorted(devices)), "cache_writes": len(slots)}
     _count_sites(info, 1)
-    lin = gm.meta.get("tinyserve_linears")
+    lin = state.linears if state is not None else None
     if lin is not None:  # passes/decode_linear.py: linears now the native GEMV, the rest with why
-        info["linears"] = {"rewritten": lin["rewritten"], "int4": lin.get("int4", 0),
-                           "int4_calls": lin.get("int4_calls", 0), "kept": dict(lin["kept"]),
-                           "reason": lin["reason"], "grouped": lin.get("grouped", 0), "groups": lin.get("groups", 0)}
+        info["linears"] = {"rewritten": lin.rewritten, "int4": lin.int4, "int4_calls": lin.int4_calls,
+                           "kept": dict(lin.kept), "reason": lin.reason, "grouped": lin.grouped, "groups": lin.groups}
     _GRAPHS.append(info)
     return info
 

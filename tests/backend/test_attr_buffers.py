@@ -87,6 +87,7 @@ def test_an_attribute_nothing_writes_is_not_a_cache():
 
     gm = torch.fx.symbolic_trace(ConstantKV())  # k and v are get_attr nodes here
     from tinyserve_compile.passes.find_decode_attention import find_decode_attention
+    from tinyserve_compile.passes.state import pass_state
 
     q = torch.randn(1, 2, 1, 16)
     for node in gm.graph.nodes:  # example values, as Dynamo records them
@@ -97,7 +98,7 @@ def test_an_attribute_nothing_writes_is_not_a_cache():
         elif node.op == "call_function":
             node.meta["example_value"] = torch.empty(1, 2, 1, 16)
     gm = find_decode_attention(gm, tc.TinyServeConfig())
-    (site,) = gm.meta["tinyserve_sites"]
+    (site,) = pass_state(gm).sites
     assert site.status == "dense" and site.reason.startswith("K/V are not views of a graph input"), site.reason
 
 

@@ -363,7 +363,7 @@ def test_sites_reading_one_mask_share_one_valid_length():
     real = tc.backend.record_graph
     torch._dynamo.reset()
     tc.reset()
-    with mock.patch.object(tc.backend, "record_graph", lambda gm, config: (graphs.append(gm), real(gm, config))):
+    with mock.patch.object(tc.backend, "record_graph", lambda gm, *rest: (graphs.append(gm), real(gm, *rest))):
         torch.compile(two_layer_site, backend="tinyserve", options=SMALL)(
             q, kbuf.clone(), vbuf.clone(), k, v, torch.tensor([40]), mask, kbuf2.clone(), vbuf2.clone())
     (gm,) = graphs

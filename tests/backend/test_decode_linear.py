@@ -82,7 +82,7 @@ def test_option_off_keeps_aten():
 def test_pass_counts_nodes_of_the_graph():
     from tinyserve_compile.backend import _copy
     from tinyserve_compile.config import TinyServeConfig
-    from tinyserve_compile.passes import run_passes
+    from tinyserve_compile.passes import pass_state, run_passes
 
     model = hf_model("llama")
     graphs = []
@@ -95,7 +95,7 @@ def test_pass_counts_nodes_of_the_graph():
     gm = graphs[-1]
     on = run_passes(_copy(gm), TinyServeConfig(token_budget=256))
     off = run_passes(_copy(gm), TinyServeConfig(token_budget=256, decode_linear=False))
-    assert _gemv_nodes(on) == LINEARS and on.meta["tinyserve_linears"]["rewritten"] == LINEARS
+    assert _gemv_nodes(on) == LINEARS and pass_state(on).linears.rewritten == LINEARS
     groups = [n for n in on.graph.nodes if n.target is torch.ops.tinyserve.linear_group.default]
     assert [len(n.args[1]) for n in groups] == [3, 2] * 4  # each layer: q/k/v, then gate/up
     assert all(len(n.users) == len(n.args[1]) for n in groups)  # every item read
@@ -162,7 +162,7 @@ def test_group_only_where_every_weight_is_defined_before_its_first_linear():
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     from tinyserve_compile.config import TinyServeConfig
-    from tinyserve_compile.passes import decode_linear
+    from tinyserve_compile.passes import decode_linear, pass_state
 
     class TwoHeads(torch.nn.Module):
         def __init__(self):
@@ -190,7 +190,7 @@ def test_group_only_where_every_weight_is_defined_before_its_first_linear():
     assert targets.count(torch.ops.tinyserve.linear.default) == 1  # w2, the late get_attr
     (group,) = [n for n in gm.graph.nodes if n.target is torch.ops.tinyserve.linear_group.default]
     assert [w.target for w in group.args[1]] == ["w1", "w3", "w4"]
-    assert gm.meta["tinyserve_linears"]["grouped"] == 3
+    assert pass_state(gm).linears.grouped == 3
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
 

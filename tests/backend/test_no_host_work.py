@@ -10,7 +10,7 @@ from helpers import decode_graph, prompt
 from models import gpt_fast_model
 from tinyserve_compile.backend import _copy
 from tinyserve_compile.config import TinyServeConfig
-from tinyserve_compile.passes import run_passes
+from tinyserve_compile.passes import pass_state, run_passes
 
 
 def test_decode_graph_runs_under_fake_tensor_mode():
@@ -18,7 +18,7 @@ def test_decode_graph_runs_under_fake_tensor_mode():
     for opts in ({}, {"policy": "h2o"}, {"kernel": "torch"}):
         cfg = TinyServeConfig(token_budget=32, page_size=16, **opts)
         rewritten = run_passes(_copy(gm), cfg)
-        slots = rewritten.meta["tinyserve_bounds"]
+        slots = pass_state(rewritten).bounds
         assert len(slots) == 4 and all(s.decode_sites == 1 for s in slots)
         targets = {str(n.target) for n in rewritten.graph.nodes if n.op == "call_function"}
         assert not any("scaled_dot_product" in t for t in targets), targets
