@@ -144,10 +144,10 @@ class SelectionSpec:
 
     @classmethod
     def default(cls, **changes) -> "SelectionSpec":
-        """``from_config(TinyServeConfig())``, with ``changes`` applied (a field name each)."""
-        from tinyserve_compile.config import TinyServeConfig
-
-        return cls.from_config(TinyServeConfig()).replace(**changes)
+        """The spec of the defaults (``DEFAULT_*``, which ``TinyServeConfig()`` holds too), with ``changes`` applied
+        (a field name each): ``from_config(TinyServeConfig())`` without the config, which sits above this module."""
+        return cls(DEFAULT_PAGE_SIZE, DEFAULT_TOKEN_BUDGET, DEFAULT_SINK_PAGES, DEFAULT_CANDIDATE_FACTOR,
+                   DEFAULT_CANDIDATE_EXTRA, DEFAULT_KEEP_TOKENS, getattr(torch, DEFAULT_BOUNDS_DTYPE)).replace(**changes)
 
     @classmethod
     def from_list(cls, spec: Sequence[int]) -> "SelectionSpec":

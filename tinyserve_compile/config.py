@@ -23,6 +23,7 @@ from .kernels.spec import (
 )
 from .kernels.spec import KERNELS as KERNEL_CHOICES
 from .kernels.spec import MAX_INDEX, SelectionSpec
+from .policies import POLICIES
 
 __all__ = [
     "TinyServeConfig",
@@ -171,8 +172,6 @@ class TinyServeConfig:
             bad("cudagraphs", f"must be None (follow torch.compile's mode), True or False, got {self.cudagraphs!r}")
         if self.inductor_options is not None:
             self._check_inductor_options(bad)
-        from .policies import POLICIES
-
         if self.policy not in POLICIES:
             bad("policy", f"must be one of {sorted(POLICIES)}, got {self.policy!r}")
 

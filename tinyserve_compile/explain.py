@@ -14,6 +14,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import List
 
+from .runtime import native_unavailable_reason, reset_runtime, runtime_stats
+
 __all__ = ["counters", "explain", "reset", "ExplainReport", "record_graph", "record_cudagraphs", "record_failure",
            "latest_graph"]
 
@@ -232,8 +234,6 @@ class ExplainReport:
 
 def explain() -> ExplainReport:
     """Report on every graph the backend compiled since the last :func:`reset`."""
-    from .runtime import native_unavailable_reason, runtime_stats
-
     native = ""
     if any(g["device"] == "cpu" for g in _GRAPHS):
         why = native_unavailable_reason()
@@ -243,8 +243,6 @@ def explain() -> ExplainReport:
 
 def reset() -> None:
     """Clear the counters, the graph reports and every cache's bounds."""
-    from .runtime import reset_runtime
-
     counters.clear()
     _GRAPHS.clear()
     reset_runtime()
