@@ -34,9 +34,10 @@ One call on a lent GPU (H200 by default) does:
    bytes the sparse path actually touches (the bounds of the valid pages, the candidates' keys, the kept K/V,
    scores) as a share of the HBM peak: the primary ``sparse_pct_peak`` against a device-to-device copy measured
    in the same run (bytes read plus written), ``sparse_pct_datasheet`` against the datasheet (``--peak-gbs``,
-   default by name: 4800 GB/s for an H200). Targets, per setting: >= 7x SDPA at 32K batch 8, >= 12x at 128K
-   batch 8, >= 0.9x at 4K batch 8, >= 60% of the measured peak at 128K batch 8. Rows are written as they
-   complete (a run cut short keeps them).
+   default by name: 3350 GB/s for an H100, 4800 GB/s for an H200). Targets, per setting: >= 7x SDPA at 32K
+   batch 8, >= 12x at 128K batch 8, >= 0.9x at 4K batch 8, >= 60% of the measured peak at 128K batch 8. Rows
+   are written as they complete (a run cut short keeps them). ``--model`` needs no GPU: the modelled bytes of
+   each launch (:mod:`bench.gpu_model`).
 
 Usage::
 
@@ -44,6 +45,7 @@ Usage::
     python -m bench gpu --compare paper --out results/        # full run: table + json/csv/png
     python -m bench gpu --quick --out q.json                  # 4K and 32K, batch 1
     python -m bench gpu --dry-run --out /tmp/dry              # CPU logic check (Triton interpreter)
+    python -m bench gpu --model                               # no GPU: modelled bytes per launch (bench/gpu_model.py)
 """
 from __future__ import annotations
 
@@ -288,6 +290,9 @@ def bench_shape(tsd, cfg, B, L, dname, device, iters, ref_budget_bytes, peak, lo
         row[f"{name}_gqa"] = how
         if fn is not None:
             fns[name] = fn
+    if device.type == "cuda" and row["sdpa_flash_gqa"] != "enable_gqa":  # the anchor: GQA-native flash, K/V once
+        log(f"# SDPA flash did not take enable_gqa at ctx={L} B={B} ({row['sdpa_flash_gqa']}): its anchor reads "
+            f"K/V repeated to every query head")
     itemsize = torch.empty((), dtype=dtype).element_size()
     for name in METHODS:
         row[f"{name}_ms"] = row[f"{name}_graph_ms"] = row[f"{name}_gbs"] = None
@@ -477,8 +482,14 @@ def compiled_resources(tsd) -> list:
 
 
 def main(argv=None):
-    p = cli.parser("gpu", __doc__.split("\n\n")[0], quick="4K and 32K, batch 1", threads=False)
+    p = cli.parser("gpu", __doc__.split("\n\n")[0], quick="4K and 32K, batch 1", threads=False, options=True)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--model", action="store_true",
+                   help="no GPU: the byte and latency model of each launch on an H100 and an H200 (bench/gpu_model.py) "
+                        "for the defaults (or --options) and the 'gpu' preset (or --compare); --contexts/--batches "
+                        "change the points")
+    p.add_argument("--phase-us", type=float, default=0.0,
+                   help="--model: microseconds added for each dependent phase (default 0: bytes only)")
     p.add_argument("--check-only", action="store_true",
                    help="correctness against the reference at every shape, no timing (exit 1 on a mismatch)")
     p.add_argument("--skip-check", action="store_true",
@@ -497,6 +508,12 @@ def main(argv=None):
     p.add_argument("--ref-budget-gb", type=float, default=24.0,
                    help="largest fp32 working set for the dense reference; above it the op's torch path is the oracle")
     args = cli.parse(p, argv)
+    if args.model:
+        from bench import gpu_model
+
+        return gpu_model.main(args)
+    if args.options:
+        p.error("argument --options: only with --model (the timed settings are the defaults and --compare)")
     args.settings = ["defaults"]
     if args.compare is not None:
         SETTINGS[args.compare.name] = config_setting(cli.config(args.compare))

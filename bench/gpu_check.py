@@ -1,10 +1,15 @@
 """The two ends of ``bench/gpu_check.sh``: what the machine is (``env``) and what the steps measured
 (``summary``).
 
-``python -m bench.gpu_check env --out DIR [--dry-run]``
+``python -m bench.gpu_check env --out DIR [--dry-run [--device-name NAME]] [--layers-8b N|all]``
     Prints and writes ``DIR/env.json``: Python, torch (and its CUDA), Triton and transformers versions, the
-    device's name and memory, the driver, and the git commit. Exit status 3 when no CUDA device is usable
-    (unless ``--dry-run``), or when torch, triton, transformers or tinyserve_compile does not import.
+    device's name and memory, the card it is (``card``: "H100", "H200" or "unknown", by
+    ``torch.cuda.get_device_name``) and its datasheet bandwidth, the driver, and the git commit; and
+    ``DIR/plan.env``, the shell variables ``bench/gpu_check.sh`` runs with (:func:`plan`): ``CARD``, ``DEVICE``,
+    ``PEAK_GBS``, ``MEMORY_GB`` and each decode step's points, those that do not fit in the device's memory run at
+    a smaller batch (:func:`plan_points`). ``--device-name`` (dry run only) pretends to be that device: its card's
+    memory and peak (:data:`bench.gpu_model.CARDS`). Exit status 3 when no CUDA device is usable (unless
+    ``--dry-run``), or when torch, triton, transformers or tinyserve_compile does not import.
 
 ``python -m bench.gpu_check summary --out DIR --seconds N --limit S``
     Reads ``DIR/steps.tsv`` (one line per step: name, exit status, seconds, limit), ``env.json`` and every
@@ -28,7 +33,7 @@ import os
 import platform
 import subprocess
 import sys
-from typing import List
+from typing import List, Optional, Tuple
 
 #: the decode targets of the check: step -> one (label, minimum speed-up of the best tinyserve row over the best
 #: stock provider) per point, in the order the step runs its points. The dry run runs the same steps at tiny
@@ -37,6 +42,17 @@ DECODE_TARGETS = {
     "decode_smollm": (("SmolLM2 shape 8K B1", 0.95), ("SmolLM2 shape 32K B1", 1.3)),
     "decode_8b": (("Llama-3-8B shape 32K B8", 2.2), ("Llama-3-8B shape 128K B4", 3.0)),
 }
+#: each decode step's model shape (:data:`bench.models.SHAPES`) and points (context, batch), in the order of its
+#: targets (:data:`DECODE_TARGETS`); a point whose rows do not fit in the device's memory runs at a smaller batch
+DECODE_POINTS = {"decode_smollm": ("smollm2", ((8192, 1), (32768, 1))),
+                 "decode_8b": ("llama3-8b", ((32768, 8), (131072, 4)))}
+#: the dry run's points of each decode step (a tiny Llama on the CPU)
+DRY_POINTS = {"decode_smollm": ((384, 1), (512, 1)), "decode_8b": ((256, 2), (512, 2))}
+#: the share of the device's memory a decode point may plan to hold (the rest: the CUDA context, Inductor's and
+#: the CUDA graphs' pools, fragmentation)
+FIT_SHARE = 0.8
+#: positions a decode point's static cache holds past its context (bench/decode.py: max(warmup, steps + 1))
+DECODE_HEADROOM = 16
 #: the decode record fields summary.json keeps
 DECODE_KEYS = ("step", "provider", "context", "batch", "ms_per_token", "vs_best_stock", "best_stock", "compile_s",
                "cold_compile", "floor_ms", "model", "shape", "layers", "full_model_layers", "dtype", "device",
@@ -48,7 +64,7 @@ KERNEL_KEYS = ("setting", "stages", "kept", "bounds_dtype", "context", "batch", 
                "pages_agree", "oracle", "sparse_graph_ms",
                "sparse_ms", "best_sdpa", "speedup_vs_sdpa", "speedup_basis", "speedup_vs_sdpa_plain",
                "speedup_vs_sdpa_graph", "speedup_vs_dense", "sparse_gbs", "sparse_pct_peak", "sparse_pct_datasheet",
-               "sparse_graph_error")
+               "sparse_graph_error", "sdpa_flash_gqa")
 
 
 def _commit(root: str) -> str:
@@ -69,8 +85,102 @@ def _driver() -> str:
         return "unknown"
 
 
-def env(out: str, dry_run: bool = False) -> int:
-    """Write ``out/env.json`` and print it; 3 when the check cannot run here (see the module doc)."""
+def decode_bytes(shape: dict, layers: Optional[int], ctx: int, batch: int, itemsize: int = 2) -> int:
+    """Bytes a decode point of ``shape`` (a :data:`bench.models.SHAPES` entry, its first ``layers`` layers; None:
+    all) holds on the GPU, roughly: the bf16 weights, the static cache of every layer at ``ctx`` +
+    :data:`DECODE_HEADROOM` positions, the largest transient (one layer's K/V repeated to every query head: HF's
+    ``repeat_kv`` in the stock providers) and the fp32 logits."""
+    h, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape.get("head_dim") or h // heads
+    n = shape["num_hidden_layers"] if layers is None else min(int(layers), shape["num_hidden_layers"])
+    layer = 2 * h * heads * d + 2 * h * kv * d + 3 * h * shape["intermediate_size"]
+    embed = shape["vocab_size"] * h * (1 if shape.get("tie_word_embeddings") else 2)
+    L = ctx + DECODE_HEADROOM
+    cache = n * 2 * batch * kv * L * d * itemsize
+    repeated = 2 * batch * heads * L * d * itemsize
+    return (n * layer + embed) * itemsize + cache + repeated + batch * shape["vocab_size"] * 4
+
+
+def plan_points(step: str, memory_bytes: Optional[float], layers: Optional[int] = None
+                ) -> Tuple[List[Tuple[int, int]], List[str]]:
+    """``(points, notes)`` of a decode step (:data:`DECODE_POINTS`) on a device of ``memory_bytes`` (None:
+    unknown, every point): a point whose :func:`decode_bytes` exceed :data:`FIT_SHARE` of the memory runs at the
+    largest batch that fits, halving it (a note says so), or is left out when batch 1 does not fit."""
+    from bench.models import SHAPES
+
+    shape_name, points = DECODE_POINTS[step]
+    if not memory_bytes:
+        return list(points), []
+    room = FIT_SHARE * memory_bytes
+    out, notes = [], []
+    for ctx, batch in points:
+        b = batch
+        while b >= 1 and decode_bytes(SHAPES[shape_name], layers, ctx, b) > room:
+            b //= 2
+        if b != batch:
+            need = decode_bytes(SHAPES[shape_name], layers, ctx, batch) / 1e9
+            why = (f"{step}: {ctx}x{batch} would hold {need:.0f} GB, over {room / 1e9:.0f} GB ({FIT_SHARE:.0%} of "
+                   f"{memory_bytes / 1e9:.0f} GB)")
+            notes.append(f"{why}: run at {ctx}x{b}" if b else f"{why} even at batch 1: left out")
+        if b:
+            out.append((ctx, b))
+    return out, notes
+
+
+def plan(info: dict, layers_8b: Optional[int] = 8) -> dict:
+    """What the check runs on the device ``info`` (env.json) describes: ``card``, ``peak_gbs`` (its datasheet's),
+    ``memory_gb``, and per decode step the ``points`` (:func:`plan_points`; the dry run's
+    :data:`DRY_POINTS`, with the points it would run on that card in ``gpu_points``) and ``notes``."""
+    memory = info.get("device_memory_gib")
+    memory_bytes = None if memory is None else memory * 2**30
+    layers = {"decode_smollm": None, "decode_8b": layers_8b}
+    gpu = {step: plan_points(step, memory_bytes, layers[step]) for step in DECODE_POINTS}
+    out = dict(card=info.get("card", "unknown"), device=info.get("device", "?"), peak_gbs=info.get("datasheet_gbs"),
+               memory_gb=None if memory_bytes is None else round(memory_bytes / 1e9),
+               gpu_points={step: pts for step, (pts, _) in gpu.items()},
+               notes=[n for _, notes in gpu.values() for n in notes])
+    out["points"] = dict(DRY_POINTS) if info.get("dry_run") else out["gpu_points"]
+    return out
+
+
+def write_plan(out: str, p: dict) -> str:
+    """``out/plan.env``: the plan as shell assignments (``bench/gpu_check.sh`` sources it)."""
+    import shlex
+
+    def _q(value) -> str:
+        return shlex.quote("" if value is None else str(value))
+
+    pts = {step: " ".join(f"{c}x{b}" for c, b in p["points"][step]) for step in DECODE_POINTS}
+    peak = "" if p["peak_gbs"] is None else f"{p['peak_gbs']:.0f}"
+    lines = [f"CARD={_q(p['card'])}", f"DEVICE={_q(p['device'])}", f"PEAK_GBS={_q(peak)}",
+             f"MEMORY_GB={_q(p['memory_gb'])}", f"SMOL_POINTS={_q(pts['decode_smollm'])}",
+             f"BIG_POINTS={_q(pts['decode_8b'])}", f"PLAN_NOTES={_q('; '.join(p['notes']))}"]
+    path = os.path.join(out, "plan.env")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _card(info: dict, name: str, memory_bytes: Optional[float]) -> None:
+    """``card`` (:data:`bench.gpu_model.CARDS`), ``datasheet_gbs`` (:data:`bench.timing.DATASHEET_GBS`) and
+    ``device_memory_gib`` (``memory_bytes``, else the card's) of a device name, into ``info``."""
+    from bench.gpu_model import CARDS, card_of
+    from bench.timing import DATASHEET_GBS
+
+    card = card_of(name)
+    info["card"] = card or "unknown"
+    info["datasheet_gbs"] = next((gbs for key, gbs in DATASHEET_GBS if key in name), None)
+    if memory_bytes is None and card:
+        memory_bytes = CARDS[card]["memory_gb"] * 1e9
+    if memory_bytes is not None:
+        info["device_memory_gib"] = round(memory_bytes / 2**30, 1)
+
+
+def env(out: str, dry_run: bool = False, device_name: Optional[str] = None, layers_8b: Optional[int] = 8) -> int:
+    """Write ``out/env.json`` and ``out/plan.env`` and print them; 3 when the check cannot run here (see the
+    module doc). ``device_name``: with ``dry_run``, the device to pretend to be."""
+    if device_name and not dry_run:
+        raise ValueError("gpu_check env: --device-name pretends a device in a dry run only")
     info = dict(python=sys.version.split()[0], platform=platform.platform(), dry_run=dry_run,
                 commit=_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     rc = 0
@@ -78,12 +188,16 @@ def env(out: str, dry_run: bool = False) -> int:
         import torch
 
         info.update(torch=torch.__version__, cuda=torch.version.cuda, cuda_available=torch.cuda.is_available())
-        if torch.cuda.is_available():
+        if device_name:
+            info.update(device=device_name, pretend=True, driver="none (dry run)")
+            _card(info, device_name, None)
+        elif torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            info.update(device=torch.cuda.get_device_name(0), device_memory_gib=round(props.total_memory / 2**30, 1),
-                        multiprocessors=props.multi_processor_count, driver=_driver())
+            info.update(device=torch.cuda.get_device_name(0), multiprocessors=props.multi_processor_count,
+                        driver=_driver())
+            _card(info, info["device"], props.total_memory)
         else:
-            info.update(device=f"CPU ({platform.machine()})", driver="none")
+            info.update(device=f"CPU ({platform.machine()})", driver="none", card="none")
             rc = 0 if dry_run else 3
     except ImportError as e:
         info["error"] = f"torch: {e}"
@@ -95,10 +209,23 @@ def env(out: str, dry_run: bool = False) -> int:
             info[mod] = f"missing ({e})"
             rc = 3
     os.makedirs(out, exist_ok=True)
+    p = plan(info, layers_8b) if "torch" in info else None
+    if p is not None:
+        info["plan"] = p
+        write_plan(out, p)
     with open(os.path.join(out, "env.json"), "w") as f:
         json.dump(info, f, indent=1)
     for k, v in info.items():
-        print(f"{k}: {v}")
+        if k != "plan":
+            print(f"{k}: {v}")
+    if p is not None:
+        peak = "unknown" if p["peak_gbs"] is None else f"{p['peak_gbs']:.0f} GB/s"
+        mem = "unknown" if p["memory_gb"] is None else f"{p['memory_gb']} GB"
+        print(f"card: {p['card']} ({p['device']}{', pretended' if info.get('pretend') else ''}): datasheet {peak}, "
+              f"memory {mem}; decode points on it: "
+              + "; ".join(f"{step} {' '.join(f'{c}x{b}' for c, b in pts)}" for step, pts in p["gpu_points"].items()))
+        for note in p["notes"]:
+            print(f"plan: {note}")
     return rc
 
 
@@ -120,15 +247,26 @@ def _x(v, fmt="{:.2f}x") -> str:
 
 
 def decode_targets(step: str, rows: List[dict], dry_run: bool) -> List[dict]:
-    """The targets of one decode step (:data:`DECODE_TARGETS`), one per point in the order the rows have them: the
-    best tinyserve row against the best stock provider of the point (``met`` None when nothing was measured)."""
+    """The targets of one decode step (:data:`DECODE_TARGETS`): the best tinyserve row against the best stock
+    provider of the target's point (``met`` None when nothing was measured). A target's point is the step's
+    point of its context (:data:`DECODE_POINTS`), which may have run at a smaller batch on a device of less memory
+    (the target says so); in a dry run, the rows' points in their order."""
     points = list(dict.fromkeys((r["context"], r["batch"]) for r in rows))
+    intended = DECODE_POINTS.get(step, ("", ()))[1]
     out = []
-    for (label, want), point in zip(DECODE_TARGETS.get(step, ()), points + [None] * 2):
+    for i, (label, want) in enumerate(DECODE_TARGETS.get(step, ())):
+        if dry_run or i >= len(intended):
+            point = points[i] if i < len(points) else None
+        else:
+            point = next((p for p in points if p[0] == intended[i][0]), None)
         rs = [r for r in rows if point is not None and (r["context"], r["batch"]) == point]
         ts = [r for r in rs if r["provider"].startswith("tinyserve") and r.get("vs_best_stock") is not None]
         best = max(ts, key=lambda r: r["vs_best_stock"], default=None)
-        where = "" if point is None or not dry_run else f" (dry run at {point[0]} x B{point[1]})"
+        where = ""
+        if point is not None and dry_run:
+            where = f" (dry run at {point[0]} x B{point[1]})"
+        elif point is not None and i < len(intended) and point != tuple(intended[i]):
+            where = f" (run at {point[0]} x B{point[1]}: the device's memory)"
         t = dict(step=step, target=f"{label}: tinyserve >= {want:g}x the best stock provider{where}", want=want,
                  context=None if point is None else point[0], batch=None if point is None else point[1],
                  value=None if best is None else best["vs_best_stock"], by=None if best is None else best["provider"],
@@ -258,10 +396,19 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=("env", "summary"))
     ap.add_argument("--out", required=True, help="the check's output folder")
     ap.add_argument("--dry-run", action="store_true", help="env: no CUDA device needed")
+    ap.add_argument("--device-name", default=None,
+                    help="env, with --dry-run: pretend to be this device, e.g. 'NVIDIA H100 80GB HBM3' (its card's "
+                         "memory and datasheet peak)")
+    ap.add_argument("--layers-8b", default="8", help="env: the layers decode_8b runs of Llama-3-8B's shape (a number, "
+                                                     "or 'all'), which size its points' memory")
     ap.add_argument("--seconds", type=float, default=0.0, help="summary: the check's wall time so far")
     ap.add_argument("--limit", type=int, default=0, help="summary: its own time limit in seconds")
     a = ap.parse_args(argv)
-    return env(a.out, a.dry_run) if a.what == "env" else summary(a.out, a.seconds, a.limit)
+    if a.device_name and not a.dry_run:
+        ap.error("argument --device-name: only with --dry-run (a GPU run detects its device)")
+    if a.what == "env":
+        return env(a.out, a.dry_run, a.device_name, None if a.layers_8b == "all" else int(a.layers_8b))
+    return summary(a.out, a.seconds, a.limit)
 
 
 if __name__ == "__main__":
