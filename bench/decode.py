@@ -95,6 +95,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import datetime
 import gc
 import json
@@ -104,7 +105,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -113,6 +114,7 @@ from bench.harness import allocate_cache, cache_kwarg, set_cache_length
 from bench.timing import machine_fields, read_bandwidth_gbs, step_profile, sync_fn
 from bench.models import LAYERED_FORMATS, SHAPES, TINY_SHAPE, build_llama, random_llama
 from bench.weights import WEIGHTS, is_int4_linear, prepare_weights, tensor_nbytes, weights_dtype
+from tinyserve_compile.backend import cudagraph_skips
 from tinyserve_compile.cost import kv_bytes_per_token
 
 #: the stock providers: HF eagerly, torch.compile (Inductor), and torch.compile(mode="reduce-overhead") (Inductor
@@ -403,37 +405,6 @@ def _compile(model, name: str, opts: Optional[dict], inductor_options: Optional[
     return torch.compile(model, **compile_call(name, opts, inductor_options, skip_module_guards))
 
 
-class _CudagraphSkips:
-    """Collects Inductor's "skipping cudagraphs due to ..." messages while active (``with``)."""
-
-    def __init__(self):
-        import logging
-
-        self.messages: List[str] = []
-        outer = self
-
-        class _Handler(logging.Handler):
-            def emit(self, record):
-                outer.messages.append(record.getMessage())
-
-        self._handler = _Handler()
-        try:
-            from torch._inductor import cudagraph_utils
-
-            self._log = getattr(cudagraph_utils, "cudagraphs_log", None)
-        except ImportError:
-            self._log = None
-
-    def __enter__(self):
-        if self._log is not None:
-            self._log.addHandler(self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self._log is not None:
-            self._log.removeHandler(self._handler)
-
-
 def explain_cudagraphs(report) -> str:
     """tinyserve's own word on CUDA graphs (``explain().cudagraphs``: one verdict per graph, ``{"on", "reason"}``)
     as text, e.g. ``"on"`` or ``"off: lower='eager'"``; "" where this version of the backend has no such field."""
@@ -496,235 +467,376 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
     once it has passed, nor when less time is left than the longest compile of the point so far (so the first
     compiled provider of a point runs while any time is left), and the later rounds are dropped once it has
     passed; such a provider's record says so in ``skipped``. Eager always runs.
-    ``keep_going``: a provider that raises is recorded (``failed``) and the others run."""
-    import torch._inductor.utils
+    ``keep_going``: a provider that raises is recorded (``failed``) and the others run.
 
-    import tinyserve_compile as tc
-    from tinyserve_compile.config import TinyServeConfig
-    from transformers import StaticCache
+    The work is :class:`DecodePoint`'s, which this builds and runs."""
+    return DecodePoint(ctx=ctx, batch=batch, providers=providers, options=options, steps=steps, rounds=rounds,
+                       warmup=warmup, model_kind=model_kind_, fill=fill, dtype=dtype, device=device, cold=cold,
+                       snap_dir=snap_dir, stream_gbps=stream_gbps, log=log, weights=weights, extra=extra,
+                       inductor_options=inductor_options, skip_module_guards=skip_module_guards, layers=layers,
+                       profiling=profile, progress=progress, deadline=deadline, keep_going=keep_going,
+                       compare=compare).run()
 
-    if steps < 1 or rounds < 1 or warmup < 1:
-        raise ValueError(f"steps/rounds/warmup: need >= 1, got {steps}/{rounds}/{warmup}")
-    kind = model_kind(model_kind_, ctx)
-    base, model, model_name = model_in_format(kind, ctx, dtype, device, layers, weights)
-    n_layers = model.config.num_hidden_layers
-    full_layers = SHAPES[model_shape(kind)]["num_hidden_layers"]
-    extra = [p for p in extra if p.supports(batch)]
-    if fill == "auto":
-        fill = "random" if model_name.startswith("random") else "prefill"
-    lens = row_lengths(ctx, batch)
-    n_pos = max(warmup, steps + 1)
-    max_len = ctx + n_pos
-    if model_name != "smollm2" and max_len > model.config.max_position_embeddings:
-        raise ValueError(f"contexts: {ctx} + {n_pos} steps is beyond the {model_name}'s "
-                         f"{model.config.max_position_embeddings} positions")
-    sync = sync_fn(device)
-    ckw = cache_kwarg(base)
-    torch._dynamo.reset()
-    for limit in ("recompile_limit", "cache_size_limit"):  # one entry per compiled provider on the same forward
-        if hasattr(torch._dynamo.config, limit):
-            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 4 * len(providers)))
-            break
-    with torch.no_grad():
-        cache = StaticCache(config=model.config, max_cache_len=max_len)
-        allocate_cache(model, cache, batch)
-        fill_cache(cache, base, model_name, lens, fill, snap_dir)
-    mask = None
-    if batch > 1:
-        mask = torch.ones(batch, max_len, dtype=torch.long, device=device)
-        for r, n in enumerate(lens):
-            mask[r, : ctx - n] = 0
-    toks = torch.tensor([[100 + r] for r in range(batch)], device=device)
-    lens_t = torch.tensor(lens, device=device)[:, None]
-    positions = [lens_t + i for i in range(n_pos)]
 
-    def rollback():
-        for layer in cache.layers:
-            set_cache_length(layer, ctx)
+@dataclasses.dataclass
+class DecodePoint:
+    """One (context, batch) point of the sweep (see the module doc and :func:`run_point`, whose parameters are its
+    fields: ``model_kind`` is its ``model_kind_``, ``profiling`` its ``profile``): the model, its static cache and
+    the inputs of every step (:meth:`setup`), and what each provider measured so far.
 
-    def step(name, i):
-        if wants_cudagraphs(name):  # a new step: the previous replay's outputs may be overwritten (HF, gpt-fast)
-            torch.compiler.cudagraph_mark_step_begin()
-        kw = {} if mask is None else {"attention_mask": mask}
-        fns[name](input_ids=toks, position_ids=positions[i], use_cache=True, **{ckw: cache}, **kw)
+    :meth:`run`: for each provider in turn :meth:`measure` (:meth:`compile`, :meth:`warm`, one
+    :meth:`time_round`, :meth:`profile`), then :meth:`interleave` (the other rounds); :meth:`records` at any
+    time (``progress`` gets them after each provider and round)."""
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    wbytes = weight_bytes(model)
-    names = [n for n, _ in providers]
-    fns, first_s, sites, opts_of, skipped, states, failed = {}, {}, {}, {}, {}, {}, {}
-    times: Dict[str, List[float]] = {}
-    rebuilds: Dict[str, int] = {}
-    point = dict(context=ctx, batch=batch, stream_gbps=stream_gbps, rounds=rounds, warmup=warmup,
-                 threads=torch.get_num_threads())
+    ctx: int
+    batch: int
+    providers: Sequence[Tuple[str, Optional[int]]]  # (name, token budget) in the order compiled and timed
+    options: dict
+    steps: int
+    rounds: int
+    warmup: int
+    model_kind: str = "auto"
+    fill: str = "auto"  # "auto" is resolved by setup()
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    cold: bool = True
+    snap_dir: str = "results/.prefill"
+    stream_gbps: float = float("nan")
+    log: Callable[[str], None] = print
+    weights: Optional[str] = None
+    extra: Sequence = ()  # other engines' providers; setup() keeps those that support the batch
+    inductor_options: Optional[dict] = None
+    skip_module_guards: bool = False
+    layers: Optional[int] = None
+    profiling: bool = True
+    progress: Optional[Callable[[List[dict]], None]] = None
+    deadline: Optional[float] = None
+    keep_going: bool = False
+    compare: Optional[dict] = None
 
-    def records(complete: bool) -> List[dict]:
-        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        rows = []
-        for name in names:
-            if name not in opts_of:  # not reached yet
-                continue
-            ts = sorted(times.get(name, []))
-            ms = statistics.median(ts) * 1e3 if ts else None
-            cfg = None if opts_of[name] is None else TinyServeConfig.from_options(opts_of[name])
-            kv = batch * kv_bytes_per_token(model.config, ctx, cfg, itemsize)
-            floor_ms = (wbytes + kv) / (stream_gbps * 1e9) * 1e3
-            call = {k: v for k, v in compile_call(name, opts_of[name], inductor_options).items() if k == "mode"}
-            row = dict(
-                provider=name, context=ctx, batch=batch, ms_per_token=ms,
-                tokens_per_s=batch * 1e3 / ms if ms else None,
-                ms_min=ts[0] * 1e3 if ts else None,
-                ms_p90=ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e3 if ts else None,
-                compile_s=(0.0 if name == "eager" else max(first_s[name] - (ms or 0) / 1e3, 0.0))
-                if name in first_s else None,
-                first_call_s=first_s.get(name), skipped=skipped.get(name, ""), failed=failed.get(name, ""),
-                complete=complete,
-                model=model_name, shape=model_shape(kind), layers=n_layers, full_model_layers=full_layers,
-                fill=fill, dtype=str(dtype).replace("torch.", ""), device=str(device),
-                row_lengths=",".join(map(str, lens)), steps=len(ts), rounds=rounds, warmup=warmup,
-                options=json.dumps(opts_of[name], sort_keys=True) if opts_of[name] is not None else "",
-                compile_mode=call.get("mode", ""), cudagraphs_asked=wants_cudagraphs(name),
-                sparse_sites=sites.get(name, (0, 0, ""))[0], dense_sites=sites.get(name, (0, 0, ""))[1],
-                native_kernel=sites.get(name, (0, 0, ""))[2],
-                timed_bounds_rebuilds=rebuilds.get(name, 0),
-                kv_bytes_per_step=kv, weight_bytes=wbytes, stream_gbps=stream_gbps, floor_ms=floor_ms,
-                pct_of_floor=floor_ms / ms * 100 if ms else None, cold_compile=cold,
-                threads=torch.get_num_threads(), date=date,
-                weights=weights or {v: k for k, v in DTYPES.items()}[dtype],
-                inductor_options=json.dumps(inductor_options or {}, sort_keys=True) if name != "eager" else "",
-                skip_module_guards=skip_module_guards and name != "eager",
-                torch=torch.__version__, transformers=_version("transformers"))
-            row.update(states.get(name, {}))
-            rows.append(row)
-        if complete:
-            for p in extra:
-                rows.append(p.record(times[p.name], dict(point, date=date)))
-            rows = llamacpp.with_anchors(rows)  # each llama.cpp config's fastest setting, the anchor of its ratios
-        stock = [r["ms_per_token"] for r in rows if r["provider"] in STOCK and r["ms_per_token"]]
-        best = min(stock) if stock else None
-        for r in rows:
-            r["best_stock_ms"] = best
-            r["best_stock"] = next((x["provider"] for x in rows if x["provider"] in STOCK
-                                    and x["ms_per_token"] == best), None) if best else None
-            r["vs_best_stock"] = best / r["ms_per_token"] if best and r["ms_per_token"] else None
+    def __post_init__(self):
+        if self.steps < 1 or self.rounds < 1 or self.warmup < 1:
+            raise ValueError(f"steps/rounds/warmup: need >= 1, got {self.steps}/{self.rounds}/{self.warmup}")
+        self.names = [n for n, _ in self.providers]
+        self.fns: Dict[str, Callable] = {}  # the compiled (or eager) model of each provider
+        self.opts_of: Dict[str, Optional[dict]] = {}  # tinyserve's options (None for stock), once it is reached
+        self.first_s: Dict[str, float] = {}
+        self.sites: Dict[str, Tuple[int, int, str]] = {}  # tinyserve: (rewritten, dense, native kernel)
+        self.skipped: Dict[str, str] = {}
+        self.failed: Dict[str, str] = {}
+        self.states: Dict[str, dict] = {}  # record fields of the compile and profile (CUDA graphs, kernels, ...)
+        self.times: Dict[str, List[float]] = {}
+        self.rebuilds: Dict[str, int] = {}
+
+    # ---------------------------------------------------------------------------------------------- set up, run
+    def setup(self) -> None:
+        """The model in its format, the static cache filled to ``ctx`` (:func:`fill_cache`), the steps' inputs."""
+        from transformers import StaticCache
+
+        self.kind = model_kind(self.model_kind, self.ctx)
+        self.base, self.model, self.model_name = model_in_format(self.kind, self.ctx, self.dtype, self.device,
+                                                                 self.layers, self.weights)
+        self.n_layers = self.model.config.num_hidden_layers
+        self.full_layers = SHAPES[model_shape(self.kind)]["num_hidden_layers"]
+        self.extra = [p for p in self.extra if p.supports(self.batch)]
+        if self.fill == "auto":
+            self.fill = "random" if self.model_name.startswith("random") else "prefill"
+        self.lens = row_lengths(self.ctx, self.batch)
+        self.n_pos = max(self.warmup, self.steps + 1)
+        max_len = self.ctx + self.n_pos
+        if self.model_name != "smollm2" and max_len > self.model.config.max_position_embeddings:
+            raise ValueError(f"contexts: {self.ctx} + {self.n_pos} steps is beyond the {self.model_name}'s "
+                             f"{self.model.config.max_position_embeddings} positions")
+        self.sync = sync_fn(self.device)
+        self.ckw = cache_kwarg(self.base)
+        _reset_dynamo(len(self.providers))
+        with torch.no_grad():
+            self.cache = StaticCache(config=self.model.config, max_cache_len=max_len)
+            allocate_cache(self.model, self.cache, self.batch)
+            fill_cache(self.cache, self.base, self.model_name, self.lens, self.fill, self.snap_dir)
+        self._inputs(max_len)
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.wbytes = weight_bytes(self.model)
+        self.point = dict(context=self.ctx, batch=self.batch, stream_gbps=self.stream_gbps, rounds=self.rounds,
+                          warmup=self.warmup, threads=torch.get_num_threads())
+
+    def _inputs(self, max_len: int) -> None:
+        """The left-padding mask (batch > 1), one token per row and each step's positions (see the module doc)."""
+        self.mask = None
+        if self.batch > 1:
+            self.mask = torch.ones(self.batch, max_len, dtype=torch.long, device=self.device)
+            for r, n in enumerate(self.lens):
+                self.mask[r, : self.ctx - n] = 0
+        self.toks = torch.tensor([[100 + r] for r in range(self.batch)], device=self.device)
+        lens_t = torch.tensor(self.lens, device=self.device)[:, None]
+        self.positions = [lens_t + i for i in range(self.n_pos)]
+
+    def run(self) -> List[dict]:
+        """Set up; each provider compiled, warmed up, timed for one round and profiled at once (a run cut short
+        keeps them); the other rounds interleaved once every provider is compiled. The records of the point."""
+        self.setup()
+        self.t_point = time.perf_counter()
+        with torch.no_grad():
+            for name, budget in self.providers:
+                self.measure(name, budget)
+            self.interleave()
+        rows = self.records(True)
+        self.close()
         return rows
 
-    def report():
-        if progress is not None:
-            progress(records(False))
+    def close(self) -> None:
+        """Close the other engines' providers; drop the compiled functions, the cache and Dynamo's state."""
+        for p in self.extra:
+            p.close()
+        torch._dynamo.reset()
+        self.cache, self.fns = None, {}
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    def time_round(name):
-        rollback()
-        step(name, 0)  # untimed: absorbs a bounds rebuild after the other providers' writes
-        sync()
-        before = _rebuilds()
-        for i in range(1, steps + 1):
-            t0 = time.perf_counter()
-            step(name, i)
-            sync()
-            times[name].append(time.perf_counter() - t0)
-        rebuilds[name] += _rebuilds() - before
+    # ---------------------------------------------------------------------------------------------- one provider
+    def measure(self, name: str, budget: Optional[int]) -> None:
+        """Provider ``name``: compile, warm up, one timed round and (``profiling``) the profiled step; or the reason
+        it is skipped (:meth:`skip_why`), or with ``keep_going`` the exception it raised (:meth:`fail`)."""
+        import tinyserve_compile as tc
 
-    def profile_step(name):
-        rollback()
-        step(name, 0)
-        sync()
-        prof = step_profile(lambda: step(name, 1), device)
-        states[name].update({f"{k}_per_step" if not k.startswith(("profile", "cudagraph")) else k: v
-                             for k, v in prof.items()})
-        skips = [m for m in states[name].get("cudagraph_skips", "").split("; ") if m]
-        states[name].update(cudagraphs_state(name, prof, skips, states[name].get("tinyserve_cudagraphs")))
-
-    def left() -> float:
-        return float("inf") if deadline is None else deadline - time.monotonic()
-
-    t_point = time.perf_counter()
-    with torch.no_grad():
-        # each provider: compile, warm up, one timed round and the profiled step at once (a run cut short keeps
-        # them); the other rounds interleaved once every provider is compiled
-        for name, budget in providers:
-            opts_of[name] = provider_options(name, options, budget, compare)
-            if opts_of[name] is not None and inductor_options:
-                # the Inductor settings tinyserve compiles with (recorded in the row's options too)
-                opts_of[name] = compile_options(name, opts_of[name], inductor_options)
-            why = skip_reason(name, device, compile_options(name, opts_of[name], inductor_options, skip_module_guards))
-            compiled = [first_s[n] for n in fns if n != "eager"]
-            if why is None and name != "eager" and (left() <= 0 or compiled and left() < max(compiled)):
-                why = (f"time budget: {max(left(), 0):.0f} s left for this point, the compiles so far took up to "
-                       f"{max(compiled or [0]):.0f} s: not compiled")
-            if why is not None:
-                skipped[name] = why
-                states[name] = dict(cudagraphs="off", cudagraphs_why=why)
-                log(f"# {name}: skipped: {why}")
-                report()
-                continue
+        self.opts_of[name] = self._options(name, budget)
+        why = self.skip_why(name)
+        if why is not None:
+            self.skipped[name] = why
+            self.states[name] = dict(cudagraphs="off", cudagraphs_why=why)
+            self.log(f"# {name}: skipped: {why}")
+            self.report()
+            return
+        if name.startswith("tinyserve"):
+            tc.reset()
+        try:
+            with cudagraph_skips() as skips:
+                self.compile(name)
+                self.warm(name)
+            self.states[name] = dict(cudagraph_skips="; ".join(dict.fromkeys(skips)))
             if name.startswith("tinyserve"):
-                tc.reset()
-            try:
-                fns[name] = _compile(model, name, opts_of[name], inductor_options, skip_module_guards)
-                rollback()
-                fresh = cold and name != "eager"
-                with _CudagraphSkips() as cg_skips:
-                    with (torch._inductor.utils.fresh_cache() if fresh else contextlib.nullcontext()):
-                        t0 = time.perf_counter()
-                        step(name, 0)
-                        sync()
-                        first_s[name] = time.perf_counter() - t0
-                    for i in range(1, warmup):
-                        step(name, i)
-                    sync()
-                states[name] = dict(cudagraph_skips="; ".join(dict.fromkeys(cg_skips.messages)))
-                if name.startswith("tinyserve"):
-                    c = tc.counters
-                    report_ = tc.explain()
-                    sites[name] = (c.get("rewritten", 0), c.get("dense", 0), getattr(report_, "native_kernel", ""))
-                    states[name]["tinyserve_cudagraphs"] = explain_cudagraphs(report_)
-                    if not c.get("rewritten", 0):
-                        log(f"# WARNING: {name} rewrote no attention site at context {ctx}, batch {batch}: {report_}")
-                times[name], rebuilds[name] = [], 0
-                time_round(name)
-                if profile:  # one more step under the profiler: kernels, launches, host syncs, CUDA graphs
-                    profile_step(name)
-            except Exception as e:  # noqa: BLE001  (--keep-going: the other providers still run)
-                if not keep_going:
-                    raise
-                import traceback
+                self._read_explain(name)
+            self.times[name], self.rebuilds[name] = [], 0
+            self.time_round(name)
+            if self.profiling:  # one more step under the profiler: kernels, launches, host syncs, CUDA graphs
+                self.profile(name)
+        except Exception as e:  # noqa: BLE001  (--keep-going: the other providers still run)
+            if not self.keep_going:
+                raise
+            self.fail(name, e)
+            return
+        self.log(f"# {name}: first call {self.first_s[name]:.1f} s (compile + one step), one round "
+                 f"{statistics.median(self.times[name]) * 1e3:.3f} ms/step, graphs "
+                 f"{self.states[name].get('cudagraphs', '-')}, "
+                 f"{time.perf_counter() - self.t_point:.0f} s into the point")
+        self.report()
 
-                traceback.print_exc()
-                fns.pop(name, None)
-                times.pop(name, None)
-                first_line = str(e).splitlines()[0][:200] if str(e) else ""
-                skipped[name] = failed[name] = f"FAILED: {type(e).__name__}: {first_line}"
-                states[name] = dict(cudagraphs="off", cudagraphs_why=skipped[name])
-                log(f"# {name}: {skipped[name]}")
-                report()
-                continue
-            log(f"# {name}: first call {first_s[name]:.1f} s (compile + one step), one round "
-                f"{statistics.median(times[name]) * 1e3:.3f} ms/step, graphs {states[name].get('cudagraphs', '-')}, "
-                f"{time.perf_counter() - t_point:.0f} s into the point")
-            report()
-        others = {p.name: p for p in extra}
-        for p in extra:  # their own model and cache, filled to ctx tokens, warmed up
-            p.prepare(ctx, n_pos, warmup)
-            times[p.name], rebuilds[p.name] = [], 0
-        order = [n for n in names if n in fns] + list(others)
-        for r in range(rounds):
-            if r and left() <= 0:
-                log(f"# rounds {r + 1}-{rounds} not run: the time budget is spent")
+    def _options(self, name: str, budget: Optional[int]) -> Optional[dict]:
+        """``options=`` of provider ``name`` (:func:`provider_options`; None for the stock ones)."""
+        opts = provider_options(name, self.options, budget, self.compare)
+        if opts is not None and self.inductor_options:
+            # the Inductor settings tinyserve compiles with (recorded in the row's options too)
+            opts = compile_options(name, opts, self.inductor_options)
+        return opts
+
+    def skip_why(self, name: str) -> Optional[str]:
+        """Why provider ``name`` is not compiled (None when it is): :func:`skip_reason`, or the time budget (see
+        :func:`run_point`)."""
+        why = skip_reason(name, self.device, compile_options(name, self.opts_of[name], self.inductor_options,
+                                                             self.skip_module_guards))
+        compiled = [self.first_s[n] for n in self.fns if n != "eager"]
+        if why is None and name != "eager" and (self.left() <= 0 or compiled and self.left() < max(compiled)):
+            why = (f"time budget: {max(self.left(), 0):.0f} s left for this point, the compiles so far took up to "
+                   f"{max(compiled or [0]):.0f} s: not compiled")
+        return why
+
+    def compile(self, name: str) -> None:
+        """``torch.compile`` provider ``name`` and make its first call, which compiles it (inside Inductor's
+        ``fresh_cache()`` unless ``cold`` is False): ``first_s`` is that call's wall time."""
+        import torch._inductor.utils
+
+        self.fns[name] = _compile(self.model, name, self.opts_of[name], self.inductor_options,
+                                  self.skip_module_guards)
+        self.rollback()
+        fresh = self.cold and name != "eager"
+        with (torch._inductor.utils.fresh_cache() if fresh else contextlib.nullcontext()):
+            t0 = time.perf_counter()
+            self.step(name, 0)
+            self.sync()
+            self.first_s[name] = time.perf_counter() - t0
+
+    def warm(self, name: str) -> None:
+        """The other ``warmup - 1`` steps after the first call, before anything is timed."""
+        for i in range(1, self.warmup):
+            self.step(name, i)
+        self.sync()
+
+    def _read_explain(self, name: str) -> None:
+        """tinyserve's sites (rewritten, dense, native kernel) and CUDA-graphs verdict after its compile; a warning
+        when it rewrote no attention site."""
+        import tinyserve_compile as tc
+
+        c = tc.counters
+        report = tc.explain()
+        self.sites[name] = (c.get("rewritten", 0), c.get("dense", 0), getattr(report, "native_kernel", ""))
+        self.states[name]["tinyserve_cudagraphs"] = explain_cudagraphs(report)
+        if not c.get("rewritten", 0):
+            self.log(f"# WARNING: {name} rewrote no attention site at context {self.ctx}, batch {self.batch}: "
+                     f"{report}")
+
+    def time_round(self, name: str) -> None:
+        """One round of provider ``name``: the cache back to ``ctx``, one untimed step (it absorbs a bounds rebuild
+        after the other providers' writes), then ``steps`` timed steps; tinyserve's rebuilds in them are counted."""
+        self.rollback()
+        self.step(name, 0)
+        self.sync()
+        before = _rebuilds()
+        for i in range(1, self.steps + 1):
+            t0 = time.perf_counter()
+            self.step(name, i)
+            self.sync()
+            self.times[name].append(time.perf_counter() - t0)
+        self.rebuilds[name] += _rebuilds() - before
+
+    def profile(self, name: str) -> None:
+        """One more step of provider ``name`` under ``torch.profiler`` (:func:`bench.timing.step_profile`): its
+        ``*_per_step`` counts and CUDA-graphs state (:func:`cudagraphs_state`) go into the record."""
+        self.rollback()
+        self.step(name, 0)
+        self.sync()
+        prof = step_profile(lambda: self.step(name, 1), self.device)
+        state = self.states[name]
+        state.update({f"{k}_per_step" if not k.startswith(("profile", "cudagraph")) else k: v
+                      for k, v in prof.items()})
+        skips = [m for m in state.get("cudagraph_skips", "").split("; ") if m]
+        state.update(cudagraphs_state(name, prof, skips, state.get("tinyserve_cudagraphs")))
+
+    def fail(self, name: str, e: Exception) -> None:
+        """Record what provider ``name`` raised (``keep_going``) in ``failed`` and ``skipped``; called while
+        handling ``e``, whose traceback goes to stderr."""
+        import traceback
+
+        traceback.print_exc()
+        self.fns.pop(name, None)
+        self.times.pop(name, None)
+        first_line = str(e).splitlines()[0][:200] if str(e) else ""
+        self.skipped[name] = self.failed[name] = f"FAILED: {type(e).__name__}: {first_line}"
+        self.states[name] = dict(cudagraphs="off", cudagraphs_why=self.skipped[name])
+        self.log(f"# {name}: {self.skipped[name]}")
+        self.report()
+
+    # ---------------------------------------------------------------------------------------------- steps, rounds
+    def rollback(self) -> None:
+        """Every layer of the cache back to ``ctx`` tokens (each round and profiled step starts there)."""
+        for layer in self.cache.layers:
+            set_cache_length(layer, self.ctx)
+
+    def step(self, name: str, i: int) -> None:
+        """One decode step of provider ``name`` at position ``i`` past each row's tokens (one new token per row)."""
+        if wants_cudagraphs(name):  # a new step: the previous replay's outputs may be overwritten (HF, gpt-fast)
+            torch.compiler.cudagraph_mark_step_begin()
+        kw = {} if self.mask is None else {"attention_mask": self.mask}
+        self.fns[name](input_ids=self.toks, position_ids=self.positions[i], use_cache=True,
+                       **{self.ckw: self.cache}, **kw)
+
+    def left(self) -> float:
+        """Seconds left before the deadline (inf without one)."""
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def interleave(self) -> None:
+        """The other engines' providers prepared, then the rounds in the order :func:`rotation` gives (round 0 of a
+        compiled provider ran right after its compile), until the deadline has passed."""
+        others = {p.name: p for p in self.extra}
+        for p in self.extra:  # their own model and cache, filled to ctx tokens, warmed up
+            p.prepare(self.ctx, self.n_pos, self.warmup)
+            self.times[p.name], self.rebuilds[p.name] = [], 0
+        order = [n for n in self.names if n in self.fns] + list(others)
+        for r in range(self.rounds):
+            if r and self.left() <= 0:
+                self.log(f"# rounds {r + 1}-{self.rounds} not run: the time budget is spent")
                 break
             for name in rotation(order, r):
                 if name in others:
-                    times[name] += others[name].time_round(steps)
+                    self.times[name] += others[name].time_round(self.steps)
                 elif r:  # round 0 of a compiled provider ran right after its compile
-                    time_round(name)
-            report()
-    rows = records(True)
-    for p in extra:
-        p.close()
+                    self.time_round(name)
+            self.report()
+
+    # ---------------------------------------------------------------------------------------------- records
+    def report(self) -> None:
+        """``progress`` (when given) gets the records so far."""
+        if self.progress is not None:
+            self.progress(self.records(False))
+
+    def records(self, complete: bool) -> List[dict]:
+        """The record of every provider reached so far (:meth:`record`); once ``complete``, the other engines' and
+        llama.cpp's anchors too; each with its ratio to the fastest stock provider (:func:`with_best_stock`)."""
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        rows = [self.record(name, complete, date) for name in self.names if name in self.opts_of]
+        if complete:
+            for p in self.extra:
+                rows.append(p.record(self.times[p.name], dict(self.point, date=date)))
+            rows = llamacpp.with_anchors(rows)  # each llama.cpp config's fastest setting, the anchor of its ratios
+        return with_best_stock(rows)
+
+    def record(self, name: str, complete: bool, date: str) -> dict:
+        """The record of provider ``name`` (see the module doc); ``ms_per_token`` None before a timed round."""
+        from tinyserve_compile.config import TinyServeConfig
+
+        opts, ts = self.opts_of[name], sorted(self.times.get(name, []))
+        ms = statistics.median(ts) * 1e3 if ts else None
+        cfg = None if opts is None else TinyServeConfig.from_options(opts)
+        kv = self.batch * kv_bytes_per_token(self.model.config, self.ctx, cfg, self.itemsize)
+        floor_ms = (self.wbytes + kv) / (self.stream_gbps * 1e9) * 1e3
+        call = {k: v for k, v in compile_call(name, opts, self.inductor_options).items() if k == "mode"}
+        sites = self.sites.get(name, (0, 0, ""))
+        row = dict(
+            provider=name, context=self.ctx, batch=self.batch, ms_per_token=ms,
+            tokens_per_s=self.batch * 1e3 / ms if ms else None,
+            ms_min=ts[0] * 1e3 if ts else None,
+            ms_p90=ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e3 if ts else None,
+            compile_s=(0.0 if name == "eager" else max(self.first_s[name] - (ms or 0) / 1e3, 0.0))
+            if name in self.first_s else None,
+            first_call_s=self.first_s.get(name), skipped=self.skipped.get(name, ""), failed=self.failed.get(name, ""),
+            complete=complete,
+            model=self.model_name, shape=model_shape(self.kind), layers=self.n_layers,
+            full_model_layers=self.full_layers, fill=self.fill, dtype=str(self.dtype).replace("torch.", ""),
+            device=str(self.device), row_lengths=",".join(map(str, self.lens)), steps=len(ts), rounds=self.rounds,
+            warmup=self.warmup, options=json.dumps(opts, sort_keys=True) if opts is not None else "",
+            compile_mode=call.get("mode", ""), cudagraphs_asked=wants_cudagraphs(name),
+            sparse_sites=sites[0], dense_sites=sites[1], native_kernel=sites[2],
+            timed_bounds_rebuilds=self.rebuilds.get(name, 0),
+            kv_bytes_per_step=kv, weight_bytes=self.wbytes, stream_gbps=self.stream_gbps, floor_ms=floor_ms,
+            pct_of_floor=floor_ms / ms * 100 if ms else None, cold_compile=self.cold,
+            threads=torch.get_num_threads(), date=date,
+            weights=self.weights or {v: k for k, v in DTYPES.items()}[self.dtype],
+            inductor_options=json.dumps(self.inductor_options or {}, sort_keys=True) if name != "eager" else "",
+            skip_module_guards=self.skip_module_guards and name != "eager",
+            torch=torch.__version__, transformers=_version("transformers"))
+        row.update(self.states.get(name, {}))
+        return row
+
+
+def _reset_dynamo(n_providers: int) -> None:
+    """A fresh Dynamo, whose recompile limit allows one entry per compiled provider on the same forward."""
     torch._dynamo.reset()
-    del cache, fns
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 4 * n_providers))
+            break
+
+
+def with_best_stock(rows: List[dict]) -> List[dict]:
+    """``rows``, each given ``best_stock_ms``, ``best_stock`` (the fastest stock provider among them) and
+    ``vs_best_stock`` (its speed-up over that one)."""
+    stock = [r["ms_per_token"] for r in rows if r["provider"] in STOCK and r["ms_per_token"]]
+    best = min(stock) if stock else None
+    for r in rows:
+        r["best_stock_ms"] = best
+        r["best_stock"] = next((x["provider"] for x in rows if x["provider"] in STOCK
+                                and x["ms_per_token"] == best), None) if best else None
+        r["vs_best_stock"] = best / r["ms_per_token"] if best and r["ms_per_token"] else None
     return rows
 
 
@@ -928,7 +1040,8 @@ def _json_object(ap: argparse.ArgumentParser, text: str, flag: str) -> dict:
     return value
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
+    """The arguments of ``python -m bench decode``."""
     ap = cli.parser("decode", __doc__.split("\n")[0], quick="2K only, batch 1 and 8, 4 steps x 2 rounds")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -977,9 +1090,15 @@ def main(argv=None):
                     help="both compiled providers skip Dynamo's guards on nn.Module parameters and buffers "
                          "(guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)")
     llamacpp.add_arguments(ap)
+    return ap
+
+
+def _parse(argv) -> Tuple[argparse.Namespace, Optional[List[Tuple[int, int]]], dict, dict]:
+    """``(arguments, points, options, inductor_options)`` of ``python -m bench decode``, checked (a usage error
+    otherwise); ``--quick`` applied."""
+    ap = _parser()
     a = cli.parse(ap, argv)
     a.json = cli.out_path(a.out, "decode")
-    start = time.monotonic()
     points = None
     if a.points:
         try:
@@ -1001,19 +1120,11 @@ def main(argv=None):
         TinyServeConfig(inductor_options=inductor_options)
     except ValueError as e:
         ap.error(f"--inductor-options: {e}")
-    t0 = time.perf_counter()
-    extra = llamacpp.providers_from_args(a, lambda n: _prompt_ids("smollm2", n)[0].tolist(), torch.get_num_threads())
-    progress = None
-    if a.json:  # the records so far, after every compile and round: a run cut short leaves what it measured
-        def progress(rows_so_far):
-            write_records(rows_so_far, a.json)
-    rows = run(a.contexts, a.batches, tuple(a.providers.split(",")), options, a.compare, a.budgets, a.steps, a.rounds,
-               a.warmup, a.model, a.fill, a.dtype, a.device, not a.warm_compile, a.prefill_cache, a.max_batch_tokens,
-               weights=a.weights, extra=extra,
-               inductor_options=inductor_options, skip_module_guards=a.skip_module_guards, layers=a.layers,
-               profile=not a.no_profile, progress=progress, points=points,
-               time_budget=None if a.time_budget is None else a.time_budget - (time.monotonic() - start),
-               keep_going=a.keep_going)
+    return a, points, options, inductor_options
+
+
+def _print_run(rows: List[dict], a: argparse.Namespace, inductor_options: dict, t0: float) -> None:
+    """The machine's fields added to every record; the run's header, the table and the targets printed."""
     machine = machine_fields()
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else \
         (f"{platform.machine()} CPU ({machine['cpu']}, {machine['isa']}; ran with ATen {machine['aten_isa']}, "
@@ -1028,6 +1139,25 @@ def main(argv=None):
     print(table(rows))
     for t in targets(rows):
         print(f"# target {t['target']}: {t['value']:.2f} -> {'met' if t['met'] else 'MISSED'}")
+
+
+def main(argv=None):
+    a, points, options, inductor_options = _parse(argv)
+    start = time.monotonic()
+    t0 = time.perf_counter()
+    extra = llamacpp.providers_from_args(a, lambda n: _prompt_ids("smollm2", n)[0].tolist(), torch.get_num_threads())
+    progress = None
+    if a.json:  # the records so far, after every compile and round: a run cut short leaves what it measured
+        def progress(rows_so_far):
+            write_records(rows_so_far, a.json)
+    rows = run(a.contexts, a.batches, tuple(a.providers.split(",")), options, a.compare, a.budgets, a.steps, a.rounds,
+               a.warmup, a.model, a.fill, a.dtype, a.device, not a.warm_compile, a.prefill_cache, a.max_batch_tokens,
+               weights=a.weights, extra=extra,
+               inductor_options=inductor_options, skip_module_guards=a.skip_module_guards, layers=a.layers,
+               profile=not a.no_profile, progress=progress, points=points,
+               time_budget=None if a.time_budget is None else a.time_budget - (time.monotonic() - start),
+               keep_going=a.keep_going)
+    _print_run(rows, a, inductor_options, t0)
     if extra:
         print(llamacpp.markdown_tables([rows]))
     if a.json:

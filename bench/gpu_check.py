@@ -280,54 +280,80 @@ def summary(out: str, seconds: float, limit: int = 0) -> int:
     """Write ``summary.json`` and ``summary.csv`` under ``out`` and print the summary (see the module doc).
     ``seconds``: the check's wall time before the summary; ``limit``: the summary's own time limit (counted in
     ``limits_total`` beside the steps' limits)."""
-    steps = []
-    tsv = os.path.join(out, "steps.tsv")
-    if os.path.exists(tsv):
-        with open(tsv) as f:
-            for r in csv.reader(f, delimiter="\t"):
-                steps.append(dict(step=r[0], rc=int(r[1]), seconds=int(r[2]), limit=int(r[3]), state=_state(int(r[1]))))
+    steps = _read_steps(out)
     info = _load(out, "env.json") or {}
     dry = bool(info.get("dry_run"))
     s: dict = dict(env=info, steps=steps, total_seconds=seconds, summary_limit=limit,
                    limits_total=sum(x["limit"] for x in steps) + limit,
                    ok=bool(steps) and all(x["rc"] == 0 for x in steps))
     table: List[dict] = []  # summary.csv
-    lines = []
-
+    lines: List[str] = []
     bench = _load(out, "kernel/bench_kernel_gpu.json")
-    if bench and any(r.get("ok") is not None for r in bench.get("rows", [])):
-        rows = [r for r in bench["rows"] if r.get("ok") is not None]
-        s["kernel_check"] = c = dict(shapes=len(rows), failures=sum(r["ok"] is False for r in rows),
-                                     worst_tol_ratio=max(r["tol_ratio"] for r in rows),
-                                     min_pages_agree=min(r["pages_agree"] for r in rows),
-                                     paths={st: sorted({f"{r['stages']}/{r['kept']}" for r in rows
-                                                        if r["setting"] == st})
-                                            for st in dict.fromkeys(r["setting"] for r in rows)})
-        lines.append(f"kernel check: {c['shapes']} shapes, {c['failures']} failures, worst error "
-                     f"{c['worst_tol_ratio']:.2f}x tolerance, same selection as the reference in >= "
-                     f"{c['min_pages_agree']:.0%} of KV heads; paths "
-                     + ", ".join(f"{k} {' '.join(v)}" for k, v in c["paths"].items()))
+    _kernel_check(bench, s, lines)
+    _kernel_bench(bench, s, lines, table)
+    _decode(out, steps, dry, s, lines, table)
+    lines += _target_lines(s, dry)
+    _write_summary(out, s, table)
+    _print_summary(out, s, lines, seconds, dry)
+    return 0 if s["ok"] else 1
 
-    if bench and any(r.get("sparse_ms") is not None for r in bench.get("rows", [])):
-        meta = bench.get("meta", {})
-        s["kernel_peak"] = dict(copy_gbs=meta.get("copy_gbs"), datasheet_gbs=meta.get("datasheet_gbs"))
-        s["kernel_bench"] = [{k: r.get(k) for k in KERNEL_KEYS} for r in bench["rows"] if r.get("sparse_ms")]
-        s["kernel_targets"] = bench.get("targets", [])
-        lines.append(f"op alone (Hq=32 Hkv=8 D=128 budget 2048; HBM peak: copy {_x(meta.get('copy_gbs'), '{:.0f}')}"
-                     f" GB/s measured, {_x(meta.get('datasheet_gbs'), '{:.0f}')} datasheet):")
-        lines.append(f"  {'setting':>8} {'ctx':>6} {'B':>2} {'sparse ms':>9} {'x sdpa':>7} {'(plain)':>7} "
-                     f"{'%peak':>6}  basis")
-        for r in s["kernel_bench"]:
-            ms = r["sparse_graph_ms"] or r["sparse_ms"]
-            basis = "graphs" if r["speedup_basis"] == "cudagraph" else "plain"
-            lines.append(f"  {r['setting']:>8} {r['context']:>6} {r['batch']:>2} {_x(ms, '{:.4f}'):>9} "
-                         f"{_x(r['speedup_vs_sdpa']):>7} {_x(r['speedup_vs_sdpa_plain']):>7} "
-                         f"{_x(r['sparse_pct_peak'], '{:.0f}%'):>6}  {basis} vs {r['best_sdpa'] or '-'}")
-            table.append(dict(section="op", step="kernel", point=f"{r['context']}x{r['batch']}",
-                              name=f"sparse {r['setting']}", ms=ms, ratio=r["speedup_vs_sdpa"],
-                              ratio_plain=r["speedup_vs_sdpa_plain"], pct_peak=r["sparse_pct_peak"],
-                              basis=r["speedup_basis"]))
 
+def _read_steps(out: str) -> List[dict]:
+    """The steps of ``out/steps.tsv`` (name, rc, seconds, limit) with their state; [] without the file."""
+    steps = []
+    tsv = os.path.join(out, "steps.tsv")
+    if os.path.exists(tsv):
+        with open(tsv) as f:
+            for r in csv.reader(f, delimiter="\t"):
+                steps.append(dict(step=r[0], rc=int(r[1]), seconds=int(r[2]), limit=int(r[3]), state=_state(int(r[1]))))
+    return steps
+
+
+def _kernel_check(bench: Optional[dict], s: dict, lines: List[str]) -> None:
+    """``s["kernel_check"]`` and its line: the kernel bench's correctness rows (shapes, failures, worst error)."""
+    if not (bench and any(r.get("ok") is not None for r in bench.get("rows", []))):
+        return
+    rows = [r for r in bench["rows"] if r.get("ok") is not None]
+    s["kernel_check"] = c = dict(shapes=len(rows), failures=sum(r["ok"] is False for r in rows),
+                                 worst_tol_ratio=max(r["tol_ratio"] for r in rows),
+                                 min_pages_agree=min(r["pages_agree"] for r in rows),
+                                 paths={st: sorted({f"{r['stages']}/{r['kept']}" for r in rows
+                                                    if r["setting"] == st})
+                                        for st in dict.fromkeys(r["setting"] for r in rows)})
+    lines.append(f"kernel check: {c['shapes']} shapes, {c['failures']} failures, worst error "
+                 f"{c['worst_tol_ratio']:.2f}x tolerance, same selection as the reference in >= "
+                 f"{c['min_pages_agree']:.0%} of KV heads; paths "
+                 + ", ".join(f"{k} {' '.join(v)}" for k, v in c["paths"].items()))
+
+
+def _kernel_bench(bench: Optional[dict], s: dict, lines: List[str], table: List[dict]) -> None:
+    """``s["kernel_peak"]``, ``s["kernel_bench"]`` (:data:`KERNEL_KEYS` of each timed shape), ``s["kernel_targets"]``;
+    their lines and summary.csv rows."""
+    if not (bench and any(r.get("sparse_ms") is not None for r in bench.get("rows", []))):
+        return
+    meta = bench.get("meta", {})
+    s["kernel_peak"] = dict(copy_gbs=meta.get("copy_gbs"), datasheet_gbs=meta.get("datasheet_gbs"))
+    s["kernel_bench"] = [{k: r.get(k) for k in KERNEL_KEYS} for r in bench["rows"] if r.get("sparse_ms")]
+    s["kernel_targets"] = bench.get("targets", [])
+    lines.append(f"op alone (Hq=32 Hkv=8 D=128 budget 2048; HBM peak: copy {_x(meta.get('copy_gbs'), '{:.0f}')}"
+                 f" GB/s measured, {_x(meta.get('datasheet_gbs'), '{:.0f}')} datasheet):")
+    lines.append(f"  {'setting':>8} {'ctx':>6} {'B':>2} {'sparse ms':>9} {'x sdpa':>7} {'(plain)':>7} "
+                 f"{'%peak':>6}  basis")
+    for r in s["kernel_bench"]:
+        ms = r["sparse_graph_ms"] or r["sparse_ms"]
+        basis = "graphs" if r["speedup_basis"] == "cudagraph" else "plain"
+        lines.append(f"  {r['setting']:>8} {r['context']:>6} {r['batch']:>2} {_x(ms, '{:.4f}'):>9} "
+                     f"{_x(r['speedup_vs_sdpa']):>7} {_x(r['speedup_vs_sdpa_plain']):>7} "
+                     f"{_x(r['sparse_pct_peak'], '{:.0f}%'):>6}  {basis} vs {r['best_sdpa'] or '-'}")
+        table.append(dict(section="op", step="kernel", point=f"{r['context']}x{r['batch']}",
+                          name=f"sparse {r['setting']}", ms=ms, ratio=r["speedup_vs_sdpa"],
+                          ratio_plain=r["speedup_vs_sdpa_plain"], pct_peak=r["sparse_pct_peak"],
+                          basis=r["speedup_basis"]))
+
+
+def _decode(out: str, steps: List[dict], dry: bool, s: dict, lines: List[str], table: List[dict]) -> None:
+    """``s["decode"]`` (:data:`DECODE_KEYS` of every decode step's records) and ``s["decode_targets"]``
+    (:func:`decode_targets`); their lines (:func:`_decode_line`) and summary.csv rows."""
     s["decode"], s["decode_targets"] = [], []
     for st in steps:
         rows = _load(out, f"{st['step']}/decode.json")
@@ -336,32 +362,40 @@ def summary(out: str, seconds: float, limit: int = 0) -> int:
         for r in rows:
             s["decode"].append(dict({k: r.get(k) for k in DECODE_KEYS}, step=st["step"]))
         s["decode_targets"] += decode_targets(st["step"], rows, dry)
-    if s["decode"]:
-        lines.append("decode: ms per step, x the best stock provider, and in the profiled step: CUDA graphs, kernels, "
-                     "launches, host syncs")
-        last = None
-        for r in s["decode"]:
-            if (r["step"], r["context"], r["batch"]) != last:
-                last = (r["step"], r["context"], r["batch"])
-                lines.append(f"  {r['step']}: {r['model']} {r['layers']} of {r['full_model_layers']} layers, "
-                             f"{r['context']} x B{r['batch']} {r['dtype']}")
-            if r["ms_per_token"] is None:
-                why = r["skipped"] or "not measured (cut short)"
-                lines.append(f"    {r['provider']:<21} {why[:80]}")
-            else:
-                lines.append(f"    {r['provider']:<21} {r['ms_per_token']:8.3f} {_x(r['vs_best_stock']):>6} "
-                             f"{r['cudagraphs'] or '-':>4} {_x(r['gpu_kernels_per_step'], '{:.0f}'):>5} "
-                             f"{_x(r['launch_calls_per_step'], '{:.0f}'):>5} "
-                             f"{_x(r['host_syncs_per_step'], '{:.0f}'):>3}"
-                             + (f"  off: {r['cudagraphs_why'][:60]}" if r["cudagraphs"] == "off"
-                                and r["cudagraphs_why"] != "not asked for" else ""))
-            table.append(dict(section="decode", step=r["step"], point=f"{r['context']}x{r['batch']}",
-                              name=r["provider"], ms=r["ms_per_token"], ratio=r["vs_best_stock"],
-                              cudagraphs=r["cudagraphs"], kernels=r["gpu_kernels_per_step"],
-                              launches=r["launch_calls_per_step"], host_syncs=r["host_syncs_per_step"],
-                              skipped=r["skipped"]))
+    if not s["decode"]:
+        return
+    lines.append("decode: ms per step, x the best stock provider, and in the profiled step: CUDA graphs, kernels, "
+                 "launches, host syncs")
+    last = None
+    for r in s["decode"]:
+        if (r["step"], r["context"], r["batch"]) != last:
+            last = (r["step"], r["context"], r["batch"])
+            lines.append(f"  {r['step']}: {r['model']} {r['layers']} of {r['full_model_layers']} layers, "
+                         f"{r['context']} x B{r['batch']} {r['dtype']}")
+        lines.append(_decode_line(r))
+        table.append(dict(section="decode", step=r["step"], point=f"{r['context']}x{r['batch']}",
+                          name=r["provider"], ms=r["ms_per_token"], ratio=r["vs_best_stock"],
+                          cudagraphs=r["cudagraphs"], kernels=r["gpu_kernels_per_step"],
+                          launches=r["launch_calls_per_step"], host_syncs=r["host_syncs_per_step"],
+                          skipped=r["skipped"]))
 
-    lines.append("targets" + (" (dry run: CPU numbers, met/MISSED meaningless)" if dry else "") + ":")
+
+def _decode_line(r: dict) -> str:
+    """One decode record's line: why it was not measured, or its ms, ratio and profiled step."""
+    if r["ms_per_token"] is None:
+        why = r["skipped"] or "not measured (cut short)"
+        return f"    {r['provider']:<21} {why[:80]}"
+    return (f"    {r['provider']:<21} {r['ms_per_token']:8.3f} {_x(r['vs_best_stock']):>6} "
+            f"{r['cudagraphs'] or '-':>4} {_x(r['gpu_kernels_per_step'], '{:.0f}'):>5} "
+            f"{_x(r['launch_calls_per_step'], '{:.0f}'):>5} "
+            f"{_x(r['host_syncs_per_step'], '{:.0f}'):>3}"
+            + (f"  off: {r['cudagraphs_why'][:60]}" if r["cudagraphs"] == "off"
+               and r["cudagraphs_why"] != "not asked for" else ""))
+
+
+def _target_lines(s: dict, dry: bool) -> List[str]:
+    """The targets' lines: the kernel's and the decode steps', met, MISSED or not run."""
+    lines = ["targets" + (" (dry run: CPU numbers, met/MISSED meaningless)" if dry else "") + ":"]
     for t in s.get("kernel_targets", []):
         state = "not run" if t.get("met") is None else f"{t['worst']:.2f} -> {'met' if t['met'] else 'MISSED'}"
         lines.append(f"  op {t['target']}: {state}")
@@ -369,7 +403,10 @@ def summary(out: str, seconds: float, limit: int = 0) -> int:
         state = "not run" if t["met"] is None else \
             f"{t['value']:.2f}x ({t['by']} vs {t['vs']}) -> {'met' if t['met'] else 'MISSED'}"
         lines.append(f"  {t['target']}: {state}")
+    return lines
 
+
+def _write_summary(out: str, s: dict, table: List[dict]) -> None:
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(s, f, indent=1)
     keys = list(dict.fromkeys(k for r in table for k in r)) or ["section"]
@@ -378,6 +415,9 @@ def summary(out: str, seconds: float, limit: int = 0) -> int:
         w.writeheader()
         w.writerows(table)
 
+
+def _print_summary(out: str, s: dict, lines: List[str], seconds: float, dry: bool) -> None:
+    info, steps = s["env"], s["steps"]
     print(f"\n==== gpu_check summary: {info.get('device', '?')}, driver {info.get('driver', '?')}, torch "
           f"{info.get('torch', '?')} (CUDA {info.get('cuda', '-')}), triton {info.get('triton', '?')}, transformers "
           f"{info.get('transformers', '?')}, commit {info.get('commit', 'unknown')}"
@@ -388,7 +428,6 @@ def summary(out: str, seconds: float, limit: int = 0) -> int:
           + ", ".join(f"{x['step']} {x['state']} {x['seconds']}/{x['limit']} s" for x in steps))
     print(f"output in {out}: summary.json, summary.csv, env.json, steps.tsv, <step>.log, <step>/*.json")
     print("all steps passed" if s["ok"] else "SOME STEPS FAILED: see the logs in " + out)
-    return 0 if s["ok"] else 1
 
 
 def main(argv=None) -> int:

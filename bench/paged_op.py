@@ -85,7 +85,21 @@ def timed(fn, repeats: int, warm: int = 3) -> float:
     return statistics.median(ts) * 1e3
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def sparse_bytes(spec, R: int, L: int, Hkv: int, D: int, item: int) -> int:
+    """K, V and bound bytes the sparse op reads for R requests of L tokens (all of K and V when every page is kept)."""
+    from tinyserve_compile.kernels.reference import bounds_itemsize
+
+    S, K = spec.page_size, spec.n_pages
+    P = -(-L // S)
+    if P <= K:
+        return R * 2 * L * Hkv * D * item
+    n1 = max(K, spec.n_candidates)
+    return R * (P * Hkv * (2 * D * bounds_itemsize(spec.bounds_dtype) + 4) + (min(n1 * S, L) + K * S) * Hkv * D
+                * item)
+
+
+def _args(argv: Optional[Sequence[str]]):
+    """``(parser, arguments)`` of ``python -m bench paged-op`` (``--quick``: small shapes, few repeats)."""
     from bench import cli
 
     ap = cli.parser("paged-op", __doc__.split("\n")[0], out="results/paged_op", options=True,
@@ -102,83 +116,113 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a.rows, a.length, a.repeats = 3, 600, 3
         if not a.options:
             a.options = {"token_budget": 128, "candidate_extra": 64}
+    return ap, a
+
+
+def _op_args(d: dict, scale: float, spec) -> tuple:
+    """The arguments of ``paged_sparse_decode`` for the buffer ``d`` of :func:`build`."""
+    return (d["q"], d["k"], d["v"], d["page_rows"], d["page_ids"], d["seq_lens"], d["bounds"], scale, spec)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m bench paged-op`` (see the module doc)."""
+    from bench import cli
     from tinyserve_compile.kernels.native import load_native, native_unavailable_reason
-    from tinyserve_compile.kernels.paged_sparse_decode import paged_sparse_decode, paged_write_
-    from tinyserve_compile.kernels.reference import bounds_itemsize
+    from tinyserve_compile.kernels.paged_sparse_decode import paged_sparse_decode
     from tinyserve_compile.kernels.spec import SelectionSpec
     from bench.timing import read_bandwidth_gbs
 
+    ap, a = _args(argv)
     torch.set_grad_enabled(False)
     if not load_native():
         raise SystemExit(f"python -m bench paged-op: the native kernel is unavailable: {native_unavailable_reason()}")
     spec = SelectionSpec.from_config(cli.config(a.options))
     Hq, Hkv = (int(x) for x in a.heads.split(","))
-    D, R, L = a.head_dim, a.rows, a.length
-    dtype = getattr(torch, a.dtype)
-    d = build(R, L, Hq, Hkv, D, a.cb_page, spec, dtype)
-    scale = 1.0 / math.sqrt(D)
-    args = (d["q"], d["k"], d["v"], d["page_rows"], d["page_ids"], d["seq_lens"], d["bounds"], scale, spec)
+    dims = (a.rows, a.length, Hq, Hkv, a.head_dim)
+    d = build(a.rows, a.length, Hq, Hkv, a.head_dim, a.cb_page, spec, getattr(torch, a.dtype))
+    scale = 1.0 / math.sqrt(a.head_dim)
+    args = _op_args(d, scale, spec)
     # ---- the two paths agree before anything is timed
     got = paged_sparse_decode(*args, kernel="native")
     want = paged_sparse_decode(*args, kernel="torch")
     err = float((got.float() - want.float()).abs().max())
     stream = read_bandwidth_gbs()
-    item = d["k"].element_size()
-    S = spec.page_size
+    rows = _time_providers(a, ap, d, spec, scale, dims)
+    print(f"# paged op, {a.rows} rows x {a.length} tokens, heads {Hq}/{Hkv}, D={a.head_dim}, {a.dtype}, spec {spec}, "
+          f"threads {torch.get_num_threads()}, {a.repeats} repeats (median); native vs torch max |diff| {err:.2e}")
+    _print_table(rows)
+    print(f"\nread bandwidth measured in this run: {stream:.1f} GB/s")
+    meta = dict(rows=a.rows, length=a.length, heads=f"{Hq}/{Hkv}", head_dim=a.head_dim, dtype=a.dtype,
+                spec=str(spec.to_list()), threads=torch.get_num_threads(), repeats=a.repeats, stream_gbps=stream,
+                max_abs_diff=err, torch=torch.__version__)
+    _write(rows, meta, a.out)
+    return 0
 
-    def sparse_bytes(spec):
-        S, K = spec.page_size, spec.n_pages
-        P = -(-L // S)
-        if P <= K:
-            return R * 2 * L * Hkv * D * item
-        n1 = max(K, spec.n_candidates)
-        return R * (P * Hkv * (2 * D * bounds_itemsize(spec.bounds_dtype) + 4) + (min(n1 * S, L) + K * S) * Hkv * D
-                    * item)
 
-    dense_bytes = 2 * R * L * Hkv * D * item
-    one_k = torch.randn(R, Hkv, D, dtype=dtype)
-    rows = []
-
-    def add(name, ms, nbytes):
-        rows.append(dict(provider=name, ms=ms, bytes=nbytes, gbps=nbytes / (ms * 1e-3) / 1e9 if ms > 0 else 0.0))
+def _variants(a, ap, spec) -> list:
+    """``[(suffix, spec)]``: the options' spec, and with ``--compare`` the compared one (on the same buffer: its
+    bounds are the base spec's, so page_size and bounds_dtype must agree)."""
+    from bench import cli
+    from tinyserve_compile.kernels.spec import SelectionSpec
 
     variants = [("", spec)]
-    if a.compare is not None:  # the compared options, on the same buffer (its bounds are the base spec's)
+    if a.compare is not None:
         other = SelectionSpec.from_config(cli.config({**a.options, **a.compare}))
         if (other.page_size, other.bounds_dtype) != (spec.page_size, spec.bounds_dtype):
             ap.error("argument --compare: page_size and bounds_dtype are the paged buffer's layout; compare them "
                      "in two runs with --options")
         variants.append((f" {a.compare.name}", other))
-    for suffix, sp in variants:
-        vargs = args[:-1] + (sp,)
+    return variants
+
+
+def _time_providers(a, ap, d: dict, spec, scale: float, dims: tuple) -> list:
+    """One row per provider (see the module doc): the median ms of ``--repeats`` calls, the bytes it reads by
+    construction, and GB/s."""
+    from tinyserve_compile.kernels.paged_sparse_decode import paged_sparse_decode, paged_write_
+
+    R, L, _, Hkv, D = dims
+    item = d["k"].element_size()
+    S = spec.page_size
+    dense_bytes = 2 * R * L * Hkv * D * item
+    one_k = torch.randn(R, Hkv, D, dtype=getattr(torch, a.dtype))
+    rows = []
+
+    def add(name, ms, nbytes):
+        rows.append(dict(provider=name, ms=ms, bytes=nbytes, gbps=nbytes / (ms * 1e-3) / 1e9 if ms > 0 else 0.0))
+
+    for suffix, sp in _variants(a, ap, spec):
+        vargs = _op_args(d, scale, sp)
         for kernel in ("native", "torch"):
             add(kernel + suffix, timed(lambda: paged_sparse_decode(*vargs, kernel=kernel), a.repeats),
-                sparse_bytes(sp))
+                sparse_bytes(sp, R, L, Hkv, D, item))
     add("stock-gather", timed(lambda: stock_gather(d["q"], d["k"], d["v"], d["read_rows"], R, L, scale), a.repeats),
         dense_bytes)
     wargs = (d["k"], d["v"], one_k, one_k, d["next_rows"], d["bounds"], d["fresh"], S, a.cb_page, d["m"])
     wbytes = R * S * Hkv * D * item
     add("write-native", timed(lambda: paged_write_(*wargs, kernel="native"), a.repeats), wbytes)
     add("write-torch", timed(lambda: paged_write_(*wargs, kernel="torch"), a.repeats), wbytes)
+    return rows
+
+
+def _print_table(rows: list) -> None:
+    """The markdown table: ms, the ratio to the native op (to the native write for the writes), MB read, GB/s."""
     by = {r["provider"]: r for r in rows}
-    print(f"# paged op, {R} rows x {L} tokens, heads {Hq}/{Hkv}, D={D}, {a.dtype}, spec {spec}, threads "
-          f"{torch.get_num_threads()}, {a.repeats} repeats (median); native vs torch max |diff| {err:.2e}")
     print("| provider | ms | x native | MB read | GB/s |")
     print("|---|---|---|---|---|")
     for r in rows:
         base = by["write-native" if r["provider"].startswith("write") else "native"]["ms"]
         print(f"| {r['provider']} | {r['ms']:.3f} | {r['ms'] / base:.2f} | {r['bytes'] / 1e6:.2f} | {r['gbps']:.1f} |")
-    print(f"\nread bandwidth measured in this run: {stream:.1f} GB/s")
+
+
+def _write(rows: list, meta: dict, out: str) -> None:
+    """``<out>/paged_op.{json,csv}`` (each row with ``meta``) and the bar chart ``paged_op.png``."""
+    from bench import cli
     from bench.output import bar_png, write_rows
 
-    meta = dict(rows=R, length=L, heads=f"{Hq}/{Hkv}", head_dim=D, dtype=a.dtype, spec=str(spec.to_list()),
-                threads=torch.get_num_threads(), repeats=a.repeats, stream_gbps=stream, max_abs_diff=err,
-                torch=torch.__version__)
-    path = cli.out_path(a.out, "paged_op")
+    path = cli.out_path(out, "paged_op")
     write_rows([{**r, **meta} for r in rows], path)
     bar_png([r["provider"] for r in rows], [r["ms"] for r in rows], "ms per call (median)",
-            f"paged op, {R} x {L} tokens", os.path.splitext(path)[0] + ".png")
-    return 0
+            f"paged op, {meta['rows']} x {meta['length']} tokens", os.path.splitext(path)[0] + ".png")
 
 
 if __name__ == "__main__":

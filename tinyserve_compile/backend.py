@@ -6,7 +6,9 @@ this package (``torch_dynamo_backends`` entry point) and after importing it.
 CUDA graphs: ``mode="reduce-overhead"`` (HF generate's default ``CompileConfig``) or the
 ``cudagraphs`` option runs the rewritten graph under Inductor's CUDA graphs when it can
 (:func:`_cudagraphs_decision`); :func:`~tinyserve_compile.explain` says per graph whether
-they are on, and why not, including the reasons Inductor gives for skipping them.
+they are on, and why not, including the reasons Inductor gives for skipping them;
+:func:`cudagraph_skips` collects those reasons for any compiled function (``python -m bench decode`` records
+them per provider).
 
 A compile that fails (a pass, the Inductor lowering, ...) is recorded in its graph's explain record before the
 exception goes on to Dynamo (which then graph-breaks, runs the frame eagerly under ``suppress_errors``, or raises
@@ -16,8 +18,9 @@ run is shown as such too.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,7 +32,7 @@ from .passes._views import is_written_in_place
 from .passes.state import pass_state
 from .policies.op import POLICY_ATTENTION
 
-__all__ = ["tinyserve_backend", "register"]
+__all__ = ["tinyserve_backend", "register", "cudagraph_skips"]
 
 BACKEND_NAME = "tinyserve"
 #: ops that must run in PyTorch when the rest of the graph goes to TensorRT
@@ -59,26 +62,73 @@ class _CudagraphSkipLog(logging.Handler):
         info = _CURRENT[0]
         if info is None or not info["cudagraphs"]["on"]:  # not ours, or already off: the first reason stays
             return
-        try:
-            msg = record.getMessage()
-        except Exception:  # noqa: BLE001 - a malformed record: nothing to report
-            return
-        if "skipping cudagraph" in msg:
+        msg = _skip_message(record)
+        if msg is not None:
             record_cudagraphs(info, False, "Inductor: " + msg.strip().splitlines()[0][:300])
+
+
+def _skip_message(record: logging.LogRecord) -> Optional[str]:
+    """The text of an Inductor "skipping cudagraphs ..." record; None for any other record (or a malformed one)."""
+    try:
+        msg = record.getMessage()
+    except Exception:  # noqa: BLE001 - a malformed record: nothing to report
+        return None
+    return msg if "skipping cudagraph" in msg else None
+
+
+def _cudagraph_skip_logger() -> logging.Logger:
+    """The logger Inductor logs its CUDA-graph skips to: ``cudagraphs_log``, or on torch 2.8, which has none, its
+    perf-hints logger (a handler keeps only "skipping cudagraph" messages: :func:`_skip_message`)."""
+    import torch._inductor.cudagraph_utils as cg
+
+    return (getattr(cg, "cudagraphs_log", None) or getattr(cg, "perf_hint_log", None)
+            or logging.getLogger(CUDAGRAPH_LOGGER))
 
 
 _SKIP_LOG = _CudagraphSkipLog()
 
 
 def _watch_cudagraph_skips() -> None:
-    """Attach :data:`_SKIP_LOG` to the logger Inductor logs its CUDA-graph skips to (once): ``cudagraphs_log``, or
-    on torch 2.8, which has none, its perf-hints logger (the handler keeps only "skipping cudagraph" messages)."""
-    import torch._inductor.cudagraph_utils as cg
-
-    log = (getattr(cg, "cudagraphs_log", None) or getattr(cg, "perf_hint_log", None)
-           or logging.getLogger(CUDAGRAPH_LOGGER))
+    """Attach :data:`_SKIP_LOG` to the logger Inductor logs its CUDA-graph skips to (once):
+    :func:`_cudagraph_skip_logger`."""
+    log = _cudagraph_skip_logger()
     if _SKIP_LOG not in log.handlers:
         log.addHandler(_SKIP_LOG)
+
+
+class _SkipList(logging.Handler):
+    """Appends the text of each "skipping cudagraphs ..." record to ``messages``."""
+
+    def __init__(self, messages: List[str]):
+        super().__init__(logging.WARNING)
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = _skip_message(record)
+        if msg is not None:
+            self.messages.append(msg)
+
+
+@contextlib.contextmanager
+def cudagraph_skips() -> Iterator[List[str]]:
+    """Inductor's "skipping cudagraphs due to ..." messages logged while the ``with`` block runs: a list, filled in
+    the order they come, whatever logged them (stock Inductor or this backend's lowering)::
+
+        with cudagraph_skips() as skips:
+            compiled(*args)  # e.g. the first call of torch.compile(model, mode="reduce-overhead")
+        skips  # ["skipping cudagraphs due to mutated inputs (1 instances). Found from : ...", ...]
+
+    It listens where the backend does for its explain records (:func:`_cudagraph_skip_logger`: ``cudagraphs_log``,
+    on torch 2.8 the perf-hints logger, of whose messages only the skips are kept) and records nothing itself.
+    """
+    messages: List[str] = []
+    handler = _SkipList(messages)
+    log = _cudagraph_skip_logger()
+    log.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
 
 
 def _inductor_cudagraph_skips() -> int:

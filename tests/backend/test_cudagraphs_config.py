@@ -234,6 +234,23 @@ def test_inductor_skip_logged_during_a_call_turns_the_record_off():
     assert tc.counters["cudagraphs"] == 0 and tc.counters["cudagraphs_off"] == 1
 
 
+def test_cudagraph_skips_collects_the_skip_messages_logged_inside_the_with():
+    """backend.cudagraph_skips() (bench decode's ``cudagraph_skips`` field): Inductor's skip messages logged inside
+    the ``with``, in order, whoever logged them; not its other warnings, nothing before or after."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    from tinyserve_compile.backend import _cudagraph_skip_logger, cudagraph_skips
+
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to something before")
+    with cudagraph_skips() as skips:
+        log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)")
+        _cudagraph_skip_logger().warning("CUDAGraph supports dynamic shapes by recording a new graph ...")
+        log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a second reason")
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to something after")
+    assert skips == ["skipping cudagraphs due to mutated inputs (1 instances)",
+                     "skipping cudagraphs due to a second reason"]
+
+
 def test_inductor_skipping_cudagraphs_at_compile_is_reported(monkeypatch):
     """Forced on for a CPU graph, Inductor skips CUDA graphs (counted, not logged for a CPU graph): the record says
     so, and the graph still runs right through the wrapper that watches its calls."""
