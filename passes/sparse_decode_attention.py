@@ -99,8 +99,10 @@ def sparse_decode_attention(gm: fx.GraphModule, config: TinyServeConfig) -> fx.G
         query_aware = config.policy == "query_aware"
         native = query_aware and runtime.decode_kernel(q.device, config) == "native"
         spec = SelectionSpec.from_config(config)
-        length = site.k_layout.full(fake(site.k_base))[2]
-        spec = (spec.for_cache(length) if isinstance(length, int) else spec).to_list()  # sizes bounded by the cache
+        if all(isinstance(n, int) for n in fake(site.k_base).shape):  # a static cache: sizes bounded by its length
+            spec = spec.for_cache(site.k_layout.full(fake(site.k_base))[2])
+        # (a symbolic length has only a hint here; the ops bound the sizes by the length they are called with)
+        spec = spec.to_list()
         with graph.inserting_before(site.node):
             # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
             k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)
