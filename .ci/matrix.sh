@@ -77,8 +77,8 @@ triton_edge() {  # Triton 3.6 (the GPU image's, beside torch 2.11+cu130 there) o
     "$venv/bin/pip" install -q $PIP_NET --no-deps "triton==3.6.0"
     "$venv/bin/pip" install -q --no-deps -e .
     "$venv/bin/python" -c "import triton; print('triton', triton.__version__)"
-    "$venv/bin/python" tests/kernels/sm90_compile.py --quick
-    "$venv/bin/python" tests/kernels/sm90_compile.py --occupancy
+    "$venv/bin/python" tools/sm90_compile.py --quick
+    "$venv/bin/python" tools/sm90_compile.py --occupancy
     echo "=== matrix edge 'triton36' passed in $(( $(date +%s) - t0 )) s"
 }
 

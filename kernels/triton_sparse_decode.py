@@ -704,7 +704,7 @@ _BLOCK_ALL = 16384
 _SELECT_WARPS = 16
 #: warps of launch 1 resident on an SM, which sizes its grid (one wave of programs), and the registers a thread
 #: that allows (an SM's 64K), passed to ptxas as ``maxnreg`` (the select tail alone would take 168 at 8 warps);
-#: tests/kernels/sm90_compile.py --occupancy checks the compiled kernel against it
+#: tools/sm90_compile.py --occupancy checks the compiled kernel against it
 _LAUNCH1_WARPS_PER_SM = 16
 _LAUNCH1_MAX_REGISTERS = 65536 // (32 * _LAUNCH1_WARPS_PER_SM)
 #: programs an SM that size the grids of launches 2 and 3 (one wave): Triton 3.6's attention kernel takes 217

@@ -2,16 +2,10 @@
 (ascending, distinct, inside the buffer, of the right size), and bad arguments are named. No timing is asserted."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import ceilings  # noqa: E402
+from bench import ceilings
 
 
 @pytest.fixture(scope="module")

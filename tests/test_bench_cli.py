@@ -34,6 +34,7 @@ def test_commands_are_the_documented_ones():
         assert f"  {command} " in res.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter per command: about 40 s on 2 cores
 def test_every_command_has_the_shared_flags_in_its_help():
     """``python -m bench <command> --help`` in a fresh interpreter, for every command: --quick, --out, --compare."""
     for command in cli.COMMANDS:

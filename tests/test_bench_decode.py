@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 

@@ -1,10 +1,8 @@
 """bench linear on one tiny shape: every method runs (no error rows) and the records carry the same-run bandwidth."""
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 
 from bench.linear import run, table
 from tinyserve_compile.kernels.linear import load_native_linear

@@ -8,13 +8,11 @@ import contextlib
 import csv
 import io
 import json
-import os
 import sys
 import types
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 

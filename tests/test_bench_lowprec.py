@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 pytest.importorskip("transformers")
 
 from bench import decode as bd  # noqa: E402

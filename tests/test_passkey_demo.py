@@ -4,13 +4,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "backend"))
-from models import hf_model  # noqa: E402
+from tests.support.backend_models import hf_model
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "passkey_demo.py")
 _spec = importlib.util.spec_from_file_location("passkey_demo", _PATH)

@@ -1,10 +1,2 @@
-import sys
-from pathlib import Path
-
-import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "kernels"))  # kernel_checks (cache_write_path), shared
-
-
-from backend_state import _fresh_backend_state  # noqa: E402,F401 (autouse)
+"""The backend tests' set-up: every test starts from fresh Dynamo and tinyserve state."""
+from tests.support.backend_state import _fresh_backend_state  # noqa: F401 (autouse)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, worst
-from models import hf_model
+from tests.support.backend_helpers import hf_decode, prompt, worst
+from tests.support.backend_models import hf_model
 from tinyserve_compile.backend import _copy, tinyserve_backend
 from tinyserve_compile.kernels.reference import page_bounds
 from tinyserve_compile.passes._views import is_written_in_place

@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, worst
-from kernel_checks import cache_write_path
-from models import VOCAB, gpt_fast_model
+from tests.support.backend_helpers import hf_decode, prompt, worst
+from tests.support.kernel_checks import cache_write_path
+from tests.support.backend_models import VOCAB, gpt_fast_model
 from tinyserve_compile import runtime
 from tinyserve_compile.testing import reference_sparse_attention
 
@@ -397,7 +397,7 @@ def test_inductor_copies_a_shared_decode_mask_once_not_once_per_site(batch):
     """HF's decode mask is a view that every layer reads; Inductor materialized it once per rewritten site (30
     copies of the mask per SmolLM2 step). Every site now reads one buffer, and the tokens match eager."""
     from torch._inductor.utils import run_and_get_code
-    from models import hf_model
+    from tests.support.backend_models import hf_model
 
     model = hf_model("llama")
     ids = prompt(40, batch=batch)

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tinyserve_compile as tc
-from helpers import decode_graph, prompt, worst
-from models import GptFastAttention, GptFastModel, gpt_fast_model
+from tests.support.backend_helpers import decode_graph, prompt, worst
+from tests.support.backend_models import GptFastAttention, GptFastModel, gpt_fast_model
 from tinyserve_compile import backend
 
 HQ, HKV, L, D = 4, 2, 64, 16

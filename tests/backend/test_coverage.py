@@ -2,12 +2,8 @@
 it should, and none is wrong. The full sweep over every architecture is a benchmark, run by hand."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 pytest.importorskip("transformers")
 
 from bench import coverage  # noqa: E402

@@ -12,8 +12,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tinyserve_compile as tc
-from helpers import decode_graph, prompt, worst
-from models import GptFastModel, gpt_fast_model
+from tests.support.backend_helpers import decode_graph, prompt, worst
+from tests.support.backend_models import GptFastModel, gpt_fast_model
 from test_negative import _inputs, good
 from tinyserve_compile import runtime
 from tinyserve_compile.backend import _copy, _cudagraphs_decision, _finish_dynamo_metadata
@@ -418,7 +418,7 @@ def test_hf_generate_default_compile_config_on_cuda():
     tokens as eager generate."""
     from transformers import CompileConfig
 
-    from models import hf_model
+    from tests.support.backend_models import hf_model
 
     model = hf_model("llama").cuda()
     ids = prompt(40).cuda()

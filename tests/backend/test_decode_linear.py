@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, worst
-from models import hf_model
+from tests.support.backend_helpers import hf_decode, prompt, worst
+from tests.support.backend_models import hf_model
 from tinyserve_compile.kernels.linear import load_native_linear, native_linear_reason
 
 pytestmark = pytest.mark.skipif(not load_native_linear(), reason=f"native GEMV unavailable: {native_linear_reason()}")
@@ -131,10 +131,6 @@ def test_grad_graph_stays_aten():
 def test_quantized_weights_stay_aten():
     # torchao's int8 weight subclass runs its own linear: the pass leaves it alone
     pytest.importorskip("torchao")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from bench.weights import prepare_weights
 
     model = prepare_weights(hf_model("llama").to(torch.bfloat16), "int8")

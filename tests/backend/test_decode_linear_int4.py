@@ -4,14 +4,11 @@ eager; a decode batch above 8 rows and output features that are not a multiple o
 reason in explain()."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, torchao_problem, worst
+from tests.support.backend_helpers import hf_decode, prompt, torchao_problem, worst
 from tinyserve_compile.kernels.linear import int4_layout_problem, load_native_linear, native_linear_reason
 
 if torchao_problem() is not None:
@@ -19,7 +16,6 @@ if torchao_problem() is not None:
 pytestmark = pytest.mark.skipif(not load_native_linear() or int4_layout_problem() is not None,
                                 reason=f"native int4 GEMV unavailable: {native_linear_reason() or int4_layout_problem()}")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.weights import prepare_weights  # noqa: E402
 
 #: linears of the decode graph: 2 layers x (q, k, v, o, gate, up, down) + lm_head

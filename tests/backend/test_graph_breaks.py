@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import worst
-from models import gpt_fast_model
+from tests.support.backend_helpers import worst
+from tests.support.backend_models import gpt_fast_model
 from test_hf_models import _gpt_fast_run
 
 OPTS = {"token_budget": 32, "page_size": 16, "candidate_extra": 32, "dense_layers": 2}

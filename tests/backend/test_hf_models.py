@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, position_kwargs, prompt, worst
-from models import HF_FAMILIES, gpt_fast_model, hf_model, n_heads
+from tests.support.backend_helpers import hf_decode, position_kwargs, prompt, worst
+from tests.support.backend_models import HF_FAMILIES, gpt_fast_model, hf_model, n_heads
 from tinyserve_compile.runtime import state_for
 from tinyserve_compile.kernels.reference import page_bounds
 

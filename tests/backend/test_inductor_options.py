@@ -8,8 +8,8 @@ import torch
 import torch._inductor.config as inductor_config
 
 import tinyserve_compile as tc
-from helpers import CACHE_IS_GRAPH_ATTRIBUTE, hf_decode, prompt, worst
-from models import hf_model
+from tests.support.backend_helpers import CACHE_IS_GRAPH_ATTRIBUTE, hf_decode, prompt, worst
+from tests.support.backend_models import hf_model
 from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.runtime import native_unavailable_reason
 

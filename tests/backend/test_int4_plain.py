@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, torchao_problem, worst
+from tests.support.backend_helpers import hf_decode, prompt, torchao_problem, worst
 from tinyserve_compile.kernels.linear import int4_layout_problem, load_native_linear, native_linear_reason
 
 if torchao_problem() is not None:

@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tinyserve_compile as tc
-from helpers import prompt, worst
-from models import VOCAB
+from tests.support.backend_helpers import prompt, worst
+from tests.support.backend_models import VOCAB
 from tinyserve_compile.kernels.reference import page_bounds
 from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.runtime import state_for

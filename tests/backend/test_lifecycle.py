@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 import tinyserve_compile as tc
-from helpers import CACHE_IS_GRAPH_ATTRIBUTE, hf_decode, prompt, worst
-from models import gpt_fast_model, hf_model
+from tests.support.backend_helpers import CACHE_IS_GRAPH_ATTRIBUTE, hf_decode, prompt, worst
+from tests.support.backend_models import gpt_fast_model, hf_model
 from test_hf_models import _gpt_fast_run
 from tinyserve_compile.kernels.reference import page_bounds
 from tinyserve_compile.runtime import state_for

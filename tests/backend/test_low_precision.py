@@ -4,18 +4,14 @@ rewritten, a budget covering the context gives the same quantized model's eager 
 gives the reference rule's logits on the same quantized model."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import hf_decode, prompt, torchao_problem, worst
-from models import hf_model
+from tests.support.backend_helpers import hf_decode, prompt, torchao_problem, worst
+from tests.support.backend_models import hf_model
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from bench.weights import INT4_GROUP, prepare_weights, tensor_nbytes  # noqa: E402
+from bench.weights import INT4_GROUP, prepare_weights, tensor_nbytes
 
 N_LAYERS = 4
 PROMPT = 90

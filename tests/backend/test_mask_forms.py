@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tinyserve_compile
-from models import GptFastModel
+from tests.support.backend_models import GptFastModel
 
 #: 2 pages of budget and 2 extra candidate pages: a row of at most 32 tokens attends densely by the rule
 OPTIONS = {"token_budget": 16, "page_size": 8, "candidate_extra": 16, "dense_layers": 0, "lower": "eager"}

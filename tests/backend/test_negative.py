@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import tinyserve_compile as tc
-from helpers import prompt, worst
-from models import hf_model
+from tests.support.backend_helpers import prompt, worst
+from tests.support.backend_models import hf_model
 
 B, HQ, HKV, L, D = 1, 4, 2, 64, 16
 OPTS = {"dense_layers": 0, "token_budget": 16, "page_size": 8, "lower": "eager"}

@@ -6,8 +6,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from helpers import decode_graph, prompt
-from models import gpt_fast_model
+from tests.support.backend_helpers import decode_graph, prompt
+from tests.support.backend_models import gpt_fast_model
 from tinyserve_compile.backend import _copy
 from tinyserve_compile.config import TinyServeConfig
 from tinyserve_compile.passes import pass_state, run_passes

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import tinyserve_compile as tc
-from helpers import worst
+from tests.support.backend_helpers import worst
 
 B, HQ, HKV, L, D = 1, 4, 2, 64, 16
 OPTS = {"dense_layers": 0, "token_budget": 16, "page_size": 8, "lower": "eager"}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from helpers import worst
+from tests.support.backend_helpers import worst
 from tinyserve_compile.testing import reference_sparse_attention
 
 OPTS = {"token_budget": 256, "page_size": 16, "candidate_extra": 64, "lower": "eager"}

@@ -1,6 +1,6 @@
 """Tensor parallelism over 2 gloo ranks on CPU: the backend rewrites each rank's local decode sites.
 
-One spawn runs every scenario (see ``tp_worker.py``), bounded in time:
+One spawn runs every scenario (see ``tests/support/tp_worker.py``), bounded in time:
 
 * transformers' ``tp_plan="auto"`` (DTensor weights, local activations);
 * a gpt-fast-style model sharded by heads by hand, its output projection all-reduced with functional
@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 
-import tp_worker as W
-from helpers import worst
+from tests.support import tp_worker as W
+from tests.support.backend_helpers import worst
 from tinyserve_compile.testing import reference_sparse_attention
 
 DEADLINE_S = 420
@@ -87,7 +87,7 @@ def test_hf_tp_plan_auto_rewrites_local_sites_and_matches_single_process(ranks):
 
 
 def test_head_sharded_gpt_fast_rewrites_local_sites_and_matches_single_process(ranks):
-    import models
+    from tests.support import backend_models as models
 
     model = models.gpt_fast_model()
 

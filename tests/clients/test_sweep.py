@@ -3,13 +3,10 @@ with a static cache, run by the sweep's own driver in this interpreter, and the 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 pytest.importorskip("transformers")
 
 import tinyserve_compile as tc  # noqa: E402

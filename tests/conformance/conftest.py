@@ -2,21 +2,15 @@
 mismatches printed at the end of the run (``pytest -s`` not needed: it is a terminal summary)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-for _shared in ("kernels", "export"):  # triton_interp and export_helpers, shared with those folders' tests
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / _shared))
-
-from conformance_cases import FUZZ, RESULTS  # noqa: E402  (one row per test: filled by the tests, printed below)
+from tests.support.conformance_cases import FUZZ, RESULTS  # one row per test: filled by the tests, printed below
 
 
 @pytest.fixture(scope="session")
 def triton_interpreted():
     """The Triton kernel modules, imported so that their kernels run in the interpreter (skips without triton)."""
-    from triton_interp import _import_interpreted
+    from tests.support.triton_interp import _import_interpreted
 
     return (_import_interpreted("tinyserve_compile.kernels.triton_sparse_decode"),
             _import_interpreted("tinyserve_compile.kernels.triton_bounds"))

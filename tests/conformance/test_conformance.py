@@ -1,8 +1,8 @@
 """Every implementation of the op and of the bounds writer, on one table of cases, against the reference.
 
-For each case of :data:`conformance_cases.CASES` (dtypes x GQA groups x masks x per-row lengths x page sizes x
-bounds dtypes x one/two stages x keep_tokens x extra candidates) and each implementation (the reference, the
-PyTorch path, the native kernel, Triton under the interpreter, the ONNX twin in ONNX Runtime):
+For each case of :data:`tests.support.conformance_cases.CASES` (dtypes x GQA groups x masks x per-row lengths x
+page sizes x bounds dtypes x one/two stages x keep_tokens x extra candidates) and each implementation (the
+reference, the PyTorch path, the native kernel, Triton under the interpreter, the ONNX twin in ONNX Runtime):
 
 * the output is within the dtype's tolerance of the reference's;
 * the kept pages (and tokens, where the implementation exposes them) are the reference's, on every page whose
@@ -18,7 +18,8 @@ import zlib
 import pytest
 import torch
 
-from conformance_cases import BOUND_CASES, CASES, IMPLS, RESULTS, TOL, case_inputs, comparable_pages, run_writer
+from tests.support.conformance_cases import (BOUND_CASES, CASES, IMPLS, RESULTS, TOL, case_inputs,
+                                             comparable_pages, run_writer)
 
 # log(0) = -inf is how a fully masked candidate page gets its -inf log-sum-exp in the interpreter; numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")

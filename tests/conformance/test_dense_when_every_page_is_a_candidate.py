@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance_cases import _TwinStep, export_and_run
-from kernel_checks import TOL, assert_close_report, dense_sdpa, make_gen, randn
+from tests.support.conformance_cases import _TwinStep, export_and_run
+from tests.support.kernel_checks import TOL, assert_close_report, dense_sdpa, make_gen, randn
 from tinyserve_compile.kernels import reference as ref
 from tinyserve_compile.kernels.bounds import allocate_bounds, rebuild_bounds_
 from tinyserve_compile.kernels.spec import SelectionSpec
@@ -51,7 +51,7 @@ def _run(impl, q, k, v, bounds, vl, spec, tmp_path):
         if not load_native():
             pytest.skip("native kernel unavailable")
     if impl == "triton":
-        from triton_interp import _import_interpreted
+        from tests.support.triton_interp import _import_interpreted
 
         _import_interpreted("tinyserve_compile.kernels.triton_sparse_decode")
     return run_kernel(impl, q, k, v, *bounds, vl, None, scale, spec)

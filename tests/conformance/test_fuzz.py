@@ -28,7 +28,7 @@ from tinyserve_compile.kernels import reference as ref
 from tinyserve_compile.kernels.spec import (BOUNDS_CODES, MASKED_AT_OR_BELOW, MAX_INDEX, MAX_PAGE_SIZE,
                                             SelectionSpec, attended)
 
-from conformance_cases import FUZZ, TOL, export_and_run
+from tests.support.conformance_cases import FUZZ, TOL, export_and_run
 
 #: examples per kernel (the Triton interpreter takes about 0.25 s a draw, the ONNX export 0.5 s)
 EXAMPLES = {"reference": 300, "torch": 300, "native": 300, "triton": 200, "onnx": 200}
@@ -135,7 +135,7 @@ def _run(impl: str, d, q, k, v, lens, mask, bounds, scale, spec_list, tmp_path):
         tsd = sys.modules["tinyserve_compile.kernels.triton_sparse_decode"]  # interpreted (the fixture)
         return tsd.sparse_decode_triton(q, k, v, *bounds, lens, mask, scale, SelectionSpec.from_list(spec_list))
     if impl == "onnx":
-        from conformance_cases import _TwinStep
+        from tests.support.conformance_cases import _TwinStep
 
         step = _TwinStep(SelectionSpec.from_list(spec_list), scale)
         return export_and_run(step, (q, k, v, *bounds, lens - 1), tmp_path / "fuzz.onnx")[0]
@@ -204,11 +204,13 @@ def test_fuzz_options_masks_dtypes(impl, tmp_path):
     _fuzz(impl, tmp_path)
 
 
+@pytest.mark.slow  # the Triton interpreter: about 100 s on 2 cores
 def test_fuzz_triton_interpreter(triton_interpreted, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels launch in the interpreter (as test_conformance)
     _fuzz("triton", tmp_path)
 
 
+@pytest.mark.slow  # an ONNX export per case: about 220 s on 2 cores
 def test_fuzz_onnx_twin(tmp_path):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")

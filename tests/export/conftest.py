@@ -1,16 +1,10 @@
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "backend"))  # models.py, helpers.py
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 
-from backend_state import _fresh_backend_state  # noqa: E402,F401 (autouse)
+from tests.support.backend_state import _fresh_backend_state  # noqa: E402,F401 (autouse)
 
 
 L = 192  #: static cache length of the tiny-model exports
@@ -35,7 +29,7 @@ EXPORTS = {
 @pytest.fixture(scope="session")
 def exports(tmp_path_factory):
     """The tiny-model exports, made once per session on first use: ``{name: ExportInfo}``."""
-    from models import hf_model
+    from tests.support.backend_models import hf_model
 
     from tinyserve_compile.onnx.export import export_onnx
 

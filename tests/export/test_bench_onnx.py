@@ -2,14 +2,9 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_onnx_dry_run(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT))
     from bench.onnx_decode import main
 
     out = tmp_path / "onnx.json"

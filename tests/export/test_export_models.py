@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import EXPORTS, L
-from export_helpers import greedy, hf_step, prefill, worst
-from helpers import prompt
-from models import hf_model
+from tests.support.export_helpers import greedy, hf_step, prefill, worst
+from tests.support.backend_helpers import prompt
+from tests.support.backend_models import hf_model
 from tinyserve_compile.onnx.export import decode_state, export_onnx, main
 from tinyserve_compile.kernels.reference import page_bounds
 from tinyserve_compile.onnx.runtime import OrtDecoder

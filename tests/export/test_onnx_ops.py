@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from export_helpers import export_module, ort_run, worst
+from tests.support.export_helpers import export_module, ort_run, worst
 from tinyserve_compile.onnx import ops as onnx_ops  # noqa: F401  (registers the ops)
 from tinyserve_compile.kernels.reference import PageBounds, page_bounds, sparse_decode_reference, store_bounds
 from tinyserve_compile.kernels.spec import SelectionSpec

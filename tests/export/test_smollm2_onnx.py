@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from export_helpers import greedy, hf_step, prefill, worst
+from tests.support.export_helpers import greedy, hf_step, prefill, worst
 
 CTX, STEPS, L = 4064, 32, 4096
 OPTIONS = {"token_budget": 1024}  # the defaults otherwise: pages of 8, a sink page, 1024 extra candidates, int8 bounds

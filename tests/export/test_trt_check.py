@@ -30,7 +30,7 @@ def test_exported_steps_pass_the_tensorrt_check(exports, name):
 def test_int8_bounds_write_passes_only_through_qdq(tmp_path, int8_write):
     """The default int8 write (Q/DQ of the whole state) passes; scattering int8 codes in place is flagged."""
     import torch
-    from export_helpers import export_module
+    from tests.support.export_helpers import export_module
 
     from tinyserve_compile.kernels.spec import SelectionSpec
     from tinyserve_compile.onnx import ops as onnx_ops  # noqa: F401  (registers the ops)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_checks import DTYPES, cache_write_path, make_gen, randn
+from tests.support.kernel_checks import DTYPES, cache_write_path, make_gen, randn
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_, update_bounds_
 from tinyserve_compile.kernels import reference as ref
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernel_checks import DTYPES, assert_ge_report, make_gen, randn
+from tests.support.kernel_checks import DTYPES, assert_ge_report, make_gen, randn
 from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.kernels import reference as ref
 

@@ -31,6 +31,7 @@ def test_dequantize_names_a_bad_block_n():
         dequantize_int4pack(qdata, sz, 32, block_n=48)
 
 
+@pytest.mark.slow  # three test files in a pytest subprocess: about 2 minutes on 2 cores
 @pytest.mark.skipif(not load_native_linear(), reason="native module unavailable")
 def test_int4_gemv_on_avx2_atens_layout(tmp_path):
     # an Inductor cache of its own: Inductor's cached kernels for this machine's AVX-512 widths would be reused

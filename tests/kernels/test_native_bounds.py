@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_checks import make_gen, randn
+from tests.support.kernel_checks import make_gen, randn
 from tinyserve_compile.kernels import reference as ref
 from tinyserve_compile.kernels.native import load_native, native_module, native_unavailable_reason
 from tinyserve_compile.kernels.spec import SelectionSpec

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from kernel_checks import TOL, assert_close_report, make_gen, randn
+from tests.support.kernel_checks import TOL, assert_close_report, make_gen, randn
 from tinyserve_compile.kernels import reference as ref
 from tinyserve_compile.kernels.native import load_native, native_module, native_unavailable_reason
 from tinyserve_compile.kernels.spec import SelectionSpec
@@ -164,6 +164,7 @@ def test_environment_is_read_once_at_load(env, tmp_path):
         assert first == second == env, (first, second)
 
 
+@pytest.mark.slow  # spins more processes than cores for up to 10 s: loads the whole machine
 @pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="no /proc/loadavg to read the machine's load from")
 def test_auto_takes_the_pool_on_an_oversubscribed_machine(scheduling):
     """With more spinning processes than usable cores, auto switches to the pool within a few 50 ms samples."""

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_checks import TOL, assert_close_report, dense_sdpa, make_gen, randn
+from tests.support.kernel_checks import TOL, assert_close_report, dense_sdpa, make_gen, randn
 from tinyserve_compile.kernels import reference as ref
 from tinyserve_compile.kernels.native import load_native, native_module, native_unavailable_reason
 from tinyserve_compile.kernels.spec import BOUNDS_CODES, SelectionSpec

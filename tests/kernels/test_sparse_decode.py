@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_checks import DTYPES, TOL, assert_close_report, dense_sdpa, make_gen, randn
+from tests.support.kernel_checks import DTYPES, TOL, assert_close_report, dense_sdpa, make_gen, randn
 from tinyserve_compile.kernels import allocate_bounds, rebuild_bounds_, sparse_decode
 from tinyserve_compile.kernels import reference as ref
 from tinyserve_compile.kernels.spec import SelectionSpec

@@ -55,6 +55,7 @@ def test_bench_kernel_gpu_dry_run(tmp_path):
 needs_shell = pytest.mark.skipif(not (shutil.which("bash") and shutil.which("timeout")), reason="bash + timeout")
 
 
+@pytest.mark.slow  # about 70 s on 2 cores
 @needs_shell
 def test_gpu_check_dry_run(tmp_path):
     """Every step of the GPU check runs (env, the op checked and timed at both selection settings, decode of both

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 import torch
 
 
-from triton_interp import _import_interpreted  # noqa: E402
+from tests.support.triton_interp import _import_interpreted  # noqa: E402
 
 
 tb = _import_interpreted("tinyserve_compile.kernels.triton_bounds")
 
-from kernel_checks import DTYPES, assert_equal_report, make_gen, randn  # noqa: E402
+from tests.support.kernel_checks import DTYPES, assert_equal_report, make_gen, randn  # noqa: E402
 from tinyserve_compile.kernels import PageBounds, allocate_bounds, update_bounds_  # noqa: E402
 from tinyserve_compile.kernels import reference as ref  # noqa: E402
 

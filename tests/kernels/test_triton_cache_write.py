@@ -26,12 +26,12 @@ import sys
 import pytest
 import torch
 
-from triton_interp import _import_interpreted  # noqa: E402
+from tests.support.triton_interp import _import_interpreted  # noqa: E402
 
 tb = _import_interpreted("tinyserve_compile.kernels.triton_bounds")
 
-from kernel_checks import DTYPES, assert_equal_report, make_gen, randn  # noqa: E402
-from no_host_sync import VIEWS_AND_ALLOCATIONS, ForbidHostSync, count_triton_launches  # noqa: E402
+from tests.support.kernel_checks import DTYPES, assert_equal_report, make_gen, randn  # noqa: E402
+from tests.support.no_host_sync import VIEWS_AND_ALLOCATIONS, ForbidHostSync, count_triton_launches  # noqa: E402
 from tinyserve_compile.kernels import PageBounds  # noqa: E402
 from tinyserve_compile.kernels import reference as ref  # noqa: E402
 from tinyserve_compile.kernels.bounds import _cache_write_triton, cache_write_torch  # noqa: E402

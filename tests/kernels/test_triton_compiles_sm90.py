@@ -2,7 +2,7 @@
 
 The interpreter runs the kernels' logic on CPU tensors but never lowers them; a kernel can pass there and fail
 to compile for the GPU (an unsupported op, a type Triton cannot lower, a register or shared-memory limit that
-``ptxas`` enforces). ``sm90_compile.py`` intercepts each launch of the op's and the cache write's kernels, with
+``ptxas`` enforces). ``tools/sm90_compile.py`` intercepts each launch of the op's and the cache write's kernels, with
 the argument types of real calls (bf16; the defaults, the paper rule, two stages keeping pages, a dense cache;
 no mask and an additive mask) and compiles it through Triton's whole pipeline to a
 cubin for ``GPUTarget("cuda", 90, 32)``.
@@ -12,16 +12,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # each compiles through ptxas in a subprocess: 30-60 s on 2 cores
 
 
 def _run(flag: str, timeout: int):
-    """``sm90_compile.py flag`` in a process of its own (not interpreted); skips where Triton's NVIDIA backend (or
+    """``tools/sm90_compile.py flag`` in a process of its own (not interpreted); skips where Triton's NVIDIA backend (or
     its ptxas/cuobjdump) is missing (exit status 3)."""
-    script = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
+    script = Path(__file__).resolve().parents[2] / "tools" / "sm90_compile.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, script, flag], capture_output=True, text=True, env=env, timeout=timeout)
     if run.returncode == 3:
@@ -31,7 +33,7 @@ def _run(flag: str, timeout: int):
 
 def test_every_kernel_compiles_for_sm90():
     # --quick: bf16 (the GPU's dtype) with no mask and an additive per-head one, every setting; the whole grid
-    # (fp16, fp32, bool masks too) is `python tests/kernels/sm90_compile.py` (about 5 minutes cold on 2 cores)
+    # (fp16, fp32, bool masks too) is `python tools/sm90_compile.py` (about 5 minutes cold on 2 cores)
     run = _run("--quick", 900)
     assert run.returncode == 0, f"sm_90 compile failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     names = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("compiled ")}

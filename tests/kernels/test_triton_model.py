@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 
-from triton_interp import _import_interpreted  # noqa: E402
+from tests.support.triton_interp import _import_interpreted  # noqa: E402
 
 
 _import_interpreted("tinyserve_compile.kernels.triton_sparse_decode")
@@ -98,7 +98,7 @@ def test_decode_step_launches_and_host_reads(monkeypatch):
     step's figures (``pytest -s``): launches by kernel, ATen ops inside the op calls, host reads in the step."""
     from collections import Counter
 
-    from no_host_sync import VIEWS_AND_ALLOCATIONS, ForbidHostSync
+    from tests.support.no_host_sync import VIEWS_AND_ALLOCATIONS, ForbidHostSync
 
     tsd = _import_interpreted("tinyserve_compile.kernels.triton_sparse_decode")
     launches = Counter()

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 
-from triton_interp import _import_interpreted  # noqa: E402
+from tests.support.triton_interp import _import_interpreted  # noqa: E402
 
 
 tsd = _import_interpreted("tinyserve_compile.kernels.triton_sparse_decode")
 
-from kernel_checks import DTYPES, TOL, assert_close_report, make_gen, randn  # noqa: E402
+from tests.support.kernel_checks import DTYPES, TOL, assert_close_report, make_gen, randn  # noqa: E402
 from tinyserve_compile.kernels import reference as ref  # noqa: E402
 from tinyserve_compile.kernels import sparse_decode  # noqa: E402
 from tinyserve_compile.kernels.spec import SelectionSpec  # noqa: E402

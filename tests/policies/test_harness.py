@@ -2,13 +2,9 @@
 roll-back to the prefill is exact, sparse steps go through the policy."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 transformers = pytest.importorskip("transformers")
 
 from bench.cli import PRESETS  # noqa: E402

@@ -3,13 +3,9 @@ model: SmolLM2-135M-Instruct at a 1K context, budget 256, the last two layers sp
 prefilled cache, the same tokens teacher-forced: the logits agree, so the pages kept agree too."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 pytest.importorskip("transformers")
 
 import tinyserve_compile as tc  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tinyserve_compile as tc
-from cb_helpers import cb_config, gen_config, prompts, run_batch, run_staggered, static_alone, tiny_llama
+from tests.support.cb_helpers import cb_config, gen_config, prompts, run_batch, run_staggered, static_alone, tiny_llama
 from tinyserve_compile import continuous_batching as cbm
 
 LENGTHS = [5, 37, 60, 90, 137]

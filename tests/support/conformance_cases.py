@@ -53,7 +53,7 @@ AXES = {
 }
 N_CASES = 36
 
-#: one row per (test, implementation): filled by the tests, printed by the conftest's terminal summary
+#: one row per (test, implementation): filled by the tests, printed by tests/conformance/conftest.py's terminal summary
 RESULTS: list = []
 #: one line per fuzzed implementation (test_fuzz.py): its draws and what each ended in
 FUZZ: list = []
@@ -208,7 +208,7 @@ class _TwinStep(torch.nn.Module):
 
 def export_and_run(module, args, path, int8_write="tensorrt"):
     """``torch.onnx.export`` of ``module`` with the tinyserve translations, then one ONNX Runtime run."""
-    from export_helpers import export_module, ort_run  # tests/export, on the path through the conftest
+    from tests.support.export_helpers import export_module, ort_run
 
     from tinyserve_compile.onnx import ops  # noqa: F401  (registers the export ops)
 
@@ -270,7 +270,7 @@ class _TwinWrite(torch.nn.Module):
 
 
 def _run_onnx_writer(k, S, bd, g, tmp_path):
-    from export_helpers import ort_run
+    from tests.support.export_helpers import ort_run
 
     B, Hkv, L, D = k.shape
     module = _TwinWrite(SelectionSpec(S, S, 0, 1, 0, False, bd))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from models import VOCAB, n_heads
+from tests.support.backend_models import VOCAB, n_heads
 from tinyserve_compile.testing import reference_sparse_attention
 
 

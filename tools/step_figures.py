@@ -1,6 +1,6 @@
 """Interpreter-side figures of one decode step of a compiled tiny Llama on the Triton kernel (CPU, interpreted).
 
-Run as a script, ``python tests/kernels/step_figures.py [two-stage|paper]``, from outside the checkout with the
+Run as a script, ``python tools/step_figures.py [two-stage|paper]``, from outside the checkout with the
 virtualenv of the checkout to measure (the same script serves any checkout: it patches only Triton's interpreter
 and the op's launcher ``sparse_decode_triton``). A random-init Llama (3 layers, 6 query and 2 KV heads, the
 first layer dense) decodes at 101-103 tokens in a static cache of 320 slots, pages of 16, a budget of 32 tokens:
@@ -10,10 +10,12 @@ compute ones named), and the host reads (``item``, ``_local_scalar_dense``, ``no
 ``is_nonzero``) inside the op calls and in the whole step (the profiler's events). docs/gpu/interpreter_step.json
 holds the figures before the fused op (e9da5a0) and now.
 """
+import importlib.util
 import json
 import os
 import sys
 from collections import Counter
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -22,8 +24,20 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import tinyserve_compile as tc  # noqa: E402
-from no_host_sync import VIEWS_AND_ALLOCATIONS  # noqa: E402  (this folder: the script's own)
 from tinyserve_compile.kernels import triton_sparse_decode as tsd  # noqa: E402
+
+
+def _load_no_host_sync():
+    """tests/support/no_host_sync.py of this script's checkout, loaded from its file: the repository root is not
+    put on ``sys.path``, where its ``tinyserve_compile`` would shadow the one of the virtualenv being measured."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "support" / "no_host_sync.py"
+    spec = importlib.util.spec_from_file_location("no_host_sync", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+VIEWS_AND_ALLOCATIONS = _load_no_host_sync().VIEWS_AND_ALLOCATIONS
 
 #: host reads as the profiler names them; the dispatcher's names are the same with "." for "::"
 READS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::equal", "aten::is_nonzero")

@@ -1,4 +1,7 @@
-"""One rank of the tensor-parallel tests (spawned by ``test_tensor_parallel.py``; gloo on CPU).
+"""One rank of the tensor-parallel tests (spawned by ``tests/backend/test_tensor_parallel.py``; gloo on CPU).
+
+A spawned rank imports this module as ``tests.support.tp_worker``: a spawned child starts with its parent's
+import path, which holds the repository root (pyproject's ``pythonpath``).
 
 Each scenario decodes a few greedy steps through ``torch.compile(backend="tinyserve")`` and saves, per
 rank, ``{name}_{rank}.pt``: the logits, the decode sites found and rewritten, the dense reasons, or the
@@ -7,7 +10,6 @@ error raised.
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 
 import torch
@@ -97,7 +99,7 @@ def dtensor_forward(mesh):
 
 def dtensor_model(mesh=None, seed: int = 0):
     """Two-layer :class:`models.GptFastModel`; with ``mesh``, parallelised with DTensor outputs kept."""
-    import models
+    from tests.support import backend_models as models
 
     torch.manual_seed(seed)
     model = models.GptFastModel(n_layer=2, max_len=64).eval()
@@ -160,7 +162,7 @@ def _hf(rank, path):
 
 
 def _gpt_fast(rank, path):
-    import models
+    from tests.support import backend_models as models
 
     model = shard_gpt_fast(models.gpt_fast_model(), rank)
     compiled = torch.compile(model, backend="tinyserve", options=OPTS)
@@ -180,7 +182,6 @@ SCENARIOS = {"hf": _hf, "gpt_fast": _gpt_fast, "dtensor": _dtensor}
 
 def run(rank: int, port: int, path: str, names) -> None:
     """Entry point of a spawned rank."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
