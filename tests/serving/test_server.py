@@ -145,6 +145,7 @@ def _prompts(folder, lengths, seed=0):
     return tok, out
 
 
+@pytest.mark.slow  # a server in a subprocess
 def test_concurrent_requests_are_all_answered_and_exact(server):
     url, folder, log = server
     tok, prompts = _prompts(folder, [20, 45, 70, 150, 110, 130, 35, 90], seed=1)
@@ -170,6 +171,7 @@ def test_concurrent_requests_are_all_answered_and_exact(server):
     assert "continuous batching through tinyserve" in open(log).read()
 
 
+@pytest.mark.slow  # a server in a subprocess
 def test_bad_requests_get_errors_and_disturb_nobody(server):
     url, folder, _ = server
     tok, prompts = _prompts(folder, [40, 75, 120], seed=2)
@@ -215,6 +217,7 @@ def test_bad_requests_get_errors_and_disturb_nobody(server):
     assert good(1) == want[1]
 
 
+@pytest.mark.slow  # a server in a subprocess
 def test_the_chat_route_refuses_what_the_completion_route_refuses(server):
     # issue 49, case 6: /v1/chat/completions answered 200 to a prompt over the context (and to max_tokens=100000),
     # where /v1/completions answered 400; it counts the prompt through the chat template now
@@ -247,6 +250,7 @@ def test_the_chat_route_refuses_what_the_completion_route_refuses(server):
     assert r.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
 
 
+@pytest.mark.slow  # a server in a subprocess
 def test_a_request_that_outgrows_the_cache_fails_alone(small_server):
     # issue 49, case 0: a chat request with max_tokens=100000 generated until the paged cache (24 blocks) ran out,
     # and the CB worker died with it: every later request got 503. Now that request is refused (it exceeds the
@@ -303,6 +307,7 @@ def _dropped_blocks(log_path, request_id):
     return int(m.group(1))
 
 
+@pytest.mark.slow  # a server in a subprocess
 def test_a_client_that_leaves_has_its_request_cancelled_in_the_engine(server):
     # issue 49, case 0: a request whose client left went on generating (a non-streaming one to the end); it is now
     # cancelled, and the engine drops it and gives its pages back
@@ -561,6 +566,7 @@ def _stop_with_requests_in_flight(proc, url, folder, log_path):
     return took, got
 
 
+@pytest.mark.slow  # a server in a subprocess
 def test_sigterm_drains_requests_in_flight_and_exits_within_10_s(tiny_model, tmp_path):
     # issue 49, case 7: on SIGTERM the server waited ("Waiting for background tasks") for every request in flight,
     # over 30 s with long ones, until a second signal. Now the requests get the drain's grace (5 s), then are
@@ -578,6 +584,7 @@ def test_sigterm_drains_requests_in_flight_and_exits_within_10_s(tiny_model, tmp
     assert "tinyserve: shutting down (2 requests cancelled)" in open(log_path).read()
 
 
+@pytest.mark.slow  # a server in a subprocess
 def test_load_of_good_bad_leaving_and_cache_exhausting_requests_then_sigterm(tiny_model, tmp_path):
     # issue 49 end to end: good requests on both routes, bad ones, clients that leave and a request whose prompt
     # fits the context but not the cache, all at once; every good answer equals that request alone, the others
