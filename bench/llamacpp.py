@@ -75,6 +75,8 @@ FTYPES = {"F32": 0, "F16": 1}
 GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 #: KV cache type -> (bytes, values) of one ggml block (Q8_0: 32 int8 codes and an fp16 scale)
 KV_BLOCK = {"f32": (4, 1), "f16": (2, 1), "q8_0": (34, 32)}
+#: KV cache types llama-bench's -ctk/-ctv take (it has no f32 cache, which llama-cpp-python's contexts do)
+LLAMA_BENCH_KV = ("f16", "q8_0")
 #: KV cache types llama.cpp stores unquantized: only these run with flash attention off
 PLAIN_KV = ("f32", "f16")
 #: the shipped GGUF's type (general.file_type 3 = LLAMA_FTYPE_MOSTLY_Q4_1)
@@ -437,6 +439,10 @@ class LlamaBenchProvider(_Base):
     def __init__(self, config: str, gguf_path: str, threads: int, binary: str, flash_attn: bool = True,
                  variant: str = ""):
         super().__init__(config, gguf_path, threads, flash_attn, variant)
+        if self.kv_type not in LLAMA_BENCH_KV:
+            raise ValueError(f"--llamacpp-bench: llama-bench takes no {self.kv_type} KV cache (-ctk takes "
+                             f"{', '.join(LLAMA_BENCH_KV)}): time {config} through llama-cpp-python (leave out "
+                             f"--llamacpp-bench), or pick a config with an f16 cache")
         self.binary = binary
 
     def fill_desc(self, context: int) -> str:

@@ -20,11 +20,12 @@ from bench import decode as bd  # noqa: E402
 from bench import llamacpp as lc  # noqa: E402
 
 OPTS = {"token_budget": 16, "page_size": 8, "lower": "eager"}
-#: the fake's ms per token by (-ctv, -fa, -t): F32 is faster with flash attention off, F16 with it on, and at
-#: F16 one thread beats two; a q8_0 V cache has no "off" (llama.cpp refuses it)
-MS = {"f32,1,2": 40.0, "f32,0,2": 26.0, "f32,1,1": 45.0, "f32,0,1": 30.0,
-      "f16,1,2": 14.0, "f16,0,2": 20.0, "f16,1,1": 13.0, "f16,0,1": 25.0,
-      "q8_0,1,2": 12.0, "q8_0,1,1": 18.0}
+#: the fake's ms per token by (weights, -ctv, -fa, -t): Q4_1 weights with an f16 cache are faster with flash
+#: attention off, F16 weights with it on, and at F16 one thread beats two; a q8_0 V cache has no "off" (llama.cpp
+#: refuses it), and llama-bench takes no f32 cache at all
+MS = {"Q4_1,f16,1,2": 40.0, "Q4_1,f16,0,2": 26.0, "Q4_1,f16,1,1": 45.0, "Q4_1,f16,0,1": 30.0,
+      "F16,f16,1,2": 14.0, "F16,f16,0,2": 20.0, "F16,f16,1,1": 13.0, "F16,f16,0,1": 25.0,
+      "Q4_1,q8_0,1,2": 12.0, "Q4_1,q8_0,1,1": 18.0}
 
 #: a llama-bench that times nothing: it logs its arguments and prints -o json for one generation test at MS's speed
 FAKE_BENCH = """#!{python}
@@ -33,9 +34,12 @@ args = sys.argv[1:]
 opt = dict(zip(args[::2], args[1::2]))
 with open({log!r}, "a") as f:
     f.write(json.dumps(opt) + "\\n")
-if opt["-fa"] == "0" and opt["-ctv"] not in ("f32", "f16"):
+if opt["-ctk"] not in ("f16", "q8_0"):
+    sys.exit("error: invalid parameter for argument: -ctk")
+if opt["-fa"] == "0" and opt["-ctv"] != "f16":
     sys.exit("V cache quantization requires flash_attn")
-ms = {ms}[",".join((opt["-ctv"], opt["-fa"], opt["-t"]))]
+weights = opt["-m"].rsplit(".", 2)[-2]  # SmolLM2-135M-Instruct.<weights>.gguf
+ms = {ms}[",".join((weights, opt["-ctv"], opt["-fa"], opt["-t"]))]
 n = int(opt["-n"])
 print(json.dumps([dict(n_prompt=0, n_gen=n, n_depth=int(opt["-d"]), flash_attn=opt["-fa"] == "1",
                        samples_ns=[int(ms * 1e6 * n)])]))
@@ -67,7 +71,7 @@ def fake_run(tmp_path_factory):
         bd.main(["--model", "tiny", "--contexts", "64", "--batches", "1", "--providers", "tinyserve",
                  "--options", json.dumps(OPTS), "--steps", "2", "--rounds", "2", "--warmup", "1", "--warm-compile",
                  "--no-profile", "--prefill-cache", str(tmp / "snap"), "--out", str(out),
-                 "--llamacpp", "F32/F32,F16/F16,Q4_1/Q8_0", "--llamacpp-bench", bench, "--llamacpp-threads", "2", "1",
+                 "--llamacpp", "Q4_1/F16,F16/F16,Q4_1/Q8_0", "--llamacpp-bench", bench, "--llamacpp-threads", "2", "1",
                  "--llamacpp-dir", str(tmp / "gguf")])
     calls = [json.loads(x) for x in log.read_text().splitlines()]
     return json.loads(out.read_text()), text.getvalue(), calls, tmp
@@ -77,7 +81,7 @@ def _by_name(rows):
     return {r["provider"]: r for r in rows}
 
 
-@pytest.mark.parametrize("config, won, on_ms, off_ms", [("F32/F32", "fa=off t=2", 40.0, 26.0),
+@pytest.mark.parametrize("config, won, on_ms, off_ms", [("Q4_1/F16", "fa=off t=2", 40.0, 26.0),
                                                         ("F16/F16", "fa=on t=1", 13.0, 20.0)])
 def test_the_anchor_is_the_faster_setting_and_both_are_recorded(fake_run, config, won, on_ms, off_ms):
     rows = _by_name(fake_run[0])
@@ -91,7 +95,7 @@ def test_the_anchor_is_the_faster_setting_and_both_are_recorded(fake_run, config
         for t in (1, 2):
             row = rows[f"llama.cpp {config} fa={fa} t={t}"]
             assert row["anchor"] is False and row["flash_attn"] == fa and row["threads"] == t
-            key = f"{anchor['dtype'].split('/')[1]},{int(fa == 'on')},{t}"
+            key = f"{config.split('/')[0]},{anchor['dtype'].split('/')[1]},{int(fa == 'on')},{t}"
             assert row["ms_per_token"] == pytest.approx(MS[key]) and row["steps"] == 2  # 2 rounds of one call
     assert json.loads(anchor["llamacpp_variants_ms"]) == pytest.approx(
         {f"fa={fa} t={t}": rows[f"llama.cpp {config} fa={fa} t={t}"]["ms_per_token"] for fa in ("on", "off")
@@ -107,7 +111,7 @@ def test_a_quantized_v_cache_runs_flash_attention_on_only(fake_run):
     anchor = _by_name(q8)["llama.cpp Q4_1/Q8_0"]
     assert anchor["fa_off_ms"] is None and anchor["ms_per_token"] == pytest.approx(12.0)
     assert not [c for c in calls if c["-ctv"] == "q8_0" and c["-fa"] == "0"]
-    assert all(r["flash_attn_reason"] == "" for r in rows if r.get("llamacpp_config") == "F32/F32")
+    assert all(r["flash_attn_reason"] == "" for r in rows if r.get("llamacpp_config") == "Q4_1/F16")
 
 
 def test_both_settings_run_in_the_same_rounds(fake_run):
@@ -116,7 +120,8 @@ def test_both_settings_run_in_the_same_rounds(fake_run):
     n = len(MS)
     assert len(calls) == n * (1 + 2)  # --warmup's call and --rounds 2
     for k in range(3):
-        assert sorted(",".join((c["-ctv"], c["-fa"], c["-t"])) for c in calls[k * n: (k + 1) * n]) == sorted(MS)
+        assert sorted(",".join((c["-m"].rsplit(".", 2)[-2], c["-ctv"], c["-fa"], c["-t"]))
+                      for c in calls[k * n: (k + 1) * n]) == sorted(MS)
 
 
 def test_the_ratio_uses_the_faster_setting(fake_run):
@@ -125,16 +130,16 @@ def test_the_ratio_uses_the_faster_setting(fake_run):
     ts = by["tinyserve"]["ms_per_token"]
     lines = lc.markdown_tables([rows]).splitlines()
     label = "tinyserve (float32)"
-    assert f"| {label} | llama.cpp F32/F32 | {26.0 / ts:.2f}x |" in lines
+    assert f"| {label} | llama.cpp Q4_1/F16 | {26.0 / ts:.2f}x |" in lines
     assert f"| {label} | llama.cpp F16/F16 | {13.0 / ts:.2f}x |" in lines
     ratio_rows = [x for x in lines if x.startswith(f"| {label} | llama.cpp")]
     assert len(ratio_rows) == 3  # the anchors only, not each setting
-    assert f"| {label} | llama.cpp F32/F32 | {26.0 / ts:.2f}x |" in stdout.splitlines()  # what bench decode prints
-    assert "| llama.cpp F32/F32 fa=on t=2 | 40.0 |" in lines  # every setting's ms is in the first table
+    assert f"| {label} | llama.cpp Q4_1/F16 | {26.0 / ts:.2f}x |" in stdout.splitlines()  # what bench decode prints
+    assert "| llama.cpp Q4_1/F16 fa=on t=2 | 40.0 |" in lines  # every setting's ms is in the first table
     with open(tmp / "decode.csv") as f:
         csv_rows = {r["provider"]: r for r in csv.DictReader(f)}
-    assert float(csv_rows["llama.cpp F32/F32"]["fa_off_ms"]) == pytest.approx(26.0)
-    assert csv_rows["llama.cpp F32/F32"]["llamacpp_won"] == "fa=off t=2"
+    assert float(csv_rows["llama.cpp Q4_1/F16"]["fa_off_ms"]) == pytest.approx(26.0)
+    assert csv_rows["llama.cpp Q4_1/F16"]["llamacpp_won"] == "fa=off t=2"
 
 
 def test_records_from_before_both_settings_are_marked_on_only():
@@ -188,3 +193,13 @@ def test_saved_fills_of_the_two_settings_differ():
     assert on.state_path(64, 70, [1, 2]) != off.state_path(64, 70, [1, 2])
     assert lc.llama_bench_command("lb", "m", 64, 2, 1, "f16", False)[11:13] == ["-fa", "0"]
     assert lc.kv_bytes(30, 3, 64, 2048, "q8_0") == 2 * 30 * 3 * 64 * 2048 * 34 // 32
+
+
+def test_llama_bench_refuses_a_cache_type_it_has_not():
+    """llama-bench's -ctk/-ctv take no f32: an F32/F32 config through --llamacpp-bench is refused by name before
+    anything runs (llama-cpp-python's contexts take it)."""
+    from tinyserve_compile.smollm2 import smollm2_gguf_path
+
+    pytest.importorskip("gguf")
+    with pytest.raises(ValueError, match="--llamacpp-bench: llama-bench takes no f32 KV cache"):
+        lc.LlamaBenchProvider("F32/F32", smollm2_gguf_path(), 2, "llama-bench")

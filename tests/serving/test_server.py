@@ -26,7 +26,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from cb_helpers import static_alone  # noqa: E402
+from tests.support.cb_helpers import static_alone  # noqa: E402
 from bench.serve_http import save_tiny_model  # noqa: E402
 
 #: sparse with these prompts (20-150 tokens): 2 pages of budget, 2 extra candidate pages
