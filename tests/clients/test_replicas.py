@@ -32,12 +32,7 @@ SPARSE = dict(page_size=4, token_budget=12, sink_pages=1, dense_layers=0, candid
 DENSE = dict(SPARSE, token_budget=256)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_backend_state():
-    torch._dynamo.reset()
-    tc.reset()
-    yield
-    torch._dynamo.reset()
+from tests.support.backend_state import _fresh_backend_state  # noqa: E402,F401  (autouse: fresh state per test)
 
 
 class Proj(nn.Module):

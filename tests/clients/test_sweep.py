@@ -5,20 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
-import tinyserve_compile as tc  # noqa: E402
 from bench import client_drivers, clients  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _fresh_backend_state():
-    torch._dynamo.reset()
-    tc.reset()
-    yield
-    torch._dynamo.reset()
+from tests.support.backend_state import _fresh_backend_state  # noqa: E402,F401  (autouse: fresh state per test)
 
 
 @pytest.fixture(scope="module")
