@@ -172,9 +172,10 @@ def load_native(verbose: bool = False) -> bool:
             _state["reason"] = None if _state["loaded"] else _state["reason"]
         except Exception as e:  # any build or load failure means: fall back to the PyTorch path
             _state["loaded"] = False
-            log = _write_build_log(_state.get("build_dir"), _failure_log(e))
+            cause = _root_cause(e)
+            log = _write_build_log(_state.get("build_dir"), f"root cause: {cause}\n\n{_failure_log(e)}")
             _state["reason"] = (f"native kernel build failed against torch {torch.__version__} "
-                                f"({type(e).__name__}): {_root_cause(e)}; {log}")
+                                f"({type(e).__name__}): {cause}; {log}")
         if not _state["loaded"] and not _disabled():
             warnings.warn(f"tinyserve-compile: {_state['reason']}; the PyTorch path runs instead", RuntimeWarning,
                           stacklevel=2)
