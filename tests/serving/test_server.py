@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from tests.support.cb_helpers import static_alone  # noqa: E402
-from bench.serve_http import save_tiny_model  # noqa: E402
+from bench.serve_http import save_tiny_model, stop_process  # noqa: E402
 
 #: sparse with these prompts (20-150 tokens): 2 pages of budget, 2 extra candidate pages
 OPTIONS = {"token_budget": 16, "page_size": 8, "candidate_extra": 16}
@@ -77,12 +77,7 @@ def _start_server(folder, log_path, blocks):
 
 def _stop_server(proc, log):
     if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
     log.close()
 
 
@@ -93,20 +88,22 @@ def tiny_model(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    proc, url, log = _start_server(tiny_model, log_path, BLOCKS)
+def _serve(tiny_model, tmp_path_factory, name: str, blocks: int):
+    """A module's server of ``blocks`` cache blocks: yields (url, model folder, log path), then stops it."""
+    log_path = str(tmp_path_factory.mktemp(name) / "server.log")
+    proc, url, log = _start_server(tiny_model, log_path, blocks)
     yield url, tiny_model, log_path
     _stop_server(proc, log)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    yield from _serve(tiny_model, tmp_path_factory, "server", BLOCKS)
 
 
 @pytest.fixture(scope="module")
 def small_server(tiny_model, tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("small_server") / "server.log")
-    proc, url, log = _start_server(tiny_model, log_path, SMALL_BLOCKS)
-    yield url, tiny_model, log_path
-    _stop_server(proc, log)
+    yield from _serve(tiny_model, tmp_path_factory, "small_server", SMALL_BLOCKS)
 
 
 def _wait_for_log(log_path, text, timeout=30.0):
