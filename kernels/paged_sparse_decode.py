@@ -290,7 +290,7 @@ def _paged_sparse_decode_torch(q, k_tokens, v_tokens, page_rows, page_ids, seq_l
 def paged_python_kernel(q, k_tokens, v_tokens, page_rows, page_ids, seq_lens, kmax, kmin, kabs, scale, spec, kernel):
     """The op's kernel in Python: the native kernel for ``auto``/``native`` on CPU when it is loaded (until
     :func:`_register_native` makes it the op's CPU kernel), else the PyTorch path."""
-    spec = SelectionSpec.from_list(list(spec)).for_cache(page_rows.shape[1] * spec[0])  # sizes within the rows
+    spec = SelectionSpec.from_list(list(spec))
     bounds = PageBounds(kmax, kmin, kabs)
     if _native_ok(kernel, k_tokens, bounds):
         from .native import native_module

@@ -166,9 +166,8 @@ def _spec_of(spec: tuple) -> SelectionSpec:
 
 def run_kernel(impl: str, q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_mask, scale, spec: SelectionSpec,
                ctrl=None) -> torch.Tensor:
-    """Run one implementation (``"native"``, ``"triton"`` or ``"torch"``; see :func:`resolve_kernel`), with
-    ``spec``'s sizes bounded by the cache (:meth:`.SelectionSpec.for_cache`; the native kernel bounds them too)."""
-    spec = spec.for_cache(k_cache.shape[2])
+    """Run one implementation (``"native"``, ``"triton"`` or ``"torch"``; see :func:`resolve_kernel`); each bounds
+    ``spec``'s sizes by the cache at its own entry (:meth:`.SelectionSpec.for_cache`)."""
     if impl == "native":
         from .native import native_module
 

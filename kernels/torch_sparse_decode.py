@@ -297,11 +297,12 @@ def sparse_decode_torch(q, k_cache, v_cache, kmax, kmin, kabs, valid_len, attn_m
                         spec: SelectionSpec) -> torch.Tensor:
     """Fast PyTorch path: matmul bound scan, top-k, page gather, exact attention.
 
-    The arguments are those of :func:`.sparse_decode.sparse_decode` with the bounds unpacked and ``spec`` bounded
-    by the cache (:meth:`.SelectionSpec.for_cache`, as :func:`.sparse_decode.run_kernel` hands it); returns
-    ``[B, Hq, 1, D]`` in the dtype of ``q``. Host reads: one (``valid_len``'s min and max, fused with the mask's
-    triviality) to pick the fast path.
+    The arguments are those of :func:`.sparse_decode.sparse_decode` with the bounds unpacked; ``spec``'s sizes are
+    bounded by the cache here (:meth:`.SelectionSpec.for_cache`, as the native and Triton kernels bound them at
+    their entry); returns ``[B, Hq, 1, D]`` in the dtype of ``q``. Host reads: one (``valid_len``'s min and max,
+    fused with the mask's triviality) to pick the fast path.
     """
+    spec = spec.for_cache(k_cache.shape[2])
     page_size, token_budget, sink_pages = spec.page_size, spec.token_budget, spec.sink_pages
     keep_tokens = spec.keep_tokens
     B, Hq, _, D = q.shape

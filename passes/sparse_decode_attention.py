@@ -98,11 +98,7 @@ def sparse_decode_attention(gm: fx.GraphModule, config: TinyServeConfig) -> fx.G
         kmax, kmin, kabs, ctrl = site.bounds
         query_aware = config.policy == "query_aware"
         native = query_aware and runtime.decode_kernel(q.device, config) == "native"
-        spec = SelectionSpec.from_config(config)
-        if all(isinstance(n, int) for n in fake(site.k_base).shape):  # a static cache: sizes bounded by its length
-            spec = spec.for_cache(site.k_layout.full(fake(site.k_base))[2])
-        # (a symbolic length has only a hint here; the ops bound the sizes by the length they are called with)
-        spec = spec.to_list()
+        spec = SelectionSpec.from_config(config).to_list()  # each kernel bounds its sizes by the cache it is called on
         with graph.inserting_before(site.node):
             # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
             k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)
