@@ -39,9 +39,13 @@ N_NEW = 8
 BLOCKS = 96
 SMALL_BLOCKS = 24
 CACHE_TOKENS = SMALL_BLOCKS * 16
-#: new tokens of a request that still runs after a client's timeout of 2 s and the drain's 5 s on any machine (the
-#: tiny model's decode steps grow with the length; with a short prompt it fits the cache of BLOCKS)
+#: new tokens of a request that still runs after a client's timeout of 2 s, or after the 0.5 s before SIGTERM plus
+#: the drain of the SIGTERM tests, on any machine (the tiny model's decode steps grow with the length; with a short
+#: prompt it fits the cache of BLOCKS)
 LONG = 1400
+#: the drain of the SIGTERM tests: CI's machine finished LONG tokens within the default 5 s; 1400 tokens in 1 s
+#: would take 0.7 ms a continuous-batching step
+DRAIN = ("--drain-timeout", "0.5")
 #: the words of the error of a request that the paged cache cannot hold
 CACHE_FULL = "needs more of the KV cache than the server has"
 
@@ -52,14 +56,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(folder, log_path, blocks):
-    """``python -m tinyserve_compile.serve`` of the tiny model on 127.0.0.1 with ``blocks`` CB blocks of 16 tokens,
-    once it answers: ``(process, url, log file)``."""
+def _start_server(folder, log_path, blocks, *extra):
+    """``python -m tinyserve_compile.serve`` of the tiny model on 127.0.0.1 with ``blocks`` CB blocks of 16 tokens
+    and the flags ``extra``, once it answers: ``(process, url, log file)``."""
     port = _free_port()
     log = open(log_path, "w")
     cmd = [sys.executable, "-m", "tinyserve_compile.serve", folder, "--options", json.dumps(OPTIONS), "--port",
            str(port), "--cb-block-size", "16", "--cb-num-blocks", str(blocks), "--cb-max-batch-tokens", "96",
-           "--dtype", "float32"]
+           "--dtype", "float32", *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -72,6 +76,11 @@ def _start_server(folder, log_path, blocks):
             pass
         assert time.monotonic() < deadline, "server did not start in 300 s"
         time.sleep(0.5)
+    # one request compiles the decode step (and, with a cold cache folder, builds the native kernel: 2 minutes on a
+    # 2-core machine), so that the clients' timeouts of the tests measure the server, not the first compile
+    r = httpx.post(url + "/v1/completions", json={"model": folder, "prompt": "warm up", "max_tokens": 2},
+                   timeout=600)
+    assert r.status_code == 200, r.text[:300]
     return proc, url, log
 
 
@@ -566,10 +575,10 @@ def _stop_with_requests_in_flight(proc, url, folder, log_path):
 @pytest.mark.slow  # a server in a subprocess
 def test_sigterm_drains_requests_in_flight_and_exits_within_10_s(tiny_model, tmp_path):
     # issue 49, case 7: on SIGTERM the server waited ("Waiting for background tasks") for every request in flight,
-    # over 30 s with long ones, until a second signal. Now the requests get the drain's grace (5 s), then are
+    # over 30 s with long ones, until a second signal. Now the requests get the drain's grace (DRAIN), then are
     # cancelled with the reason, the engine stops and the process exits
     log_path = str(tmp_path / "server.log")
-    proc, url, log = _start_server(tiny_model, log_path, BLOCKS)
+    proc, url, log = _start_server(tiny_model, log_path, BLOCKS, *DRAIN)
     try:
         _left(url, tiny_model, "issue49-sigterm-left", stream=False)  # the issue's request left behind
         took, got = _stop_with_requests_in_flight(proc, url, tiny_model, log_path)
@@ -589,7 +598,7 @@ def test_load_of_good_bad_leaving_and_cache_exhausting_requests_then_sigterm(tin
     from transformers import AutoModelForCausalLM
 
     log_path = str(tmp_path / "server.log")
-    proc, url, log = _start_server(tiny_model, log_path, BLOCKS)
+    proc, url, log = _start_server(tiny_model, log_path, BLOCKS, *DRAIN)
     folder = tiny_model
     try:
         tok, prompts = _prompts(folder, [30, 60, 90, 40, 1800, 3000], seed=5)
