@@ -60,17 +60,22 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["CONFIGS", "parse_configs", "quantize_command", "convert_gguf", "gguf_shape", "kv_bytes", "system_isa",
-           "llama_bench_command", "parse_llama_bench_json", "flash_attn_settings", "variant_name",
+           "llama_bench_command", "parse_llama_bench_json", "source_gguf", "flash_attn_settings", "variant_name",
            "LlamaCppProvider", "LlamaBenchProvider", "add_arguments", "provider_settings", "providers_from_args",
            "anchor_row", "with_anchors", "markdown_tables"]
 
 #: provider config -> (GGUF weights type, KV cache type)
 CONFIGS = {"F32/F32": ("F32", "f32"), "F16/F16": ("F16", "f16"), "Q4_1/F16": ("Q4_1", "f16"),
-           "Q4_1/Q8_0": ("Q4_1", "q8_0")}
+           "Q4_1/Q8_0": ("Q4_1", "q8_0"), "Q4_0/F16": ("Q4_0", "f16"), "Q4_0/Q8_0": ("Q4_0", "q8_0")}
 #: the configs ``--llamacpp all`` runs (the quantized cache only when named)
 ALL_CONFIGS = ("F32/F32", "F16/F16", "Q4_1/F16")
-#: llama_ftype of a converted file (LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_F16)
-FTYPES = {"F32": 0, "F16": 1}
+#: llama_ftype of a converted file (LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_F16, _Q4_0, _Q4_1)
+FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3}
+#: targets whose token embedding and output tensors are set to the target too (the quantized ones keep
+#: llama-quantize's own choice for those two, what a llama.cpp user gets)
+PLAIN_FTYPES = ("F32", "F16")
+#: the random-init Llama shapes whose GGUF bench/gguf_writer.py writes (the SmolLM2 providers use the shipped file)
+WRITTEN_SHAPES = ("llama3-8b", "llama3-1b")
 #: ggml_type of a KV cache or tensor type name (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0)
 GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 #: KV cache type -> (bytes, values) of one ggml block (Q8_0: 32 int8 codes and an fp16 scale)
@@ -103,16 +108,17 @@ def gguf_name(source: str, weights: str) -> str:
 
 
 def quantize_command(binary: str, src: str, dst: str, weights: str, threads: int) -> List[str]:
-    """The ``llama-quantize`` command converting ``src`` to ``weights`` (F32 or F16) at ``dst``.
+    """The ``llama-quantize`` command converting ``src`` to ``weights`` (:data:`FTYPES`) at ``dst``.
 
-    ``--allow-requantize``: the source tensors are quantized (Q4_1, Q8_0), which llama-quantize refuses to
-    convert without it; the token embedding and output tensors are set to ``weights`` as well.
+    ``--allow-requantize``: the shipped SmolLM2 file's tensors are quantized (Q4_1, Q8_0), which llama-quantize
+    refuses to convert without it; for F32 and F16 the token embedding and output tensors are set to ``weights``
+    as well (:data:`PLAIN_FTYPES`).
     """
     if weights not in FTYPES:
         raise ValueError(f"weights: {weights!r} is not a conversion target ({sorted(FTYPES)})")
     t = weights.lower()
-    return [binary, "--allow-requantize", "--token-embedding-type", t, "--output-tensor-type", t, src, dst,
-            weights, str(threads)]
+    types = ["--token-embedding-type", t, "--output-tensor-type", t] if weights in PLAIN_FTYPES else []
+    return [binary, "--allow-requantize", *types, src, dst, weights, str(threads)]
 
 
 def _quantize_with_python(src: str, dst: str, weights: str, threads: int) -> None:
@@ -121,8 +127,9 @@ def _quantize_with_python(src: str, dst: str, weights: str, threads: int) -> Non
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[weights]
     params.allow_requantize = True
-    params.token_embedding_type = GGML_TYPES[weights.lower()]
-    params.output_tensor_type = GGML_TYPES[weights.lower()]
+    if weights in PLAIN_FTYPES:
+        params.token_embedding_type = GGML_TYPES[weights.lower()]
+        params.output_tensor_type = GGML_TYPES[weights.lower()]
     params.nthread = threads
     from llama_cpp._utils import suppress_stdout_stderr
 
@@ -133,10 +140,11 @@ def _quantize_with_python(src: str, dst: str, weights: str, threads: int) -> Non
 
 
 def convert_gguf(src: str, out_dir: str, weights: str, quantize_binary: Optional[str] = None, threads: int = 2,
-                 log: Callable[[str], None] = print) -> str:
-    """Path of ``src`` in ``weights``: ``src`` itself for its own type (Q4_1), else a converted file in
-    ``out_dir`` (made once, with ``quantize_binary`` or ``llama_cpp.llama_model_quantize``)."""
-    if weights == SOURCE_TYPE:
+                 log: Callable[[str], None] = print, source_type: str = SOURCE_TYPE) -> str:
+    """Path of ``src`` in ``weights``: ``src`` itself for its own type ``source_type`` (the shipped SmolLM2 file's
+    Q4_1), else a converted file in ``out_dir`` (made once, with ``quantize_binary`` or
+    ``llama_cpp.llama_model_quantize``)."""
+    if weights == source_type:
         return src
     dst = os.path.join(out_dir, gguf_name(src, weights))
     if os.path.exists(dst):
@@ -507,6 +515,27 @@ def provider_settings(configs: Sequence[str], thread_counts: Sequence[int]) -> L
     return out
 
 
+def source_gguf(model: str, layers: Optional[int], out_dir: str, log: Callable[[str], None] = print
+                ) -> Tuple[str, str]:
+    """``(path, type)`` of the GGUF llama.cpp's files are converted from for ``python -m bench decode --model``:
+    the shipped SmolLM2 file (Q4_1) for SmolLM2's shape, else for :data:`WRITTEN_SHAPES` the random-init model's
+    weights in bf16, written once to ``out_dir`` by :func:`bench.gguf_writer.write_llama_gguf` (the same seed and
+    draws as the PyTorch providers' ``build_llama``)."""
+    if model not in WRITTEN_SHAPES:
+        from tinyserve_compile.smollm2 import smollm2_gguf_path
+
+        return str(smollm2_gguf_path()), SOURCE_TYPE
+    from bench.gguf_writer import write_llama_gguf
+
+    path = os.path.join(out_dir, f"{model}-{'all' if layers is None else f'L{layers}'}.BF16.gguf")
+    if not os.path.exists(path):
+        t0 = time.perf_counter()
+        write_llama_gguf(model, path + ".tmp", layers, "bf16")
+        os.replace(path + ".tmp", path)
+        log(f"# llama.cpp: wrote {model}'s random-init weights (bf16) in {time.perf_counter() - t0:.0f} s -> {path}")
+    return path, "BF16"
+
+
 def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
                         log: Callable[[str], None] = print) -> list:
     """The llama.cpp providers the parsed arguments ask for ([] when skipped, with a message): one per config,
@@ -515,9 +544,7 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
         return []
     configs = parse_configs(a.llamacpp)
     plan = provider_settings(configs, getattr(a, "llamacpp_threads", None) or [threads])
-    from tinyserve_compile.smollm2 import smollm2_gguf_path
-
-    src = str(smollm2_gguf_path())
+    src, source_type = source_gguf(getattr(a, "model", "smollm2"), getattr(a, "layers", None), a.llamacpp_dir, log)
     said = (f"configs {', '.join(configs)}, flash attention on and off (on only for a quantized V cache), "
             f"threads {sorted({t for _, _, t, _ in plan})}")
     if a.llamacpp_bench:
@@ -526,7 +553,8 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
             raise ValueError(f"--llamacpp-bench: {a.llamacpp_bench} is not an executable file")
         quantize = os.path.join(os.path.dirname(binary), "llama-quantize")
         log(f"# llama.cpp: {binary}, {said}")
-        paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], quantize, threads, log) for c in configs}
+        paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], quantize, threads, log, source_type)
+                 for c in configs}
         return [LlamaBenchProvider(c, paths[c], t, binary, fa, v) for c, fa, t, v in plan]
     try:
         import llama_cpp
@@ -536,7 +564,7 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
         return []
     isa = system_isa(llama_cpp.llama_print_system_info().decode(errors="replace"))
     log(f"# llama.cpp: llama-cpp-python {llama_cpp.__version__} built for {isa}, {said}")
-    paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], None, threads, log) for c in configs}
+    paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], None, threads, log, source_type) for c in configs}
     state = getattr(a, "llamacpp_state", None)
     state_dir = None if state in (None, "", "none") else state
     return [LlamaCppProvider(c, paths[c], t, prompt, state_dir, isa, fa, v) for c, fa, t, v in plan]

@@ -70,11 +70,18 @@ def test_conversion_commands():
         "/opt/llama-quantize", "--allow-requantize", "--token-embedding-type", "f32", "--output-tensor-type", "f32",
         "in.gguf", "out.gguf", "F32", "2"]
     assert lc.quantize_command("q", "a", "b", "F16", 1)[-2:] == ["F16", "1"]
+    # 4-bit targets (the Llama-3 shapes' bf16 files) keep llama-quantize's own embedding and output types
+    assert lc.quantize_command("q", "a.BF16.gguf", "b", "Q4_0", 1) == ["q", "--allow-requantize", "a.BF16.gguf", "b",
+                                                                         "Q4_0", "1"]
     with pytest.raises(ValueError, match="weights"):
-        lc.quantize_command("q", "a", "b", "Q4_1", 1)
+        lc.quantize_command("q", "a", "b", "Q8_0", 1)
     assert lc.gguf_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf", "F16") == "SmolLM2-135M-Instruct.F16.gguf"
     # the shipped type needs no conversion: the source itself, nothing written
     assert lc.convert_gguf("/x/m.Q4_1.gguf", "/nonexistent", "Q4_1") == "/x/m.Q4_1.gguf"
+    assert lc.convert_gguf("/x/m.BF16.gguf", "/nonexistent", "BF16", source_type="BF16") == "/x/m.BF16.gguf"
+    # SmolLM2's shape converts the shipped file; the Llama-3 shapes write their bf16 weights once (not here: a file
+    # of that name exists)
+    assert lc.source_gguf("smollm2", None, "/nonexistent")[1] == "Q4_1"
     assert lc.llama_bench_command("lb", "m.gguf", 2048, 16, 2, "f16") == [
         "lb", "-m", "m.gguf", "-p", "0", "-n", "16", "-d", "2048", "-t", "2", "-fa", "1", "-ctk", "f16", "-ctv", "f16",
         "-r", "1", "-o", "json"]
