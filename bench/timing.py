@@ -121,6 +121,57 @@ def datasheet_gbs(device: torch.device) -> float:
     return next((gbs for key, gbs in DATASHEET_GBS if key in name), float("nan"))
 
 
+#: the categories of a step's host time (:func:`step_breakdown`): op names by prefix, matched in this order
+BREAKDOWN = (
+    ("linear", ("tinyserve::linear", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
+                "aten::_weight_int4pack_mm", "mkldnn::", "mkl::", "aten::mkldnn_", "aten::_mkl", "onednn::")),
+    ("attention", ("tinyserve::", "aten::scaled_dot_product_attention", "aten::_scaled_dot_product")),
+    ("wrappers", ("Torch-Compiled Region", "## Call CompiledFxGraph", "CompiledFunction", "## ", "Torch-Compiled")),
+)
+
+
+def _category(name: str) -> str:
+    for cat, prefixes in BREAKDOWN:
+        if name.startswith(prefixes):
+            return cat
+    return "other_ops"
+
+
+def step_breakdown(events, mark: str = "bench_step") -> Dict[str, float]:
+    """Where one profiled step's host time went, in ms: each event's self time (its time less its children's) by
+    category, and the rest of the step's mark.
+
+    Parameters
+    ----------
+    events : list of torch.autograd.profiler_util.FunctionEvent
+        A profile's events holding one ``record_function(mark)`` around the step.
+
+    Returns
+    -------
+    dict
+        ``step_ms`` (the mark's span), ``linear_ms`` (GEMM/GEMV ops, ATen's and tinyserve's), ``attention_ms``
+        (the rewritten attention's ops, or SDPA), ``other_ops_ms`` (every other named op: ATen's, and Inductor's
+        kernels where ``torch._inductor.config.cpp.enable_kernel_profile`` named them at compile time),
+        ``wrappers_ms`` (the compiled regions' own time: their Python wrappers, and Inductor's kernels when
+        unnamed) and ``python_guards_ms`` (time in no event: Dynamo's guards, the model's code outside the
+        compiled regions, the caller). Empty without the mark.
+    """
+    marks = [e for e in events if e.name == mark]
+    if not marks:
+        return {}
+    m = marks[0]
+    t0, t1 = m.time_range.start, m.time_range.end
+    out = {"linear_ms": 0.0, "attention_ms": 0.0, "other_ops_ms": 0.0, "wrappers_ms": 0.0}
+    thread = m.thread
+    for e in events:
+        if e is m or e.thread != thread or not (t0 <= e.time_range.start and e.time_range.end <= t1):
+            continue
+        out[_category(e.name) + "_ms"] += e.self_cpu_time_total / 1e3
+    out["python_guards_ms"] = m.self_cpu_time_total / 1e3
+    out["step_ms"] = (t1 - t0) / 1e3
+    return out
+
+
 def step_profile(step: Callable[[], object], device: torch.device) -> Dict[str, object]:
     """Counts of one call of ``step`` (one decode step, already warmed up) under ``torch.profiler``.
 
@@ -133,7 +184,8 @@ def step_profile(step: Callable[[], object], device: torch.device) -> Dict[str, 
         (:data:`ITEM_OPS`; each is one device-to-host copy and one stream sync), ``host_syncs`` (the largest of
         the three: a lower bound on the times the host waited for the device) and ``cudagraph_replayed`` (a
         graph replay was seen). The CUDA-only counts are None on a CPU, where ``host_syncs`` is the item
-        calls; ``profile_error`` says why a profile is missing.
+        calls and ``profile_<category>_ms`` the step's host time by category (:func:`step_breakdown`);
+        ``profile_error`` says why a profile is missing.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -161,6 +213,8 @@ def step_profile(step: Callable[[], object], device: torch.device) -> Dict[str, 
     items = count(ITEM_OPS) - names.count("aten::item")  # aten::item calls _local_scalar_dense: count it once
     out: Dict[str, object] = dict(item_calls=items, gpu_kernels=None, launch_calls=None, graph_launches=None,
                                   sync_calls=None, dtoh_copies=None, host_syncs=items, cudagraph_replayed=None)
+    if not cuda:  # the host's time is the step's: where it went (a CUDA step's host time is launches and waits)
+        out.update({f"profile_{k}": v for k, v in step_breakdown(events).items()})
     if cuda:
         dev = [e for e in events if getattr(e.device_type, "name", "") == "CUDA"]
         kernels = [e for e in dev if not e.name.startswith(("Memcpy", "Memset"))]
