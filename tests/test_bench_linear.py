@@ -46,3 +46,20 @@ def test_shapes_flag_gives_each_models_linears(monkeypatch):
                                                         (49152, 576))
     with pytest.raises(ValueError, match="'--shapes'"):
         bl.linear_shapes("llama3-70b")
+
+
+def test_each_weight_stack_is_twice_the_last_level_cache(monkeypatch, tmp_path):
+    # every call must stream its weight from memory: a stack of weights that a host's whole L3 (260 MB on the
+    # Xeon of 2026-12-07, visible to a 2-core VM) cannot hold
+    import glob as glob_mod
+
+    from bench import linear as bl
+
+    assert bl.STACK_BYTES == max(192 * 2**20, 2 * bl.last_level_cache_bytes())  # this machine's
+    for i, (level, size) in enumerate([(1, "48K"), (2, "2048K"), (3, "266240K")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+    monkeypatch.setattr(glob_mod, "glob", lambda pattern: sorted(str(p) for p in tmp_path.iterdir()))
+    assert bl.last_level_cache_bytes() == 266240 * 1024
