@@ -1123,6 +1123,23 @@ def _parse(argv) -> Tuple[argparse.Namespace, Optional[List[Tuple[int, int]]], d
     return a, points, options, inductor_options
 
 
+#: the columns of :func:`breakdown_table`: record field -> heading
+BREAKDOWN_COLUMNS = {"profile_step_ms": "profiled step", "profile_linear_ms": "linears",
+                     "profile_attention_ms": "attention", "profile_other_ops_ms": "other ops",
+                     "profile_wrappers_ms": "compiled-region wrappers", "profile_python_guards_ms": "Python + guards"}
+
+
+def breakdown_table(rows: List[dict]) -> str:
+    """Markdown: where each provider's profiled CPU step went (``bench.timing.step_breakdown``), ms per step."""
+    lines = ["| context | batch | provider | " + " | ".join(BREAKDOWN_COLUMNS.values()) + " |",
+             "|---|---|---|" + "---|" * len(BREAKDOWN_COLUMNS)]
+    for r in rows:
+        if "profile_step_ms" in r:
+            cells = " | ".join(f"{r.get(k, float('nan')):.2f}" for k in BREAKDOWN_COLUMNS)
+            lines.append(f"| {_ctx(r['context'])} | {r['batch']} | {r['provider']} | {cells} |")
+    return "\n".join(lines)
+
+
 def _print_run(rows: List[dict], a: argparse.Namespace, inductor_options: dict, t0: float) -> None:
     """The machine's fields added to every record; the run's header, the table and the targets printed."""
     machine = machine_fields()
@@ -1137,6 +1154,8 @@ def _print_run(rows: List[dict], a: argparse.Namespace, inductor_options: dict, 
     print(f"# compiled providers: inductor options {json.dumps(inductor_options, sort_keys=True)}, nn.Module guards "
           f"{'skipped (skip_guard_on_all_nn_modules_unsafe)' if a.skip_module_guards else 'kept (default)'}")
     print(table(rows))
+    if any("profile_step_ms" in r for r in rows):
+        print(breakdown_table(rows))
     for t in targets(rows):
         print(f"# target {t['target']}: {t['value']:.2f} -> {'met' if t['met'] else 'MISSED'}")
 

@@ -45,3 +45,15 @@ def test_a_cpu_step_profile_carries_the_breakdown():
     a, _, _ = _work()
     prof = step_profile(lambda: torch.mm(a, a), torch.device("cpu"))
     assert prof["profile_linear_ms"] > 0 and prof["profile_step_ms"] >= prof["profile_linear_ms"]
+
+
+def test_bench_decode_prints_the_breakdown_of_each_profiled_provider():
+    from bench.decode import breakdown_table
+
+    rows = [dict(context=2048, batch=1, provider="tinyserve", profile_step_ms=20.0, profile_linear_ms=12.5,
+                 profile_attention_ms=3.0, profile_other_ops_ms=2.0, profile_wrappers_ms=1.0,
+                 profile_python_guards_ms=1.5),
+            dict(context=2048, batch=1, provider="llama.cpp Q4_0/F16")]  # no profile: no row
+    lines = breakdown_table(rows).splitlines()
+    assert len(lines) == 3 and "Python + guards" in lines[0]
+    assert lines[2] == "| 2K | 1 | tinyserve | 20.00 | 12.50 | 3.00 | 2.00 | 1.00 | 1.50 |"
