@@ -187,6 +187,36 @@ def write_llama_gguf(shape: str, path: str, layers: Optional[int] = None, dtype:
     return out
 
 
+def llama_cpp_logits(path: str, ids: List[int], threads: int = 2) -> np.ndarray:
+    """llama.cpp's logits (llama-cpp-python) of ``ids`` from the GGUF at ``path``: fp32 ``[len(ids), vocab]``."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(64, len(ids)), n_threads=threads, logits_all=True,
+                          verbose=False, seed=0)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[:len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+@torch.no_grad()
+def check_logits(path: str, shape: str, layers: Optional[int] = None, seed: int = 0,
+                 ids: Tuple[int, ...] = (1, 5, 17, 42, 99, 3, 64, 7)) -> dict:
+    """llama.cpp's logits from ``path`` against the HF model's (``build_llama(shape, layers, "fp32", seed)``) on
+    ``ids``: ``rel`` (largest difference over the largest HF logit), ``min_cos`` (the least cosine of a position)
+    and ``argmax_equal`` (positions whose top token agrees, of ``positions``)."""
+    from bench.models import build_llama
+
+    got = llama_cpp_logits(path, list(ids))
+    model = build_llama(shape, layers, "fp32", seed)
+    want = model(torch.tensor([list(ids)])).logits[0].float().numpy()
+    del model
+    cos = [float(np.dot(g, w) / np.linalg.norm(g) / np.linalg.norm(w)) for g, w in zip(got, want)]
+    return dict(rel=float(np.abs(got - want).max() / np.abs(want).max()), min_cos=min(cos),
+                argmax_equal=int((got.argmax(-1) == want.argmax(-1)).sum()), positions=len(ids))
+
+
 def main(argv=None) -> None:
     from bench.models import SHAPES
 
@@ -196,10 +226,16 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=GGUF_DTYPES, default="bf16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="the GGUF file to write")
+    ap.add_argument("--check", nargs="*", default=None, metavar="GGUF",
+                    help="then compare llama.cpp's logits from the written file (and from each GGUF named, e.g. its "
+                         "Q4_0 conversion) with the HF model's (llama-cpp-python)")
     a = ap.parse_args(argv)
     if a.layers is not None and a.layers < 1:
         ap.error(f"argument --layers: must be at least 1, got {a.layers}")
-    print(write_llama_gguf(a.model, a.out, a.layers, a.dtype, a.seed))
+    path = write_llama_gguf(a.model, a.out, a.layers, a.dtype, a.seed) if not Path(a.out).exists() else Path(a.out)
+    print(path)
+    for p in ([str(path)] + list(a.check)) if a.check is not None else []:
+        print(p, check_logits(p, a.model, a.layers, a.seed))
 
 
 if __name__ == "__main__":

@@ -73,13 +73,10 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
 
 
 def _llama_logits(path, ids):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False, seed=0)
-    try:
-        llm.eval(ids)
-        return np.array(llm.scores[:len(ids)], dtype=np.float32)
-    finally:
-        llm.close()
+    pytest.importorskip("llama_cpp")
+    from bench.gguf_writer import llama_cpp_logits
+
+    return llama_cpp_logits(path, ids)
 
 
 def _hf_logits(ids, weights="fp32"):
@@ -97,7 +94,12 @@ def test_llama_cpp_gives_the_hf_models_logits(tmp_path):
     path = write_llama_gguf("tiny", str(tmp_path / "tiny.f32.gguf"), dtype="f32", seed=3)
     got, want = _llama_logits(path, IDS), _hf_logits(IDS)
     assert got.shape == want.shape
-    assert _rel(got, want) < 1e-3, _rel(got, want)
+    err = _rel(got, want)
+    assert err < 1e-3, err
+    from bench.gguf_writer import check_logits  # what python -m bench.gguf_writer --check prints
+
+    r = check_logits(str(path), "tiny", seed=3, ids=tuple(IDS))
+    assert r["argmax_equal"] == r["positions"] == len(IDS) and r["rel"] < 1e-3 and r["min_cos"] > 0.9999, r
     # a control: the q/k rows left in HF's order give other logits (the permutation is what makes them equal)
     import bench.gguf_writer as gw
 
@@ -107,7 +109,8 @@ def test_llama_cpp_gives_the_hf_models_logits(tmp_path):
         unpermuted = write_llama_gguf("tiny", str(tmp_path / "tiny.hf-order.gguf"), dtype="f32", seed=3)
     finally:
         gw._permute_rope = orig
-    assert _rel(_llama_logits(unpermuted, IDS), want) > 1e-2
+    wrong = _rel(_llama_logits(unpermuted, IDS), want)
+    assert wrong > 10 * err, (wrong, err)
 
 
 def test_llama_cpp_q4_0_of_the_file_stays_within_the_quantization_error(tmp_path):
