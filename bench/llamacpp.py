@@ -318,7 +318,7 @@ class _Base:
         floor_ms = (s["weight_bytes"] + kv) / (point["stream_gbps"] * 1e9) * 1e3
         return dict(point, provider=self.name, ms_per_token=ms, tokens_per_s=1e3 / ms, ms_min=ts[0] * 1e3,
                     ms_p90=ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e3, compile_s=0.0, first_call_s=self.fill_s,
-                    model=f"smollm2 GGUF {self.weights} ({s['tensor_types']})", fill=self.fill_desc(point["context"]),
+                    model=f"{os.path.basename(self.gguf_path).split('.')[0]} GGUF {self.weights} ({s['tensor_types']})", fill=self.fill_desc(point["context"]),
                     dtype=f"{self.weights}/{self.kv_type}", weights=self.weights, device="cpu",
                     row_lengths=str(point["context"]), steps=len(ts), threads=self.threads,
                     options=json.dumps(dict(way=self.way, type_k=self.kv_type, type_v=self.kv_type,
