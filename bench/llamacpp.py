@@ -105,10 +105,14 @@ def parse_configs(text: str) -> List[str]:
     return out
 
 
+def gguf_stem(path: str) -> str:
+    """The model part of a GGUF file's name (``SmolLM2-135M-Instruct`` of ``.../SmolLM2-135M-Instruct.F32.gguf``)."""
+    return os.path.basename(path).split(".")[0]
+
+
 def gguf_name(source: str, weights: str) -> str:
     """File name of ``source`` converted to ``weights`` (``SmolLM2-135M-Instruct.F32.gguf``)."""
-    stem = os.path.basename(source).split(".")[0]
-    return f"{stem}.{weights}.gguf"
+    return f"{gguf_stem(source)}.{weights}.gguf"
 
 
 def quantize_command(binary: str, src: str, dst: str, weights: str, threads: int) -> List[str]:
@@ -322,7 +326,8 @@ class _Base:
         floor_ms = (s["weight_bytes"] + kv) / (point["stream_gbps"] * 1e9) * 1e3
         return dict(point, provider=self.name, ms_per_token=ms, tokens_per_s=1e3 / ms, ms_min=ts[0] * 1e3,
                     ms_p90=ts[min(len(ts) - 1, int(0.9 * len(ts)))] * 1e3, compile_s=0.0, first_call_s=self.fill_s,
-                    model=f"{os.path.basename(self.gguf_path).split('.')[0]} GGUF {self.weights} ({s['tensor_types']})", fill=self.fill_desc(point["context"]),
+                    model=f"{gguf_stem(self.gguf_path)} GGUF {self.weights} ({s['tensor_types']})",
+                    fill=self.fill_desc(point["context"]),
                     dtype=f"{self.weights}/{self.kv_type}", weights=self.weights, device="cpu",
                     row_lengths=str(point["context"]), steps=len(ts), threads=self.threads,
                     options=json.dumps(dict(way=self.way, type_k=self.kv_type, type_v=self.kv_type,
@@ -562,7 +567,7 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
         return [LlamaBenchProvider(c, paths[c], t, binary, fa, v) for c, fa, t, v in plan]
     try:
         import llama_cpp
-    except ImportError as e:
+    except (ImportError, OSError) as e:  # OSError: installed without a llama.cpp library it can find
         log(f"# llama.cpp providers skipped: llama-cpp-python is not importable ({e}); install it with "
             f"'pip install llama-cpp-python' (builds llama.cpp from source) or pass --llamacpp-bench PATH")
         return []

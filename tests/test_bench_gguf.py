@@ -72,8 +72,17 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
         gguf_tensor_name("model.layers.0.self_attn.rotary.weight")
 
 
+def _need_llama_cpp():
+    """Skip unless llama-cpp-python imports with its library (an install built without llama.cpp raises
+    FileNotFoundError until LLAMA_CPP_LIB_PATH names a build)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError) as e:
+        pytest.skip(f"llama-cpp-python is not usable here: {type(e).__name__}: {e}")
+
+
 def _llama_logits(path, ids):
-    pytest.importorskip("llama_cpp")
+    _need_llama_cpp()
     from bench.gguf_writer import llama_cpp_logits
 
     return llama_cpp_logits(path, ids)
@@ -90,7 +99,7 @@ def _rel(a, b):
 
 
 def test_llama_cpp_gives_the_hf_models_logits(tmp_path):
-    pytest.importorskip("llama_cpp")
+    _need_llama_cpp()
     path = write_llama_gguf("tiny", str(tmp_path / "tiny.f32.gguf"), dtype="f32", seed=3)
     got, want = _llama_logits(path, IDS), _hf_logits(IDS)
     assert got.shape == want.shape
@@ -114,7 +123,7 @@ def test_llama_cpp_gives_the_hf_models_logits(tmp_path):
 
 
 def test_llama_cpp_q4_0_of_the_file_stays_within_the_quantization_error(tmp_path):
-    pytest.importorskip("llama_cpp")
+    _need_llama_cpp()
     from bench.llamacpp import convert_gguf
 
     src = write_llama_gguf("tiny", str(tmp_path / "tiny.f32.gguf"), dtype="f32", seed=3)
