@@ -1,6 +1,6 @@
 """The random-init Llamas of :mod:`bench.models` as GGUF files, so that llama.cpp runs the same weights.
 
-``python -m bench gguf --model llama3-1b --out results/.gguf/llama3-1b.bf16.gguf`` writes the model that
+``python -m bench.gguf_writer --model llama3-1b --out results/.gguf/llama3-1b-all.BF16.gguf`` writes the model that
 :func:`bench.models.build_llama` makes (the same seed, the same draws in the same order) in llama.cpp's ``llama``
 architecture, one unit at a time: the tensor infos first, then each unit drawn, written and freed, so that the
 peak memory is one unit (the 128256-row embedding) whatever the model's size. llama.cpp's ``llama-quantize``
@@ -25,8 +25,10 @@ import torch
 
 __all__ = ["GGUF_DTYPES", "write_llama_gguf", "gguf_tensor_name", "main"]
 
-#: the float types the writer writes (llama-quantize takes any of them as its source)
-GGUF_DTYPES = ("f32", "f16", "bf16")
+#: the float types the writer writes (llama-quantize takes any of them as its source): the numpy dtype of a matrix's
+#: array (bf16 as its bits) and its GGML type where numpy's does not say it
+_MATRIX_TYPES = {"f32": (np.float32, None), "f16": (np.float16, None), "bf16": (np.uint16, "BF16")}
+GGUF_DTYPES = tuple(_MATRIX_TYPES)
 
 #: HF's name of a decoder layer's tensor -> llama.cpp's (``blk.<i>.`` prefixed)
 _LAYER_NAMES = {
@@ -82,14 +84,14 @@ def _units(model) -> Iterator[Tuple[str, torch.nn.Module]]:
         yield "lm_head.", model.lm_head
 
 
-def _metadata(writer, cfg, n_layers: int) -> None:
+def _metadata(writer, cfg) -> None:
     import gguf
 
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_name("tinyserve-compile random-init Llama")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(n_layers)
+    writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
@@ -149,23 +151,17 @@ def write_llama_gguf(shape: str, path: str, layers: Optional[int] = None, dtype:
     cfg = _config(shape, layers)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    raw = {"f32": None, "f16": None, "bf16": gguf.GGMLQuantizationType.BF16}[dtype]
-    item = {"f32": 4, "f16": 2, "bf16": 2}[dtype]
-    np_dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[dtype]
+    np_dtype, ggml = _MATRIX_TYPES[dtype]
+    raw = getattr(gguf.GGMLQuantizationType, ggml) if ggml else None
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), "llama")
-    _metadata(writer, cfg, cfg.num_hidden_layers)
-    order: List[str] = []
+    _metadata(writer, cfg)
     for prefix, unit in _units(model):
         for name, p in unit.named_parameters():
-            full = prefix + name
-            order.append(full)
-            if p.dim() < 2:
-                writer.add_tensor_info(gguf_tensor_name(full), list(p.shape), np.dtype(np.float32), p.numel() * 4)
-            else:
-                writer.add_tensor_info(gguf_tensor_name(full), list(p.shape), np.dtype(np_dtype), p.numel() * item,
-                                       raw_dtype=raw)
+            kind, raw_kind = (np.dtype(np.float32), None) if p.dim() < 2 else (np.dtype(np_dtype), raw)
+            writer.add_tensor_info(gguf_tensor_name(prefix + name), list(p.shape), kind, p.numel() * kind.itemsize,
+                                   raw_dtype=raw_kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -181,7 +177,6 @@ def write_llama_gguf(shape: str, path: str, layers: Optional[int] = None, dtype:
             elif name.endswith("k_proj.weight"):
                 t = _permute_rope(t, cfg.num_key_value_heads)
             writer.write_tensor_data(_as_numpy(t, dtype))
-            del t
         unit.to("meta")  # frees the unit's storage
     writer.close()
     return out
@@ -220,7 +215,7 @@ def check_logits(path: str, shape: str, layers: Optional[int] = None, seed: int 
 def main(argv=None) -> None:
     from bench.models import SHAPES
 
-    ap = argparse.ArgumentParser(prog="python -m bench gguf", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gguf_writer", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, choices=sorted(SHAPES))
     ap.add_argument("--layers", type=int, default=None, help="the first N decoder layers (default: all)")
     ap.add_argument("--dtype", choices=GGUF_DTYPES, default="bf16")

@@ -126,7 +126,7 @@ BREAKDOWN = (
     ("linear", ("tinyserve::linear", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
                 "aten::_weight_int4pack_mm", "mkldnn::", "mkl::", "aten::mkldnn_", "aten::_mkl", "onednn::")),
     ("attention", ("tinyserve::", "aten::scaled_dot_product_attention", "aten::_scaled_dot_product")),
-    ("wrappers", ("Torch-Compiled Region", "## Call CompiledFxGraph", "CompiledFunction", "## ", "Torch-Compiled")),
+    ("wrappers", ("Torch-Compiled", "CompiledFunction", "## ")),  # Torch-Compiled Region, ## Call CompiledFxGraph
 )
 
 

@@ -41,7 +41,7 @@ def test_the_file_holds_build_llamas_weights_under_llama_cpps_names(tmp_path, dt
     model = build_llama("tiny", weights="fp32" if dtype == "f32" else "bf16", seed=3)
     reader, got = _tensors(path)
     want = {gguf_tensor_name(n): p.detach().float() for n, p in model.named_parameters()}
-    assert set(got) == set(want)  # tiny's head is its own (a tied head is not written: see the 1B test)
+    assert set(got) == set(want)  # tiny's head is its own (a tied one is not written: the test below)
     heads, kv = TINY_SHAPE["num_attention_heads"], TINY_SHAPE["num_key_value_heads"]
     for name, g in got.items():
         w = want[name]
@@ -81,45 +81,24 @@ def _need_llama_cpp():
         pytest.skip(f"llama-cpp-python is not usable here: {type(e).__name__}: {e}")
 
 
-def _llama_logits(path, ids):
-    _need_llama_cpp()
-    from bench.gguf_writer import llama_cpp_logits
+def _check(path):
+    """``bench.gguf_writer.check_logits`` of a tiny file (seed 3) on IDS: llama.cpp's logits against HF's."""
+    from bench.gguf_writer import check_logits
 
-    return llama_cpp_logits(path, ids)
-
-
-def _hf_logits(ids, weights="fp32"):
-    model = build_llama("tiny", weights=weights, seed=3)
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
+    return check_logits(str(path), "tiny", seed=3, ids=tuple(IDS))
 
 
-def _rel(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def test_llama_cpp_gives_the_hf_models_logits(tmp_path):
+def test_llama_cpp_gives_the_hf_models_logits(tmp_path, monkeypatch):
     _need_llama_cpp()
     path = write_llama_gguf("tiny", str(tmp_path / "tiny.f32.gguf"), dtype="f32", seed=3)
-    got, want = _llama_logits(path, IDS), _hf_logits(IDS)
-    assert got.shape == want.shape
-    err = _rel(got, want)
-    assert err < 1e-3, err
-    from bench.gguf_writer import check_logits  # what python -m bench.gguf_writer --check prints
-
-    r = check_logits(str(path), "tiny", seed=3, ids=tuple(IDS))
+    r = _check(path)  # what python -m bench.gguf_writer --check prints
     assert r["argmax_equal"] == r["positions"] == len(IDS) and r["rel"] < 1e-3 and r["min_cos"] > 0.9999, r
     # a control: the q/k rows left in HF's order give other logits (the permutation is what makes them equal)
     import bench.gguf_writer as gw
 
-    orig = gw._permute_rope
-    gw._permute_rope = lambda w, n: w
-    try:
-        unpermuted = write_llama_gguf("tiny", str(tmp_path / "tiny.hf-order.gguf"), dtype="f32", seed=3)
-    finally:
-        gw._permute_rope = orig
-    wrong = _rel(_llama_logits(unpermuted, IDS), want)
-    assert wrong > 10 * err, (wrong, err)
+    monkeypatch.setattr(gw, "_permute_rope", lambda w, n: w)
+    wrong = _check(write_llama_gguf("tiny", str(tmp_path / "tiny.hf-order.gguf"), dtype="f32", seed=3))
+    assert wrong["rel"] > 10 * r["rel"], (wrong, r)
 
 
 def test_llama_cpp_q4_0_of_the_file_stays_within_the_quantization_error(tmp_path):
@@ -128,12 +107,20 @@ def test_llama_cpp_q4_0_of_the_file_stays_within_the_quantization_error(tmp_path
 
     src = write_llama_gguf("tiny", str(tmp_path / "tiny.f32.gguf"), dtype="f32", seed=3)
     binary = shutil.which("llama-quantize") or os.environ.get("LLAMA_QUANTIZE")
-    q4 = convert_gguf(str(src), str(tmp_path), "Q4_0", quantize_binary=binary)
-    got, want = _llama_logits(q4, IDS), _hf_logits(IDS)
-    cos = [float(np.dot(g, w) / np.linalg.norm(g) / np.linalg.norm(w)) for g, w in zip(got, want)]
-    # 4-bit weights move the logits (cosine 0.9-0.99 on this random model), the argmax of most positions stays
-    assert min(cos) > 0.9, cos
-    assert 0.01 < _rel(got, want) < 0.5
+    r = _check(convert_gguf(str(src), str(tmp_path), "Q4_0", quantize_binary=binary))
+    # 4-bit weights move the logits (cosine 0.9-0.99 on this random model)
+    assert r["min_cos"] > 0.9, r
+    assert 0.01 < r["rel"] < 0.5, r
+
+
+def test_a_tied_head_is_not_written(tmp_path, monkeypatch):
+    # llama.cpp reads the token embedding as the head when output.weight is absent (Llama-3.2-1B is tied)
+    import bench.models as bm
+
+    monkeypatch.setitem(bm.SHAPES, "tiny-tied", dict(TINY_SHAPE, tie_word_embeddings=True))
+    _, got = _tensors(write_llama_gguf("tiny-tied", str(tmp_path / "tied.gguf"), dtype="f32", seed=3))
+    _, untied = _tensors(write_llama_gguf("tiny", str(tmp_path / "untied.gguf"), dtype="f32", seed=3))
+    assert "output.weight" not in got and set(untied) - set(got) == {"output.weight"}
 
 
 def test_bench_decode_writes_a_llama_shapes_gguf_once(tmp_path, monkeypatch):
