@@ -232,3 +232,16 @@ def test_llamacpp_saved_fill_is_keyed_by_everything_the_cache_holds():
     assert lc.LlamaCppProvider("F16/F16", src, 2, None, "/s").state_path(2048, 2066, list(range(2048))) != base
     assert lc.LlamaCppProvider("Q4_1/F16", src, 2, None).state_path(2048, 2066, [1]) is None
     assert "saved to and reloaded" in p.fill_desc(2048)
+
+
+def test_a_llama_cpp_python_without_its_library_skips_its_providers(monkeypatch, tmp_path):
+    # pip builds llama-cpp-python without llama.cpp under CMAKE_ARGS=-DLLAMA_BUILD=OFF: its import raises
+    # FileNotFoundError until LLAMA_CPP_LIB_PATH names a build; the providers skip with the message, as without it
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(
+        "raise FileNotFoundError(\"Shared library with base name 'llama' not found\")\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    said = []
+    assert lc.providers_from_args(_ns(llamacpp="all"), lambda n: [], 2, said.append) == []
+    assert len(said) == 1 and "llama-cpp-python is not importable" in said[0] and "'llama' not found" in said[0]
