@@ -11,6 +11,23 @@ dispatcher: on CPU the native C++ kernel when it builds (registered from C++, se
 (:func:`.triton_bounds.cache_write_triton`: one launch, no host sync, the stale flag read on the
 device) when Triton is installed, else (and on any other
 device) the PyTorch path :func:`cache_write_torch`.
+
+``ctrl``, the op's int32 control block (:data:`CTRL_SIZE` elements; the old form of 2 elements is still taken):
+
+``ctrl[CTRL_STALE]``
+    Nonzero: rebuild every page (the host saw a write by someone else through the cache's version counter).
+``ctrl[CTRL_DENSE]``
+    Nonzero: the layer attends densely (read by the decode ops, not by the write).
+``ctrl[CTRL_END]``
+    The position after the last one the op wrote (-1: none yet), kept by the op itself, on the ctrl's device. A
+    write whose first position is not ``ctrl[CTRL_END]`` rebuilds every page too: positions were skipped (written
+    by someone else: an eager prefill, a fill by hand) or rewound (a new sequence, a roll-back). So the bounds
+    follow such writes without the host: under an outer CUDA graph capture, whose replays run no host code, and
+    for caches without a version counter (inference tensors). What no path sees is a write by someone else that
+    ends exactly where the op's last write ended (a new prompt of the same length, written outside the graph,
+    into an inference tensor or under an outer capture).
+``ctrl[CTRL_ARRIVALS]``
+    The Triton kernel's arrival counter (its last program stores ``ctrl[CTRL_END]``); zero between calls.
 """
 from __future__ import annotations
 
@@ -24,7 +41,17 @@ from .reference import BOUNDS_DTYPES, PageBounds, num_pages, page_bounds, store_
 from .spec import SelectionSpec
 
 __all__ = ["allocate_bounds", "rebuild_bounds_", "update_bounds_", "cache_write_torch", "cache_write_impl",
-           "python_cache_write_kernel", "CACHE_WRITE_IMPLS"]
+           "python_cache_write_kernel", "CACHE_WRITE_IMPLS", "new_ctrl", "CTRL_STALE", "CTRL_DENSE", "CTRL_END",
+           "CTRL_ARRIVALS", "CTRL_SIZE"]
+
+#: ``ctrl``'s fields (see the module docstring): stale, dense layer, end of the op's last write, arrivals
+CTRL_STALE, CTRL_DENSE, CTRL_END, CTRL_ARRIVALS = range(4)
+CTRL_SIZE = 4
+
+
+def new_ctrl(device="cpu", stale: bool = True) -> torch.Tensor:
+    """A fresh ``ctrl`` (int32 ``[CTRL_SIZE]``): stale by default, no write recorded (``ctrl[CTRL_END] = -1``)."""
+    return torch.tensor([int(stale), 0, -1, 0], dtype=torch.int32, device=device)
 
 
 def allocate_bounds(k_cache: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float32) -> PageBounds:
@@ -152,16 +179,32 @@ def _positions(positions: torch.Tensor) -> torch.Tensor:
     return positions.reshape(-1).to(torch.int64)
 
 
+def _stale_on_host(ctrl: torch.Tensor, pos: torch.Tensor) -> bool:
+    """Whether a write of ``pos`` rebuilds every page: ``ctrl[CTRL_STALE]`` set, or (a ``ctrl`` that records the
+    end) ``pos`` not starting where the last write ended. Read on the host (a sync for a device ``ctrl``/``pos``)."""
+    if int(ctrl[CTRL_STALE]):
+        return True
+    return ctrl.numel() >= CTRL_SIZE and pos.numel() > 0 and int(pos.min()) != int(ctrl[CTRL_END])
+
+
+def _record_end(ctrl: torch.Tensor, pos: torch.Tensor) -> None:
+    """``ctrl[CTRL_END] = max(pos) + 1`` and ``ctrl[CTRL_STALE] = 0``, on the host."""
+    ctrl[CTRL_STALE] = 0
+    if ctrl.numel() >= CTRL_SIZE and pos.numel() > 0:
+        ctrl[CTRL_END] = int(pos.max()) + 1
+
+
 def cache_write_torch(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size: int) -> None:
     """The PyTorch path of ``tinyserve::cache_write`` (any device; ``ctrl`` on the CPU or the cache's device, read
-    on the host and cleared: a fallback, so a device ``ctrl`` costs a sync here)."""
+    and written on the host: a fallback, so a device ``ctrl`` costs a sync here)."""
     pos = _positions(positions)
+    stale = _stale_on_host(ctrl, pos)
     k_cache.index_copy_(2, pos, src.to(k_cache.dtype))
-    if int(ctrl[0]):
+    if stale:
         rebuild_bounds_impl(k_cache, kmax, kmin, kabs, page_size)
-        ctrl[0] = 0
     else:
         update_bounds_impl(k_cache, kmax, kmin, kabs, pos, page_size)
+    _record_end(ctrl, pos)
 
 
 def _cache_write_native(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size: int) -> None:
@@ -172,28 +215,33 @@ def _cache_write_native(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_si
 
 
 def _cache_write_triton(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size: int) -> None:
-    """The Triton path: :func:`.triton_bounds.cache_write_triton`, one launch that reads ``ctrl[0]`` on the device.
+    """The Triton path: :func:`.triton_bounds.cache_write_triton`, one launch that reads ``ctrl`` on the device.
 
-    ``ctrl`` on ``k_cache``'s device is handed to the kernel as is. A ``ctrl`` in host memory (a CPU tensor: the
-    cache's own device under the interpreter, or beside a CUDA cache) is cleared after the launch, as the other
-    paths clear it; beside a CUDA cache its flag is read on the host (host memory: no device sync) and the kernel
-    gets a device copy of it from :func:`_device_flags`. A ``ctrl`` on the device is never written here.
+    ``ctrl`` on ``k_cache``'s device is handed to the kernel as is: it reads the stale flag and the recorded end
+    there and stores the new end (never the flags). A ``ctrl`` in host memory (a CPU tensor: the cache's own device
+    under the interpreter, or beside a CUDA cache) has its stale flag cleared after the launch, as the other paths
+    clear it; beside a CUDA cache it is read and written on the host (:func:`_stale_on_host`, a sync for the
+    positions) and the kernel gets a device copy of the decision from :func:`_device_flags`.
     """
     from .triton_bounds import cache_write_triton
 
     src = src.to(k_cache.dtype)  # the same tensor when the dtypes agree (an index_copy_ source always does)
     if ctrl.device == k_cache.device:
         cache_write_triton(k_cache, kmax, kmin, kabs, ctrl, positions, src, page_size)
-    else:  # a host flag beside a device cache
-        cache_write_triton(k_cache, kmax, kmin, kabs, _device_flags(k_cache.device)[1 if int(ctrl[0]) else 0],
+        if ctrl.device.type == "cpu":
+            ctrl[CTRL_STALE] = 0
+    else:  # a host ctrl beside a device cache
+        pos = _positions(positions)
+        stale = _stale_on_host(ctrl, pos)
+        cache_write_triton(k_cache, kmax, kmin, kabs, _device_flags(k_cache.device)[1 if stale else 0],
                            positions, src, page_size)
-    if ctrl.device.type == "cpu":
-        ctrl[0] = 0
+        _record_end(ctrl, pos)
 
 
 @functools.lru_cache(maxsize=8)
 def _device_flags(device: torch.device) -> torch.Tensor:
-    """int32 ``[2, 2]`` on ``device``: row 0 the flags ``(0, 0)``, row 1 ``(1, 0)`` (a stale flag for the kernel)."""
+    """int32 ``[2, 2]`` on ``device``: row 0 the flags ``(0, 0)``, row 1 ``(1, 0)`` (a stale flag for the kernel;
+    of 2 elements, so the kernel neither compares nor records an end)."""
     return torch.tensor([[0, 0], [1, 0]], dtype=torch.int32, device=device)
 
 
@@ -232,11 +280,12 @@ def _page_size_of(spec: tuple) -> int:
 
 
 def _check_ctrl(ctrl: torch.Tensor, device: torch.device) -> None:
-    """``ctrl``: contiguous int32 of >= 2 elements, on the CPU (every path) or on the cache's ``device``."""
-    if (ctrl.device.type != "cpu" and ctrl.device != device) or ctrl.dtype != torch.int32 or ctrl.numel() < 2 \
-            or not ctrl.is_contiguous():
-        raise ValueError(f"cache_write: argument 'ctrl' must be a contiguous int32 tensor of 2 elements on the CPU "
-                         f"or on {device}, got {ctrl.dtype} {tuple(ctrl.shape)} on {ctrl.device}")
+    """``ctrl``: contiguous int32 of 2 or :data:`CTRL_SIZE` elements, on the CPU (every path) or on the cache's
+    ``device``."""
+    if (ctrl.device.type != "cpu" and ctrl.device != device) or ctrl.dtype != torch.int32 \
+            or ctrl.numel() not in (2, CTRL_SIZE) or not ctrl.is_contiguous():
+        raise ValueError(f"cache_write: argument 'ctrl' must be a contiguous int32 tensor of 2 or {CTRL_SIZE} "
+                         f"elements on the CPU or on {device}, got {ctrl.dtype} {tuple(ctrl.shape)} on {ctrl.device}")
 
 
 @torch.library.custom_op("tinyserve::cache_write", mutates_args=("k_cache", "kmax", "kmin", "kabs", "ctrl"))
@@ -253,9 +302,11 @@ def _cache_write_op(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tenso
     kabs : torch.Tensor
         ``[B, Hkv, P]`` contiguous float32.
     ctrl : torch.Tensor
-        int32 ``[2]``, on the CPU or on ``k_cache``'s device: ``ctrl[0] != 0`` rebuilds every page, otherwise
-        only the pages holding ``positions`` are recomputed. A CPU ``ctrl[0]`` is cleared after the call; one on
-        the device is read there by the Triton kernel and never written (the host sets it before each call).
+        int32 ``[CTRL_SIZE]`` (or ``[2]``: no end recorded), on the CPU or on ``k_cache``'s device (see the module
+        docstring): ``ctrl[CTRL_STALE] != 0``, or positions that do not start at ``ctrl[CTRL_END]``, rebuild every
+        page; otherwise only the pages holding ``positions`` are recomputed. The op stores the new
+        ``ctrl[CTRL_END]``. A CPU ``ctrl[CTRL_STALE]`` is cleared after the call; one on the device is read there by
+        the Triton kernel and never written (the host sets it before each call).
     positions : torch.Tensor
         Integer (any dtype) 0-d, ``[1]`` or ``[n]``: the sequence positions written.
     src : torch.Tensor

@@ -2,9 +2,9 @@
 ``tinyserve::cache_write`` (:mod:`.bounds`).
 
 :func:`cache_write_triton` is the whole op in ONE launch of :func:`_cache_write_kernel` with no host read:
-it stores the new key rows, reads the stale flag ``ctrl[0]`` on the device, and recomputes the
-``kmax``/``kmin``/``kabs`` of every page that holds a written position (or, when stale, of every page), over
-all of the page's ``S`` slots (inside ``L``), exactly as :func:`.bounds.update_bounds_` /
+it stores the new key rows, reads the stale flag ``ctrl[0]`` (and the end of the last write) on the device, and
+recomputes the ``kmax``/``kmin``/``kabs`` of every page that holds a written position (or, when stale, of every
+page), over all of the page's ``S`` slots (inside ``L``), exactly as :func:`.bounds.update_bounds_` /
 :func:`.bounds.rebuild_bounds_` do after the write, so that bounds maintained this way always equal a
 rebuild from scratch. CUDA graphs capture it. :func:`update_bounds_triton` and :func:`rebuild_bounds_triton`
 launch the same kernel without the write (the stale flag a compile-time constant).
@@ -154,7 +154,7 @@ if _HAS_TRITON:
         stride_sb, stride_sh, stride_sn, stride_sd,
         stride_pos,
         H, L, P, N, G,
-        WRITE: tl.constexpr, STALE: tl.constexpr,
+        WRITE: tl.constexpr, STALE: tl.constexpr, TRACK_END: tl.constexpr,
         D: tl.constexpr, D_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, N_BLOCK: tl.constexpr,
         BOUNDS_KIND: tl.constexpr,
     ):
@@ -162,6 +162,9 @@ if _HAS_TRITON:
 
         Program ``(j, bh)`` owns position ``n = j`` (when ``j < N``) and, when the bounds are stale, the pages
         ``p = j, j + G, ...``. ``STALE``: 0 reads ``ctrl[0]`` (nonzero: stale), 1 always stale, 2 never.
+        ``TRACK_END`` (with ``STALE`` 0): positions whose least is not ``ctrl[2]`` are stale too, and the last
+        program to arrive (counted in ``ctrl[3]``, which it sets back to 0) stores the greatest position + 1 in
+        ``ctrl[2]``. Every program reads ``ctrl[2]`` before it arrives, so none sees the new end.
         ``WRITE``: store ``src`` rows (else the cache is only read, and ``src_ptr`` is not).
         """
         j = tl.program_id(0)
@@ -198,6 +201,9 @@ if _HAS_TRITON:
             hi = tl.maximum(hi, tl.max(tl.where(live_m, pm, -1), axis=0))
         lo_page = lo // S
         hi_page = tl.where(hi >= 0, hi // S, -1)
+        if TRACK_END:  # positions that do not go on from the last write: written by someone else, or rewound
+            end = tl.load(ctrl_ptr + 2).to(tl.int64)
+            stale = stale | ((hi >= 0) & (lo != end))
         # -- stage 3: store the new row of position n (unless a later n writes the same position)
         if WRITE:
             if live & (later == 0):
@@ -217,6 +223,13 @@ if _HAS_TRITON:
                                         k_base, s_base, bh, page, lo_page, hi_page, N, L, P,
                                         stride_kl, stride_kd, stride_sn, stride_sd, stride_pos,
                                         WRITE, D, D_PAD, S, S_PAD, N_BLOCK, BOUNDS_KIND)
+        # -- stage 5: the new end, stored by the last program to arrive (after every program read the old one)
+        if TRACK_END:
+            arrived = tl.atomic_add(ctrl_ptr + 3, 1, sem="acq_rel")
+            if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+                if hi >= 0:
+                    tl.store(ctrl_ptr + 2, (hi + 1).to(tl.int32))
+                tl.store(ctrl_ptr + 3, 0)
 
 
 def _pow2(n: int) -> int:
@@ -229,6 +242,10 @@ _KEY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: programs per (batch, KV head) of :func:`cache_write_triton` that share a rebuild of stale bounds (a rebuild
 #: follows an outside write such as a prefill: rare, so a few programs per head; the others exit at once)
 _REBUILD_PROGRAMS = 32
+
+#: elements of a ``ctrl`` that records the end of the last write (``CTRL_SIZE`` of :mod:`.bounds`, which imports
+#: this module lazily)
+_CTRL_SIZE = 4
 
 #: ``BOUNDS_KIND`` of the kernels for each storage dtype of ``kmax``/``kmin``
 _BOUNDS_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -277,9 +294,10 @@ def _launch(fn: str, k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tens
                   or src.device != k_cache.device):
         raise ValueError(f"{fn}: argument 'src' must be {k_cache.dtype} {(B, H, N, D)} on {k_cache.device}, "
                          f"got {src.dtype} {tuple(src.shape)} on {src.device}")
-    if stale == 0 and (ctrl.dtype != torch.int32 or ctrl.numel() < 2 or ctrl.device != k_cache.device):
-        raise ValueError(f"{fn}: argument 'ctrl' must be an int32 tensor of >= 2 elements on {k_cache.device}, "
-                         f"got {ctrl.dtype} {tuple(ctrl.shape)} on {ctrl.device}")
+    if stale == 0 and (ctrl.dtype != torch.int32 or ctrl.numel() not in (2, _CTRL_SIZE)
+                       or ctrl.device != k_cache.device or not ctrl.is_contiguous()):
+        raise ValueError(f"{fn}: argument 'ctrl' must be a contiguous int32 tensor of 2 or {_CTRL_SIZE} elements "
+                         f"on {k_cache.device}, got {ctrl.dtype} {tuple(ctrl.shape)} on {ctrl.device}")
     grid0 = max(N, min(P, programs)) if stale != 2 else N
     if P == 0 or B * H == 0 or grid0 == 0:  # no page: every position lies outside [0, L)
         return
@@ -290,7 +308,7 @@ def _launch(fn: str, k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tens
     _cache_write_kernel[(grid0, B * H)](
         k_cache, src_arg, pos_arg, ctrl_arg, kmax, kmin, kabs, *k_cache.stride(), *src_strides, stride_pos,
         H, L, P, N, grid0,
-        WRITE=bool(write and N), STALE=stale, D=D, D_PAD=_pow2(D), S=page_size, S_PAD=_pow2(page_size),
+        WRITE=bool(write and N), STALE=stale, TRACK_END=stale == 0 and ctrl.numel() == _CTRL_SIZE, D=D, D_PAD=_pow2(D), S=page_size, S_PAD=_pow2(page_size),
         N_BLOCK=min(max(_pow2(N), 16), 64), BOUNDS_KIND=kind,
     )
 
@@ -312,8 +330,9 @@ def cache_write_triton(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Te
     A page is recomputed from its cache rows with the new rows laid over the written slots (the ``src`` row of
     the last ``n`` of each slot), never from another program's store: race-free within the launch, and the
     bounds agree with the stored rows. Bounds equal :func:`.bounds.cache_write_torch`'s bit for bit (fp32;
-    bf16 rounded outward; int8 codes, see the module docstring). ``ctrl`` is never written: the host sets
-    ``ctrl[0]`` before each call.
+    bf16 rounded outward; int8 codes, see the module docstring). A ``ctrl`` of 4 elements also records where the
+    write ended (:mod:`.bounds`: positions that do not start there are stale too) and counts the programs'
+    arrivals; its flags are never written: the host sets ``ctrl[0]`` before each call.
 
     Parameters
     ----------
@@ -324,8 +343,9 @@ def cache_write_triton(k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Te
     kabs : torch.Tensor
         ``[B, Hkv, P]`` float32 contiguous; written in place.
     ctrl : torch.Tensor
-        int32, at least 2 elements, on ``k_cache``'s device (a CPU tensor under the interpreter); ``ctrl[0] != 0``
-        recomputes every page, else only the pages holding a written position. Read only.
+        int32, contiguous, 2 or 4 elements (:data:`.bounds.CTRL_SIZE`), on ``k_cache``'s device (a CPU tensor under
+        the interpreter); ``ctrl[0] != 0`` (or, of 4 elements, positions not starting at ``ctrl[2]``) recomputes
+        every page, else only the pages holding a written position. Only ``ctrl[2:4]`` is written.
     positions : torch.Tensor
         Any integer dtype, 0-d, ``[1]`` or ``[N]``, on ``k_cache``'s device (any stride): the sequence positions
         written; those outside ``[0, L)`` are skipped. Cast inside the kernel.

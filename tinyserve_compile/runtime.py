@@ -6,9 +6,11 @@ writes, and the backend's wrapper hands them in on each call:
 ``kmax``, ``kmin``, ``kabs``
     The buffer's :class:`~tinyserve_compile.kernels.reference.PageBounds`.
 ``ctrl``
-    int32 ``[2]``. ``ctrl[0]``: the bounds are stale (someone else wrote the
-    cache), so the graph's write op rebuilds them after writing. ``ctrl[1]``:
-    this layer attends densely (it is among the first ``dense_layers`` layers).
+    int32 ``[4]`` (:data:`~tinyserve_compile.kernels.bounds.CTRL_SIZE`). ``ctrl[0]``: the bounds are stale
+    (someone else wrote the cache), so the graph's write op rebuilds them after writing. ``ctrl[1]``:
+    this layer attends densely (it is among the first ``dense_layers`` layers). ``ctrl[2:4]`` belong to the write
+    op: the position after its last write (a write that does not go on from there rebuilds too) and the Triton
+    kernel's arrival counter (:mod:`~tinyserve_compile.kernels.bounds`).
     For a CPU cache it lives on the CPU: the host writes it through a numpy view
     and the native write op clears ``ctrl[0]`` after the rebuild. For a CUDA cache
     it lives on the cache's device, so the graph has no CPU input and can run
@@ -21,6 +23,9 @@ So no op does host bookkeeping per layer. Once per call, before it,
 :func:`enter` checks each buffer's version counter against the value recorded
 after our last call (:func:`leave`): any other write in between (an eager
 prefill, ``cache.reset()``, a roll-back) moved it, and sets ``ctrl[0]``.
+Without the host, the write op itself sees a write by someone else that moved where the sequence ends (it
+compares its positions with ``ctrl[2]`` on the ctrl's device): this is what keeps the bounds exact for an
+inference tensor (no version counter) and under an outer CUDA graph capture (whose replays run no host code).
 
 The bounds and a device ``ctrl`` keep their address for the buffer's life; the
 graph's placeholders for them are marked as static inputs
@@ -57,7 +62,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .kernels.bounds import allocate_bounds
+from .kernels.bounds import CTRL_SIZE, allocate_bounds, new_ctrl
 from .kernels.reference import PageBounds
 from .kernels.sparse_decode import resolve_kernel
 
@@ -133,7 +138,7 @@ class BoundsSlot:
         cache = torch.empty(self.shape, dtype=self.dtype, device="meta")
         b = allocate_bounds(cache, self.page_size, self.bounds_dtype)
         return [t.new_zeros(t.shape, device=device) for t in b] + [
-            torch.zeros(2, dtype=torch.int32, device=_ctrl_device(device))]
+            torch.zeros(CTRL_SIZE, dtype=torch.int32, device=_ctrl_device(device))]
 
 
 @dataclass
@@ -154,7 +159,8 @@ class StaticKVState:
     cache_ref: "weakref.ref"
     key: tuple  #: (page_size, bounds dtype, view shape): a buffer read another way gets its own state
     bounds: PageBounds
-    ctrl: torch.Tensor  #: int32 [2]: stale, dense layer (on the cache's device for CUDA, else the CPU)
+    ctrl: torch.Tensor  #: int32 [CTRL_SIZE]: stale, dense layer, the write op's end and arrivals (on the cache's
+    #: device for CUDA, else the CPU)
     rank: int  #: layer rank: order of first write within a step (0 = first layer)
     version: int = -1  #: cache._version right after our last call
     policy_state: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -170,10 +176,10 @@ class StaticKVState:
             self.mirror = self.ctrl.device.type != "cpu"
         if self.mirror:
             # what ctrl holds (the kernels never write a mirrored ctrl): compared before every copy into it
-            self._flags = np.array(self.ctrl.tolist(), dtype=np.int32)
+            self._flags = np.array(self.ctrl[:2].tolist(), dtype=np.int32)
             self._rebuild = bool(self._flags[0])  # ctrl[0] asked for a rebuild that no call has made yet
         else:
-            self._flags = self.ctrl.numpy()  # shares memory: flag writes cost no dispatch
+            self._flags = self.ctrl[:2].numpy()  # shares memory: flag writes cost no dispatch
 
 
 #: (stale, dense, pinned) -> an int32 [2] host tensor holding those flags, never written after it is made
@@ -210,7 +216,7 @@ def _push_flags(st: StaticKVState, stale: bool, dense: bool) -> bool:
         return False
     if not s and flags[0] == s and flags[1] == d:
         return False
-    st.ctrl.copy_(_flag_source(s, d, st.ctrl.is_cuda), non_blocking=True)
+    st.ctrl[:2].copy_(_flag_source(s, d, st.ctrl.is_cuda), non_blocking=True)  # the flags; the op owns the rest
     flags[0], flags[1] = s, d
     runtime_stats["ctrl_copies"] += 1
     return True
@@ -268,7 +274,7 @@ def state_for(cache: torch.Tensor, page_size: int, bounds_dtype: Optional[torch.
     bounds_dtype = bounds_dtype or torch.float32
     bounds = allocate_bounds(view, page_size, bounds_dtype)
     # created stale: the first write rebuilds every page
-    ctrl = torch.tensor([1, 0], dtype=torch.int32, device=_ctrl_device(cache.device))
+    ctrl = new_ctrl(_ctrl_device(cache.device))
     if device_ctrl(cache.device):
         from torch._dynamo import mark_static_address
 
@@ -291,8 +297,8 @@ def state_for(cache: torch.Tensor, page_size: int, bounds_dtype: Optional[torch.
 
 def tensor_version(t: torch.Tensor) -> Optional[int]:
     """``t``'s version counter, or ``None`` for an inference tensor (made under ``torch.inference_mode()``), which
-    has none: then nothing tells whether someone else wrote it since the last call, so its page bounds are rebuilt
-    on every call (exact, at the cost of reading every key: ``runtime_stats["inference_cache_rebuilds"]``)."""
+    has none: then only the write op's own check (``ctrl[2]``, the end of its last write) sees a write by someone
+    else (``runtime_stats["inference_cache_calls"]`` counts such calls)."""
     return None if t.is_inference() else t._version
 
 
@@ -321,12 +327,11 @@ def enter(slots: Sequence[BoundsSlot], args: Sequence, dense_layers: int) -> Lis
             _NEXT_RANK[0] = 0  # a ranked buffer: the next new one starts a new cache's layers
         st = state_for(cache, slot.page_size, slot.bounds_dtype, slot.perm, slot.rows)
         version = tensor_version(cache)
-        if version is None:  # an inference tensor: no way to see other writers, so the bounds are rebuilt
-            runtime_stats["inference_cache_rebuilds"] += 1
-            st.version = -1
-        stale = version is None or version != st.version or st.stale
+        if version is None:  # an inference tensor: the write op's end check is the only check of other writers
+            runtime_stats["inference_cache_calls"] += 1
+        stale = (version is not None and version != st.version) or st.stale
         if stale:
-            if st.version != -1 and version != st.version:
+            if st.version != -1 and version is not None and version != st.version:
                 runtime_stats["foreign_writes"] += 1
             st.policy_state.clear()  # a new sequence for stateful policies
             runtime_stats["bounds_rebuilds"] += 1
@@ -389,7 +394,7 @@ def ctrl_flags(st: Optional[StaticKVState], ctrl: torch.Tensor) -> List[int]:
     st : StaticKVState or None
         The state of the buffer whose ``ctrl`` this is (:func:`state_of_bounds`), if any.
     ctrl : torch.Tensor
-        int32 ``[2]``.
+        int32 ``[2]`` or ``[CTRL_SIZE]``.
 
     Returns
     -------
@@ -400,5 +405,5 @@ def ctrl_flags(st: Optional[StaticKVState], ctrl: torch.Tensor) -> List[int]:
     """
     if st is not None and st.mirror and st.ctrl.data_ptr() == ctrl.data_ptr():
         return st._flags.tolist()
-    return ctrl.tolist()
+    return ctrl[:2].tolist()
 

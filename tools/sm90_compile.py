@@ -225,7 +225,7 @@ def main(argv=None) -> int:
         k = torch.randn(B, Hkv, L, D, dtype=dtype)
         v = torch.randn_like(k)
         vl = torch.tensor([L, L - 100])
-        ctrl = torch.zeros(2, dtype=torch.int32)
+        ctrl = torch.tensor([0, 0, -1, 0], dtype=torch.int32)  # the runtime's ctrl (bounds.CTRL_SIZE words)
         for spec in specs:
             bounds = ref.page_bounds(k[:, :, :64], spec.page_size, dtype=spec.bounds_dtype)
             P = -(-L // spec.page_size)

@@ -1,6 +1,9 @@
 // Page bounds: cache_write and rebuild_bounds (see sparse_decode.cpp for the overview).
 
 #include "bounds.h"
+
+#include <algorithm>
+#include <cstdint>
 #include "dtypes.h"
 #include "pool.h"
 #include "simd.h"
@@ -211,6 +214,8 @@ void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Te
   check_bounds_args(k_cache, kmax, kmin, kabs, page_size);
   TORCH_CHECK(ctrl.device().is_cpu() && ctrl.scalar_type() == at::kInt && ctrl.numel() >= 1 && ctrl.is_contiguous(),
               "tinyserve.cache_write (native): ctrl must be a contiguous int32 CPU tensor");
+  TORCH_CHECK_VALUE(k_cache.size(2) <= INT32_MAX, "tinyserve.cache_write: the cache's ", k_cache.size(2),
+                    " slots exceed int32 positions");
   TORCH_CHECK_VALUE(at::isIntegralType(positions.scalar_type(), /*includeBool=*/false),
                     "tinyserve.cache_write: argument 'positions' must be an integer tensor, got ",
                     positions.scalar_type());
@@ -226,19 +231,23 @@ void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Te
     at::Tensor kc = k_cache;
     kc.index_copy_(2, pos, src);
   }
-  // ---- bounds: everything when flagged stale, else the touched pages
+  // ---- bounds: everything when flagged stale or the positions do not go on from the last write, else the
+  //      touched pages
   int32_t* flag = ctrl.data_ptr<int32_t>();
-  if (flag[0] != 0) {
+  const int64_t n = pos.numel(), *pp = pos.data_ptr<int64_t>();
+  const bool track_end = ctrl.numel() >= kCtrlSize && n > 0;
+  const int64_t first = n > 0 ? *std::min_element(pp, pp + n) : 0, last = n > 0 ? *std::max_element(pp, pp + n) : 0;
+  const bool stale = flag[kCtrlStale] != 0 || (track_end && first != flag[kCtrlEnd]);
+  if (track_end) flag[kCtrlEnd] = static_cast<int32_t>(last + 1);  // positions are below L <= INT32_MAX (checked)
+  if (stale) {
     bounds_for_pages(k_cache, kmax, kmin, kabs, page_size, nullptr);
-    flag[0] = 0;
+    flag[kCtrlStale] = 0;
     return;
   }
   const int64_t P = kmax.size(2);
-  at::Tensor pc = pos.contiguous();
-  const int64_t* pp = pc.data_ptr<int64_t>();
   std::vector<int64_t> pages;
-  pages.reserve(pc.numel());
-  for (int64_t i = 0; i < pc.numel(); ++i) {
+  pages.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
     const int64_t p = pp[i] >= 0 ? pp[i] / page_size : -1;
     if (p >= 0 && p < P) pages.push_back(p);
   }

@@ -10,7 +10,13 @@ namespace tinyserve_native {
 void rebuild_bounds(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                     int64_t page_size);
 
-// index_copy_ of src into the key cache at positions, then the bounds of the touched pages (all when ctrl[0] != 0)
+// ctrl (int32, 2 or kCtrlSize elements; kernels/bounds.py's CTRL_*): the stale flag, the dense-layer flag, and with
+// kCtrlSize elements the position after the op's last write (-1: none) and the Triton kernel's arrival counter
+constexpr int64_t kCtrlStale = 0, kCtrlEnd = 2, kCtrlSize = 4;
+
+// index_copy_ of src into the key cache at positions, then the bounds of the touched pages; all pages when
+// ctrl[kCtrlStale] != 0 or (kCtrlSize elements) when the positions do not start at ctrl[kCtrlEnd], which the write
+// then sets to the last position + 1
 void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Tensor& kmin, const at::Tensor& kabs,
                  const at::Tensor& ctrl, const at::Tensor& positions, const at::Tensor& src, int64_t page_size);
 

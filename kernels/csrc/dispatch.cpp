@@ -44,9 +44,10 @@ void cache_write_cpu(const at::Tensor& k_cache, const at::Tensor& kmax, const at
                      const at::Tensor& ctrl, const at::Tensor& positions, const at::Tensor& src,
                      c10::ArrayRef<int64_t> spec) {
   if (spec.size() == Spec::kFields) {
-    TORCH_CHECK_VALUE(ctrl.device().is_cpu() && ctrl.scalar_type() == at::kInt && ctrl.numel() >= 2 &&
-                          ctrl.is_contiguous(),
-                      "cache_write: argument 'ctrl' must be a contiguous int32 CPU tensor of 2 elements, got ",
+    TORCH_CHECK_VALUE(ctrl.device().is_cpu() && ctrl.scalar_type() == at::kInt &&
+                          (ctrl.numel() == 2 || ctrl.numel() == kCtrlSize) && ctrl.is_contiguous(),
+                      "cache_write: argument 'ctrl' must be a contiguous int32 CPU tensor of 2 or ", kCtrlSize,
+                      " elements, got ",
                       ctrl.scalar_type(), " ", ctrl.sizes(), " on ", ctrl.device());
     // positions of any integer dtype and src of any float dtype, as the PyTorch path takes them
     const at::Tensor s = src.scalar_type() == k_cache.scalar_type() ? src : src.to(k_cache.scalar_type());

@@ -19,6 +19,7 @@ from tinyserve_compile import runtime
 from tinyserve_compile.backend import _copy, _cudagraphs_decision, _finish_dynamo_metadata
 from tinyserve_compile.config import COMPILE_MODES, DEFAULT_CUDAGRAPHS, TinyServeConfig
 from tinyserve_compile.explain import latest_graph, record_cudagraphs
+from tinyserve_compile.kernels.bounds import CTRL_SIZE, new_ctrl
 from tinyserve_compile.kernels.reference import page_bounds
 from tinyserve_compile.kernels.spec import SelectionSpec
 from tinyserve_compile.passes import BOUNDS_PREFIX, run_passes
@@ -142,7 +143,7 @@ def test_cuda_decode_graph_has_no_cpu_placeholder_and_static_bounds():
     cpu = [n.name for n in _placeholders(out) if n.meta["example_value"].device.type != "cuda"]
     assert cpu == [], f"CPU placeholders in a CUDA graph: {cpu}"
     ctrl = [n.meta["example_value"] for n in added if n.name.endswith("_ctrl")]
-    assert len(ctrl) == 4 and all(c.dtype == torch.int32 and tuple(c.shape) == (2,) for c in ctrl)
+    assert len(ctrl) == 4 and all(c.dtype == torch.int32 and tuple(c.shape) == (CTRL_SIZE,) for c in ctrl)
     # static inputs for AOTAutograd (hence Inductor's CUDA graphs), and readable as Dynamo placeholders
     assert all(n.meta["tensor_dict"] == STATIC_INPUT_META for n in added)
     assert all(n._dynamo_source is None for n in added)
@@ -180,7 +181,7 @@ def test_bounds_slot_example_inputs_live_on_the_cache_device(device):
     with FakeTensorMode():
         kmax, kmin, kabs, ctrl = slot.example_inputs(torch.device(device))
     assert {t.device.type for t in (kmax, kmin, kabs, ctrl)} == {device}
-    assert ctrl.dtype == torch.int32 and tuple(ctrl.shape) == (2,)
+    assert ctrl.dtype == torch.int32 and tuple(ctrl.shape) == (CTRL_SIZE,)
 
 
 def test_bounds_placeholders_are_static_inputs_for_inductor(monkeypatch):
@@ -268,34 +269,35 @@ def test_inductor_skipping_cudagraphs_at_compile_is_reported(monkeypatch):
 def _mirrored_state(flags=(1, 0)):
     k = torch.randn(1, 2, 40, 8)
     b = page_bounds(k, 4, dtype=torch.float32)
-    return runtime.StaticKVState(None, (4, torch.float32, tuple(k.shape)), b, torch.tensor(flags, dtype=torch.int32),
-                                 0, mirror=True)
+    ctrl = new_ctrl(stale=bool(flags[0]))
+    ctrl[1] = flags[1]
+    return runtime.StaticKVState(None, (4, torch.float32, tuple(k.shape)), b, ctrl, 0, mirror=True)
 
 
 def test_push_flags_copies_only_on_change():
     st = _mirrored_state()
     assert st.stale
+    st.ctrl[2] = 57  # the write op's end: the host copies the flags only, never over it
     assert runtime._push_flags(st, False, False) is True
-    assert st.ctrl.tolist() == [0, 0]
+    assert st.ctrl.tolist() == [0, 0, 57, 0]
     assert runtime._push_flags(st, False, False) is False
     assert runtime._push_flags(st, False, True) is True
-    assert st.ctrl.tolist() == [0, 1] and runtime_stats["ctrl_copies"] == 2
+    assert st.ctrl.tolist() == [0, 1, 57, 0] and runtime_stats["ctrl_copies"] == 2
     assert runtime._push_flags(st, False, True) is False
-    st.ctrl.zero_()  # as the PyTorch write op clears ctrl[0] on the device, unseen by the mirror
+    st.ctrl[:2].zero_()  # as the PyTorch write op clears ctrl[0] on the device, unseen by the mirror
     for _ in range(2):  # a rebuild request is copied even when the mirror holds it already
         assert runtime._push_flags(st, True, True) is True
-        assert st.ctrl.tolist() == [1, 1]
+        assert st.ctrl.tolist() == [1, 1, 57, 0]
     assert runtime_stats["ctrl_copies"] == 4
 
 
 def test_push_flags_writes_a_host_ctrl_in_place():
     k = torch.randn(1, 2, 40, 8)
-    st = runtime.StaticKVState(None, (4, torch.float32, tuple(k.shape)), page_bounds(k, 4),
-                               torch.tensor([1, 0], dtype=torch.int32), 0)
+    st = runtime.StaticKVState(None, (4, torch.float32, tuple(k.shape)), page_bounds(k, 4), new_ctrl(), 0)
     assert not st.mirror
     for flags in ((0, 1), (1, 1), (0, 0)):
         assert runtime._push_flags(st, *flags) is False
-        assert st.ctrl.tolist() == list(flags) and st.stale == bool(flags[0])
+        assert st.ctrl.tolist() == [*flags, -1, 0] and st.stale == bool(flags[0])
     assert runtime_stats["ctrl_copies"] == 0
 
 
@@ -325,7 +327,7 @@ def test_steady_decode_loop_copies_no_flags(monkeypatch, dense_layers):
     for i in range(12, 20):
         _step(slot, k, i, dense_layers)
     assert runtime_stats["ctrl_copies"] == 2, "a steady loop copied flags"
-    assert st.ctrl.tolist() == [0, int(dense_layers > 0)]
+    assert st.ctrl.tolist() == [0, int(dense_layers > 0), 20, 0]  # the write op's end: after position 19
     k[:, :, 0] = 50.0  # a foreign write: one rebuild (a copy), then ctrl[0] cleared (a copy)
     _step(slot, k, 20, dense_layers)
     _step(slot, k, 21, dense_layers)
@@ -345,7 +347,8 @@ def test_stale_of_a_mirrored_state_lasts_until_the_call_returns(monkeypatch):
     runtime.leave([slot], (k,))
     assert not st.stale
     runtime.enter([slot], (k,), 0)  # no call in between: nothing wrote the cache
-    assert not st.stale and st.ctrl.tolist() == [0, 0]
+    # (no write op ran either: its end is still unrecorded, so the first write still rebuilds)
+    assert not st.stale and st.ctrl.tolist() == [0, 0, -1, 0]
 
 
 def test_policy_attention_reads_the_mirror_of_a_mirrored_ctrl(monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import tinyserve_compile as tc
-from tests.support.backend_helpers import CACHE_IS_GRAPH_ATTRIBUTE, hf_decode, prompt, worst
+from tests.support.backend_helpers import CACHE_IS_GRAPH_ATTRIBUTE, hf_decode, position_kwargs, prompt, worst
 from tests.support.backend_models import gpt_fast_model, hf_model
 from test_hf_models import _gpt_fast_run
 from tinyserve_compile.kernels.reference import page_bounds
@@ -93,16 +93,60 @@ def test_batch_with_left_padding_matches_reference():
     assert torch.allclose(logits, dense_logits, atol=1e-4, rtol=1e-4), worst(logits, dense_logits)
 
 
-def test_decode_under_inference_mode_rebuilds_and_matches_reference():
-    # a cache made under inference_mode has no version counter: the bounds are rebuilt every call, never stale
+def _plant(caches, page: int):
+    """A value no rebuild computes, in page ``page``'s ``kabs`` of each buffer's bounds."""
+    for k in caches:
+        state_for(k, 16).bounds.kabs[:, :, page] = 123.0
+
+
+def _planted(caches, page: int) -> bool:
+    return all(bool((state_for(k, 16).bounds.kabs[:, :, page] == 123.0).all()) for k in caches)
+
+
+def test_decode_under_inference_mode_follows_outside_writes_on_the_device():
+    # a cache made under inference_mode has no version counter: the write op's own end check (ctrl[2]) sees the
+    # eager prefills, and a step that goes on from the last one recomputes only its page
     model = hf_model("llama")
     compiled = torch.compile(model, backend="tinyserve", options=OPTS)
     with torch.inference_mode():
         ref_toks, ref_logits, _ = hf_decode(model, None, prompt(100, seed=4), 5, reference=OPTS)
         toks, logits, cache = hf_decode(model, compiled, prompt(100, seed=4), 5)
-        assert cache.layers[0].keys.is_inference()
-    assert torch.equal(toks, ref_toks)
-    assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
+        caches = [layer.keys for layer in cache.layers[2:]]
+        assert caches[0].is_inference()
+        assert torch.equal(toks, ref_toks)
+        assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
+        _assert_bounds_fresh(caches)
+        _plant(caches, 11)  # positions 176..191: no step writes there
+        compiled(toks[:, -1:], past_key_values=cache, use_cache=True, **position_kwargs(105))
+        assert _planted(caches, 11), "a step that went on from the last write rebuilt the bounds"
+        for n, seed in ((60, 2), (140, 3)):  # a new prompt written eagerly (outside the graph): shorter, longer
+            cache.reset()
+            ref_toks, ref_logits, _ = hf_decode(model, None, prompt(n, seed=seed), 4, reference=OPTS)
+            toks, logits, _ = hf_decode(model, compiled, prompt(n, seed=seed), 4, cache=cache)
+            assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
+            assert not _planted(caches, 11)
+            _assert_bounds_fresh(caches)
     rt = tc.explain().runtime
-    assert rt["inference_cache_rebuilds"] >= 5 * 2  # every step, every sparse layer's buffer
+    assert rt["inference_cache_calls"] >= 14 * 4  # every call, every buffer: the host could not see the writes
     assert tc.counters["rewritten"] > 0
+
+
+def test_frozen_host_flags_stay_exact_after_a_prefill_outside_the_graph(monkeypatch):
+    # the stand-in of an outer CUDA graph capture of a whole decode step: its replays run no host code, so the
+    # flags the host would push into ctrl (the stale flag from the version counter) stay as they were captured.
+    # The write op's end check alone must then see a new prompt written outside the graph.
+    from tinyserve_compile import runtime
+
+    model = hf_model("llama")
+    compiled = torch.compile(model, backend="tinyserve", options=OPTS)
+    _, _, cache = hf_decode(model, compiled, prompt(100, seed=1), 4)
+    caches = [layer.keys for layer in cache.layers[2:]]
+    monkeypatch.setattr(runtime, "_push_flags", lambda st, stale, dense: False)  # "replay": flags as captured
+    for n, seed in ((60, 2), (140, 3)):
+        cache.reset()
+        ref_toks, ref_logits, _ = hf_decode(model, None, prompt(n, seed=seed), 4, reference=OPTS)
+        toks, logits, _ = hf_decode(model, compiled, prompt(n, seed=seed), 4, cache=cache)
+        assert torch.allclose(logits, ref_logits, atol=2e-5, rtol=1e-4), worst(logits, ref_logits)
+        for k in caches:
+            fresh = page_bounds(k, 16, dtype=state_for(k, 16).bounds.kmax.dtype)
+            assert torch.equal(state_for(k, 16).bounds.kmax, fresh.kmax), "kmax differs from a rebuild"
