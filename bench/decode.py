@@ -111,7 +111,7 @@ import torch
 
 from bench import cli, llamacpp
 from bench.harness import allocate_cache, cache_kwarg, set_cache_length
-from bench.timing import machine_fields, read_bandwidth_gbs, step_profile, sync_fn
+from bench.timing import busy_neighbours, machine_fields, read_bandwidth_gbs, step_profile, sync_fn, wait_env
 from bench.models import LAYERED_FORMATS, SHAPES, TINY_SHAPE, build_llama, random_llama
 from bench.weights import WEIGHTS, is_int4_linear, prepare_weights, tensor_nbytes, weights_dtype
 from tinyserve_compile.backend import cudagraph_skips
@@ -453,7 +453,7 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
               extra: Sequence = (), inductor_options: Optional[dict] = None,
               skip_module_guards: bool = False, layers: Optional[int] = None, profile: bool = True,
               progress=None, deadline: Optional[float] = None, keep_going: bool = False,
-              compare: Optional[dict] = None) -> List[dict]:
+              compare: Optional[dict] = None, neighbours: int = 0) -> List[dict]:
     """Records of every provider at one (context, batch) point; see the module docstring. ``compare``: the options
     of ``--compare``'s provider (:func:`provider_options`). ``extra``: other
     engines' providers (``bench/llamacpp.py``), timed in the same rounds. ``inductor_options`` and
@@ -467,7 +467,8 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
     once it has passed, nor when less time is left than the longest compile of the point so far (so the first
     compiled provider of a point runs while any time is left), and the later rounds are dropped once it has
     passed; such a provider's record says so in ``skipped``. Eager always runs.
-    ``keep_going``: a provider that raises is recorded (``failed``) and the others run.
+    ``keep_going``: a provider that raises is recorded (``failed``) and the others run. ``neighbours``: busy
+    processes beside every timed step (:func:`bench.timing.busy_neighbours`; not beside compiles and warm-ups).
 
     The work is :class:`DecodePoint`'s, which this builds and runs."""
     return DecodePoint(ctx=ctx, batch=batch, providers=providers, options=options, steps=steps, rounds=rounds,
@@ -475,7 +476,7 @@ def run_point(ctx: int, batch: int, providers, options: dict, steps: int, rounds
                        snap_dir=snap_dir, stream_gbps=stream_gbps, log=log, weights=weights, extra=extra,
                        inductor_options=inductor_options, skip_module_guards=skip_module_guards, layers=layers,
                        profiling=profile, progress=progress, deadline=deadline, keep_going=keep_going,
-                       compare=compare).run()
+                       compare=compare, neighbours=neighbours).run()
 
 
 @dataclasses.dataclass
@@ -513,6 +514,7 @@ class DecodePoint:
     deadline: Optional[float] = None
     keep_going: bool = False
     compare: Optional[dict] = None
+    neighbours: int = 0  # busy processes (bench.timing.busy_neighbours) beside every timed step
 
     def __post_init__(self):
         if self.steps < 1 or self.rounds < 1 or self.warmup < 1:
@@ -558,7 +560,8 @@ class DecodePoint:
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.wbytes = weight_bytes(self.model)
         self.point = dict(context=self.ctx, batch=self.batch, stream_gbps=self.stream_gbps, rounds=self.rounds,
-                          warmup=self.warmup, threads=torch.get_num_threads())
+                          warmup=self.warmup, threads=torch.get_num_threads(), neighbours=self.neighbours,
+                          **wait_env())
 
     def _inputs(self, max_len: int) -> None:
         """The left-padding mask (batch > 1), one token per row and each step's positions (see the module doc)."""
@@ -692,11 +695,12 @@ class DecodePoint:
         self.step(name, 0)
         self.sync()
         before = _rebuilds()
-        for i in range(1, self.steps + 1):
-            t0 = time.perf_counter()
-            self.step(name, i)
-            self.sync()
-            self.times[name].append(time.perf_counter() - t0)
+        with busy_neighbours(self.neighbours):
+            for i in range(1, self.steps + 1):
+                t0 = time.perf_counter()
+                self.step(name, i)
+                self.sync()
+                self.times[name].append(time.perf_counter() - t0)
         self.rebuilds[name] += _rebuilds() - before
 
     def profile(self, name: str) -> None:
@@ -758,7 +762,8 @@ class DecodePoint:
                 break
             for name in rotation(order, r):
                 if name in others:
-                    self.times[name] += others[name].time_round(self.steps)
+                    with busy_neighbours(self.neighbours):
+                        self.times[name] += others[name].time_round(self.steps)
                 elif r:  # round 0 of a compiled provider ran right after its compile
                     self.time_round(name)
             self.report()
@@ -809,7 +814,7 @@ class DecodePoint:
             timed_bounds_rebuilds=self.rebuilds.get(name, 0),
             kv_bytes_per_step=kv, weight_bytes=self.wbytes, stream_gbps=self.stream_gbps, floor_ms=floor_ms,
             pct_of_floor=floor_ms / ms * 100 if ms else None, cold_compile=self.cold,
-            threads=torch.get_num_threads(), date=date,
+            threads=torch.get_num_threads(), neighbours=self.neighbours, **wait_env(), date=date,
             weights=self.weights or {v: k for k, v in DTYPES.items()}[self.dtype],
             inductor_options=json.dumps(self.inductor_options or {}, sort_keys=True) if name != "eager" else "",
             skip_module_guards=self.skip_module_guards and name != "eager",
@@ -857,12 +862,12 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         inductor_options: Optional[dict] = None,
         skip_module_guards: bool = False, layers: Optional[int] = None, profile: bool = True,
         progress=None, points: Optional[Sequence[Tuple[int, int]]] = None, time_budget: Optional[float] = None,
-        keep_going: bool = False) -> List[dict]:
+        keep_going: bool = False, neighbours: int = 0) -> List[dict]:
     """Every (context, batch) point with ``batch * context <= max_batch_tokens`` (``points``: these (context,
     batch) pairs instead of every batch with every context); returns the records. ``progress(rows)``: the records
     so far (see :func:`run_point`), the finished points' included. ``time_budget``: seconds for the whole run,
     shared among the points still to run (the first of several gets a quarter more: it compiles cold); see
-    :func:`run_point` for what a point does with its share. ``keep_going``: see :func:`run_point`."""
+    :func:`run_point` for what a point does with its share. ``keep_going``, ``neighbours``: see :func:`run_point`."""
     start = time.monotonic()
     from bench.accuracy import PREFILL_CACHE
 
@@ -894,7 +899,7 @@ def run(contexts: Sequence[int] = (2048, 4096, 8192, 16384, 32768), batches: Seq
         rows += run_point(ctx, b, names, dict(options or {}), steps, rounds, warmup, model, fill, DTYPES[dtype],
                           dev, cold, snap_dir or PREFILL_CACHE, bw, log, weights, extra,
                           inductor_options, skip_module_guards, layers, profile, point_progress, deadline,
-                          keep_going, compare)
+                          keep_going, compare, neighbours)
         if progress is not None:
             progress(rows)
         log(f"# context {ctx} batch {b}: {time.perf_counter() - t0:.0f} s")
@@ -1065,6 +1070,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds for the whole run from its start: shared among the points; a provider whose "
                          "compile would not fit is skipped (recorded), later rounds dropped")
+    ap.add_argument("--neighbours", type=int, default=0,
+                    help="busy processes (each spinning one core) beside every timed step: a shared machine")
     ap.add_argument("--keep-going", action="store_true",
                     help="a provider that raises is recorded (failed) and the others still run; exit status 1")
     ap.add_argument("--no-profile", action="store_true",
@@ -1175,7 +1182,7 @@ def main(argv=None):
                inductor_options=inductor_options, skip_module_guards=a.skip_module_guards, layers=a.layers,
                profile=not a.no_profile, progress=progress, points=points,
                time_budget=None if a.time_budget is None else a.time_budget - (time.monotonic() - start),
-               keep_going=a.keep_going)
+               keep_going=a.keep_going, neighbours=a.neighbours)
     _print_run(rows, a, inductor_options, t0)
     if extra:
         print(llamacpp.markdown_tables([rows]))

@@ -6,9 +6,13 @@ the CUDA-only fields of a profile are None.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import subprocess
+import sys
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -24,6 +28,41 @@ ITEM_OPS = ("aten::_local_scalar_dense", "aten::item")
 GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
 #: the vendor's peak memory bandwidth in GB/s by device name (the datasheets'), matched in this order
 DATASHEET_GBS = (("H200", 4800.0), ("H100", 3350.0), ("A100", 2039.0), ("L40", 864.0), ("4090", 1008.0))
+
+
+#: a neighbour: spins one core until its deadline (argv[1], seconds) or until it is stopped
+_SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
+#: the environment variables of OpenMP's waiting (libgomp's, which the CPU wheel of torch uses), kept in records
+WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+@contextlib.contextmanager
+def busy_neighbours(n: int, seconds: float = 900.0) -> Iterator[None]:
+    """``n`` other processes that each spin one core, at nice 0 (as equals), for the block (at most ``seconds``).
+
+    What a shared machine does to a benchmark: another user's job, a build beside it. ``n = 0``: nothing.
+    """
+    if n < 0:
+        raise ValueError(f"busy_neighbours: argument 'n' must be >= 0, got {n}")
+    procs = [subprocess.Popen([sys.executable, "-c", _SPIN, str(seconds)]) for _ in range(n)]
+    try:
+        if procs:
+            time.sleep(0.2)  # let them start spinning
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def wait_env() -> Dict[str, Optional[str]]:
+    """``{name.lower(): value}`` of :data:`WAIT_ENV` in this process (None when unset)."""
+    return {k.lower(): os.environ.get(k) for k in WAIT_ENV}
 
 
 def sync_fn(device: torch.device) -> Callable[[], None]:

@@ -228,3 +228,43 @@ def test_time_budget_skips_and_points(tmp_path):
     assert all(r["ms_per_token"] is None and r["skipped"].startswith("time budget") for r in rows[1:])
     assert rows[0]["steps"] == 1  # the interleaved rounds were dropped: the budget was spent
     assert [r["provider"] for r in json.loads(out.read_text())] == [r["provider"] for r in rows]
+
+
+def _children() -> list:
+    """Pids of this process's live (not zombie) child processes, from /proc."""
+    import os
+
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                kids.append(int(d))
+    return kids
+
+
+def test_busy_neighbours_run_beside_the_block_and_stop_after_it():
+    from bench.timing import busy_neighbours
+
+    before = set(_children())
+    with busy_neighbours(2):
+        assert len(set(_children()) - before) == 2
+    assert set(_children()) - before == set()
+    with pytest.raises(ValueError, match="'n'"):
+        with busy_neighbours(-1):
+            pass
+
+
+def test_neighbours_and_the_wait_policy_are_in_the_records(tmp_path, monkeypatch):
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1234")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    out = tmp_path / "decode.json"
+    bd.main(["--model", "tiny", "--contexts", "64", "--batches", "1", "--providers", "eager", "--options",
+             json.dumps(OPTS), "--steps", "2", "--rounds", "1", "--warmup", "1", "--neighbours", "1",
+             "--no-profile", "--prefill-cache", str(tmp_path / "snap"), "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["neighbours"] == 1 and row["gomp_spincount"] == "1234" and row["omp_wait_policy"] is None
