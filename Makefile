@@ -24,7 +24,7 @@ demo: setup
 	$(PY) examples/passkey_demo.py
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 bench-op: setup
 	$(PY) -m bench op

