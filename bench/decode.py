@@ -815,12 +815,21 @@ class DecodePoint:
             kv_bytes_per_step=kv, weight_bytes=self.wbytes, stream_gbps=self.stream_gbps, floor_ms=floor_ms,
             pct_of_floor=floor_ms / ms * 100 if ms else None, cold_compile=self.cold,
             threads=torch.get_num_threads(), neighbours=self.neighbours, **wait_env(), date=date,
+            int4_gemv=_int4_gemv() if self.weights == "int4-plain" else "",
             weights=self.weights or {v: k for k, v in DTYPES.items()}[self.dtype],
             inductor_options=json.dumps(self.inductor_options or {}, sort_keys=True) if name != "eager" else "",
             skip_module_guards=self.skip_module_guards and name != "eager",
             torch=torch.__version__, transformers=_version("transformers"))
         row.update(self.states.get(name, {}))
         return row
+
+
+def _int4_gemv() -> str:
+    """The kernel of the int4 linears in this process and how it was chosen (``kernels.linear.int4_kernel``)."""
+    from tinyserve_compile.kernels.linear import int4_kernel
+
+    kernel, why = int4_kernel()
+    return f"{kernel or 'aten (no native module)'}: {why}"
 
 
 def _reset_dynamo(n_providers: int) -> None:

@@ -8,20 +8,25 @@ other devices, the native module unavailable) runs ``F.linear``.
 
 ``linear_int4(x, qdata, scale_and_zero, group_size, out_features, bias)`` is the linear of torchao's
 ``Int4OpaqueTensor`` (``_weight_int4pack_mm_for_cpu``); its CPU kernel is the int4 GEMV of ``csrc/gemv_int4.cpp``
-(bf16 activations, at most 8 rows, output features a multiple of 64), registered with ``tinyserve::linear``'s. The
+(bf16 activations, at most 8 rows, output features a multiple of 64), registered with ``tinyserve::linear``'s, or
+ATen's own kernel where that is faster on the machine (:func:`int4_kernel`, :data:`INT4_KERNEL_ENV`). The
 GEMV reads the layout ATen packs on the machine: blocks of 64 rows on AVX-512 ATen builds, 32 on AVX2 ones
 (:func:`int4_block_n`).
 """
 from __future__ import annotations
 
+import os
 import threading
-from typing import List, Optional
+import time
+import warnings
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["linear", "linear_int4", "linear_group", "linear_int4_group", "dequantize_int4pack", "load_native_linear",
-           "native_linear_reason", "int4_layout_problem", "int4_block_n", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_BF16", "INT4_BLOCK_N"]
+           "native_linear_reason", "int4_layout_problem", "int4_block_n", "int4_kernel", "GEMV_MAX_ROWS",
+           "GEMV_MAX_ROWS_BF16", "INT4_BLOCK_N", "INT4_KERNELS", "INT4_KERNEL_ENV"]
 
 #: the most activation rows (product of ``x``'s leading dimensions) the GEMV takes (``GEMV_MAX_ROWS`` of gemv.h)
 GEMV_MAX_ROWS = 8
@@ -30,7 +35,17 @@ GEMV_MAX_ROWS = 8
 GEMV_MAX_ROWS_BF16 = 4
 
 _lock = threading.Lock()
-_state: dict = {"loaded": None, "reason": None, "int4_block_n": None}
+_state: dict = {"loaded": None, "reason": None, "int4_block_n": None, "int4_kernel": None}
+#: the kernels of the int4 linears once the native module loads: ``native`` (the GEMV of ``csrc/gemv_int4.cpp``),
+#: ``aten`` (ATen's ``_weight_int4pack_mm_for_cpu``, what torchao calls), or ``auto``: the faster of the two on
+#: this machine, timed at load (:func:`_time_int4`). Neither is faster everywhere: at Llama-3-8B's shapes the GEMV
+#: took 0.88-2.58x ATen's time on a Zen 4 EPYC and 0.65-0.93x on an Emerald Rapids Xeon (docs/bench/linear).
+INT4_KERNELS = ("auto", "native", "aten")
+#: the environment variable that forces one of :data:`INT4_KERNELS` (read once, at load)
+INT4_KERNEL_ENV = "TINYSERVE_INT4_GEMV"
+#: ``auto`` takes ATen's kernel only when it takes at most this share of the GEMV's time (a tie, within the noise of
+#: a shared machine's bandwidth, keeps the GEMV)
+INT4_ATEN_MARGIN = 0.9
 #: the multiple of output features the int4 GEMV takes: the rows per block of ATen's CPU int4pack layout on
 #: AVX-512 builds (64); AVX2 builds pack blocks of 32 rows, whose multiples include these
 INT4_BLOCK_N = 64
@@ -317,6 +332,64 @@ def _self_check(lib) -> Optional[str]:
     return None
 
 
+#: ``(N, K)`` of the weights :func:`_time_int4` streams: one decoder layer of Llama-3.2-1B's shape (q, k, v, o, gate,
+#: up, down) and a slice of its head, 43 MB in int4: the shapes and the mix of a decode step
+INT4_TIMING_SHAPES = ((2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048),
+                      (2048, 8192), (16384, 2048))
+
+
+def _time_int4(lib, reps: int = 5) -> Dict[str, float]:
+    """Milliseconds of one bf16 row through the int4 weights of :data:`INT4_TIMING_SHAPES`, for each kernel: the
+    least of ``reps`` interleaved rounds. A decode step's linears are of this kind: one row, weights streamed once."""
+    gen = torch.Generator().manual_seed(11)
+    gs = 32
+    weights = []
+    for N, K in INT4_TIMING_SHAPES:
+        q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=gen)
+        sz = torch.stack([torch.rand(K // gs, N, generator=gen) * 0.1,
+                          torch.randn(K // gs, N, generator=gen) * 0.1], -1).to(torch.bfloat16)
+        x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+        weights.append((x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz, N))
+    # paired: each weight through both kernels back to back, so that both see the same moment of a machine whose
+    # bandwidth wanders; the least time of each (weight, kernel) over the rounds, summed over the weights
+    best = {name: [float("inf")] * len(weights) for name in ("native", "aten")}
+    try:
+        for r in range(reps):
+            for i, (x, q, sz, N) in enumerate(weights):
+                for name in (("native", "aten") if (r + i) % 2 == 0 else ("aten", "native")):
+                    lib.set_int4_aten(name == "aten")
+                    t0 = time.perf_counter()
+                    lib.linear_int4_rows(x, q, sz, gs, N, None)
+                    best[name][i] = min(best[name][i], (time.perf_counter() - t0) * 1e3)
+    finally:
+        lib.set_int4_aten(False)
+    return {name: sum(ts) for name, ts in best.items()}
+
+
+def _choose_int4_kernel(lib) -> Tuple[str, str]:
+    """``(kernel, why)`` for the int4 linears: :data:`INT4_KERNEL_ENV` when it names one, else timed
+    (:func:`_time_int4`); an unknown value of the variable warns, naming it, and is taken as ``auto``."""
+    want = os.environ.get(INT4_KERNEL_ENV, "auto").strip().lower() or "auto"
+    if want not in INT4_KERNELS:
+        warnings.warn(f"tinyserve: environment variable {INT4_KERNEL_ENV}={want!r} is not one of {INT4_KERNELS}; "
+                      f"using 'auto'", RuntimeWarning, stacklevel=3)
+        want = "auto"
+    if want != "auto":
+        return want, f"{INT4_KERNEL_ENV}={want}"
+    t = _time_int4(lib)
+    pick = "aten" if t["aten"] < INT4_ATEN_MARGIN * t["native"] else "native"
+    return pick, (f"timed at load: the GEMV {t['native']:.3f} ms, ATen {t['aten']:.3f} ms for one row through "
+                  f"a Llama-3.2-1B layer's int4 weights and a slice of its head")
+
+
+def int4_kernel() -> Tuple[Optional[str], str]:
+    """``(kernel, why)`` of the int4 linears in this process: ``native`` or ``aten`` and how it was chosen, or
+    ``(None, why)`` when the native module did not load (ATen's kernel then, through the op's fallback)."""
+    if _state["int4_kernel"] is None:
+        return None, native_linear_reason() or "the native GEMV was not loaded"
+    return _state["int4_kernel"]
+
+
 def load_native_linear() -> bool:
     """Build the native module if needed, check the GEMV, make it the CPU kernel of ``tinyserve::linear``.
 
@@ -337,6 +410,10 @@ def load_native_linear() -> bool:
         if problem:
             _state["loaded"], _state["reason"] = False, f"native GEMV self-check failed: {problem}"
             return False
+        if int4_layout_problem() is None:
+            kernel, why = _choose_int4_kernel(lib)
+            lib.set_int4_aten(kernel == "aten")
+            _state["int4_kernel"] = (kernel, why)
         lib.register_linear_kernel()
         _state["loaded"] = True
         return True

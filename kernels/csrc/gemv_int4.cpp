@@ -19,6 +19,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -264,7 +265,14 @@ at::Tensor int4_aten(const at::Tensor& x, const at::Tensor& qdata, const at::Ten
   return y.to(x.scalar_type()).reshape(out_shape(x, N));
 }
 
+// which kernel runs the int4 linears: false the GEMV (where it applies), true ATen's own (set_int4_aten)
+std::atomic<bool> int4_aten_chosen{false};
+
 }  // namespace
+
+void set_int4_aten(bool aten) { int4_aten_chosen.store(aten, std::memory_order_relaxed); }
+
+bool int4_aten() { return int4_aten_chosen.load(std::memory_order_relaxed); }
 
 int64_t aten_int4_block_n() {
   // codes q[n, k] = n / 16 for 128 rows: byte 0's high nibble holds row 32's code (2) in blocks of 64 rows, row
@@ -319,7 +327,7 @@ at::Tensor linear_int4_group_rows(const at::Tensor& x, at::TensorList qdata, at:
               scale_and_zero.size(), " and ", out_features.size());
   TORCH_CHECK(x.dim() >= 1, "linear_int4_group: x must have at least one dimension");
   const int64_t gs = group_size;
-  bool ok = true;
+  bool ok = !int4_aten();
   for (size_t i = 0; i < n; ++i) ok = ok && int4_gemv_applies(x, qdata[i], scale_and_zero[i], gs, out_features[i]);
   std::vector<at::Tensor> out;
   if (!ok) {  // any other case: ATen's kernel per weight
@@ -360,7 +368,7 @@ at::Tensor linear_int4_rows(const at::Tensor& x, const at::Tensor& qdata, const 
   const bool has_bias = bias.has_value() && bias->defined();
   const bool bias_ok = !has_bias || (bias->device().is_cpu() && bias->scalar_type() == at::kBFloat16 &&
                                      bias->dim() == 1 && bias->size(0) == N);
-  if (!bias_ok || !int4_gemv_applies(x, qdata, scale_and_zero, gs, N))
+  if (!bias_ok || int4_aten() || !int4_gemv_applies(x, qdata, scale_and_zero, gs, N))
     return int4_aten(x, qdata, scale_and_zero, gs, N, bias);
   const int64_t K = x.size(-1), M = x.numel() / K;
   // ---- stage 1: x [M, K] bf16 and its per-group sums xsum [M, K / gs] fp32 (group_sums)

@@ -14,6 +14,10 @@ constexpr int64_t INT4_GEMV_MAX_ROWS = 8;
 // the rows per block of the layout _convert_weight_to_int4pack_for_cpu packs in this process (64 on AVX-512 ATen, 32
 // on AVX2 ATen), or 0 for a layout the GEMV does not read (ATen's scalar build); probed once
 int64_t aten_int4_block_n();
+// ATen's kernel for every int4 linear (true), or the GEMV where it applies (false, the default): the choice
+// kernels/linear.py makes per machine at load (the faster of the two, timed), for the whole process
+void set_int4_aten(bool aten);
+bool int4_aten();
 // whether linear_int4_rows runs the GEMV for these arguments (else it calls _weight_int4pack_mm_for_cpu)
 bool int4_gemv_applies(const at::Tensor& x, const at::Tensor& qdata, const at::Tensor& sz, int64_t gs, int64_t N);
 // x [..., K] bf16, qdata [N, K/2] uint8 (int4pack), scale_and_zero [K/gs, N, 2] bf16, bias [N] or none

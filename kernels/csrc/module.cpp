@@ -63,6 +63,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &tinyserve_native::linear_rows, "x @ W^T (+ b) as a GEMV for at most 8 rows, else at::linear");
   m.def("aten_int4_block_n", &tinyserve_native::aten_int4_block_n,
         "rows per block of ATen's CPU int4pack layout in this process (64 or 32), 0 for one the int4 GEMV does not read");
+  m.def("set_int4_aten", &tinyserve_native::set_int4_aten,
+        "true: the int4 linears run ATen's _weight_int4pack_mm_for_cpu; false: the int4 GEMV where it applies");
+  m.def("int4_aten", &tinyserve_native::int4_aten, "whether the int4 linears run ATen's kernel (set_int4_aten)");
   m.def("linear_int4_rows", &tinyserve_native::linear_int4_rows,
         "x @ W^T (+ b) for int4pack weights as a GEMV for at most 8 rows, else _weight_int4pack_mm_for_cpu");
   m.def("linear_group_rows",
