@@ -11,7 +11,11 @@ import importlib
 import os
 import sys
 
-from bench.cli import PRESETS
+from bench.omp_env import default_waits
+
+default_waits()  # before torch loads libgomp (bench.cli imports torch): see bench/omp_env.py
+
+from bench.cli import PRESETS  # noqa: E402
 
 #: command -> (module of bench/, what it measures)
 COMMANDS = {

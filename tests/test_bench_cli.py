@@ -214,3 +214,34 @@ def test_a_list_of_thread_counts_is_left_to_the_command():
     cli.parse(one, ["--threads", "1"])
     assert torch.get_num_threads() == 1
     torch.set_num_threads(before)
+
+
+def test_default_waits_sets_the_spin_count_unless_the_environment_chose(monkeypatch):
+    from bench import omp_env
+
+    for v in omp_env.WAIT_VARIABLES:
+        monkeypatch.delenv(v, raising=False)
+    assert omp_env.default_waits() is True and os.environ["GOMP_SPINCOUNT"] == omp_env.GOMP_SPINCOUNT_DEFAULT
+    for var, value in (("OMP_WAIT_POLICY", "passive"), ("GOMP_SPINCOUNT", "7")):
+        for v in omp_env.WAIT_VARIABLES:
+            monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv(var, value)
+        assert omp_env.default_waits() is False
+        assert os.environ.get("GOMP_SPINCOUNT") == (value if var == "GOMP_SPINCOUNT" else None)
+
+
+@pytest.mark.parametrize("env, want", [({}, ("30000", None)), ({"OMP_WAIT_POLICY": "passive"}, (None, "passive"))])
+def test_python_m_bench_starts_with_the_default_waits_before_torch(tmp_path, env, want):
+    """The spin count reaches libgomp only when it is in the environment before torch loads: ``python -m bench``
+    sets it first thing, and its records say what the run had (here: what the decode record carries)."""
+    import json
+
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = tmp_path / "d.json"
+    res = subprocess.run([sys.executable, "-m", "bench", "decode", "--model", "tiny", "--contexts", "64", "--batches",
+                          "1", "--providers", "eager", "--steps", "1", "--rounds", "1", "--warmup", "1", "--no-profile",
+                          "--prefill-cache", str(tmp_path / "snap"), "--out", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**base, **env})
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert (row["gomp_spincount"], row["omp_wait_policy"]) == want

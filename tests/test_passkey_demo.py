@@ -142,3 +142,17 @@ def test_the_cache_covers_every_position_each_provider_writes(argv, monkeypatch)
         assert written == list(range(ctx, ctx + a.warmup + a.steps * len(r["windows"])))
         assert written[-1] < slots
     assert len(demo.timed_windows(names[1], True)) == 6 and len(demo.timed_windows(names[0], True)) == 2
+
+
+def test_the_demo_starts_with_the_default_waits_before_torch():
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, os, sys; s = importlib.util.spec_from_file_location('d', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); print(os.environ.get('GOMP_SPINCOUNT'))")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    for env, want in (({}, "30000"), ({"OMP_WAIT_POLICY": "passive"}, "None"), ({"GOMP_SPINCOUNT": "5"}, "5")):
+        res = subprocess.run([sys.executable, "-c", code, _PATH], capture_output=True, text=True, timeout=300,
+                             env={**base, **env})
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.strip().splitlines()[-1] == want, (env, res.stdout)
