@@ -45,7 +45,7 @@ INT4_KERNELS = ("auto", "native", "aten")
 INT4_KERNEL_ENV = "TINYSERVE_INT4_GEMV"
 #: ``auto`` takes ATen's kernel only when it takes at most this share of the GEMV's time (a tie, within the noise of
 #: a shared machine's bandwidth, keeps the GEMV)
-INT4_ATEN_MARGIN = 0.9
+INT4_ATEN_MARGIN = 0.95
 #: the multiple of output features the int4 GEMV takes: the rows per block of ATen's CPU int4pack layout on
 #: AVX-512 builds (64); AVX2 builds pack blocks of 32 rows, whose multiples include these
 INT4_BLOCK_N = 64
@@ -332,34 +332,42 @@ def _self_check(lib) -> Optional[str]:
     return None
 
 
-#: ``(N, K)`` of the weights :func:`_time_int4` streams: one decoder layer of Llama-3.2-1B's shape (q, k, v, o, gate,
-#: up, down) and a slice of its head, 43 MB in int4: the shapes and the mix of a decode step
-INT4_TIMING_SHAPES = ((2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048),
-                      (2048, 8192), (16384, 2048))
+#: the int4 calls :func:`_time_int4` makes, as ``(output features of each weight, K)``: one decoder layer of
+#: Llama-3.2-1B's shape as a compiled decode step calls it (q, k and v grouped; o; gate and up grouped; down) and a
+#: slice of its head, 60 MB in int4. Each kernel wins some of them (the GEMV the small grouped q/k/v, ATen the
+#: 8192-row gate/up and the head on the Xeon of 2026-12-07), so the mix decides.
+INT4_TIMING_CALLS = (((2048, 512, 512), 2048), ((2048,), 2048), ((8192, 8192), 2048), ((2048,), 8192),
+                     ((32768,), 2048))
 
 
 def _time_int4(lib, reps: int = 5) -> Dict[str, float]:
-    """Milliseconds of one bf16 row through the int4 weights of :data:`INT4_TIMING_SHAPES`, for each kernel: the
-    least of ``reps`` interleaved rounds. A decode step's linears are of this kind: one row, weights streamed once."""
+    """Milliseconds of one bf16 row through the int4 calls of :data:`INT4_TIMING_CALLS`, for each kernel: each
+    call's least time over ``reps`` rounds, summed. One row, weights streamed once: a decode step's linears."""
     gen = torch.Generator().manual_seed(11)
     gs = 32
-    weights = []
-    for N, K in INT4_TIMING_SHAPES:
-        q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=gen)
-        sz = torch.stack([torch.rand(K // gs, N, generator=gen) * 0.1,
-                          torch.randn(K // gs, N, generator=gen) * 0.1], -1).to(torch.bfloat16)
+    calls = []
+    for ns, K in INT4_TIMING_CALLS:
+        qs, szs = [], []
+        for N in ns:
+            q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=gen)
+            qs.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            szs.append(torch.stack([torch.rand(K // gs, N, generator=gen) * 0.1,
+                                    torch.randn(K // gs, N, generator=gen) * 0.1], -1).to(torch.bfloat16))
         x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
-        weights.append((x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz, N))
-    # paired: each weight through both kernels back to back, so that both see the same moment of a machine whose
-    # bandwidth wanders; the least time of each (weight, kernel) over the rounds, summed over the weights
-    best = {name: [float("inf")] * len(weights) for name in ("native", "aten")}
+        if len(ns) > 1:
+            calls.append(lambda x=x, qs=qs, szs=szs, ns=list(ns): lib.linear_int4_group_rows(x, qs, szs, gs, ns))
+        else:
+            calls.append(lambda x=x, q=qs[0], sz=szs[0], n=ns[0]: lib.linear_int4_rows(x, q, sz, gs, n, None))
+    # paired: each call through both kernels back to back, so that both see the same moment of a machine whose
+    # bandwidth wanders
+    best = {name: [float("inf")] * len(calls) for name in ("native", "aten")}
     try:
         for r in range(reps):
-            for i, (x, q, sz, N) in enumerate(weights):
+            for i, call in enumerate(calls):
                 for name in (("native", "aten") if (r + i) % 2 == 0 else ("aten", "native")):
                     lib.set_int4_aten(name == "aten")
                     t0 = time.perf_counter()
-                    lib.linear_int4_rows(x, q, sz, gs, N, None)
+                    call()
                     best[name][i] = min(best[name][i], (time.perf_counter() - t0) * 1e3)
     finally:
         lib.set_int4_aten(False)
@@ -379,7 +387,7 @@ def _choose_int4_kernel(lib) -> Tuple[str, str]:
     t = _time_int4(lib)
     pick = "aten" if t["aten"] < INT4_ATEN_MARGIN * t["native"] else "native"
     return pick, (f"timed at load: the GEMV {t['native']:.3f} ms, ATen {t['aten']:.3f} ms for one row through "
-                  f"a Llama-3.2-1B layer's int4 weights and a slice of its head")
+                  f"a Llama-3.2-1B layer's int4 calls and a slice of its head")
 
 
 def int4_kernel() -> Tuple[Optional[str], str]:
