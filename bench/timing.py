@@ -16,6 +16,8 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from bench.omp_env import WAIT_VARIABLES
+
 #: runtime API calls that launch one kernel each (the CUDA runtime's and the driver's names)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                 "cudaLaunchCooperativeKernel")
@@ -32,8 +34,6 @@ DATASHEET_GBS = (("H200", 4800.0), ("H100", 3350.0), ("A100", 2039.0), ("L40", 8
 
 #: a neighbour: spins one core until its deadline (argv[1], seconds) or until it is stopped
 _SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
-#: the environment variables of OpenMP's waiting (libgomp's, which the CPU wheel of torch uses), kept in records
-WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 @contextlib.contextmanager
@@ -61,8 +61,9 @@ def busy_neighbours(n: int, seconds: float = 900.0) -> Iterator[None]:
 
 
 def wait_env() -> Dict[str, Optional[str]]:
-    """``{name.lower(): value}`` of :data:`WAIT_ENV` in this process (None when unset)."""
-    return {k.lower(): os.environ.get(k) for k in WAIT_ENV}
+    """``{name.lower(): value}`` of OpenMP's wait variables (:data:`bench.omp_env.WAIT_VARIABLES`) in this process
+    (None when unset): what records keep of how the run's threads waited."""
+    return {k.lower(): os.environ.get(k) for k in WAIT_VARIABLES}
 
 
 def sync_fn(device: torch.device) -> Callable[[], None]:

@@ -394,6 +394,8 @@ def int4_kernel() -> Tuple[Optional[str], str]:
     """``(kernel, why)`` of the int4 linears in this process: ``native`` or ``aten`` and how it was chosen, or
     ``(None, why)`` when the native module did not load (ATen's kernel then, through the op's fallback)."""
     if _state["int4_kernel"] is None:
+        if _state["loaded"]:
+            return None, f"ATen's kernel: {int4_layout_problem()}"
         return None, native_linear_reason() or "the native GEMV was not loaded"
     return _state["int4_kernel"]
 

@@ -243,8 +243,8 @@ _KEY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: follows an outside write such as a prefill: rare, so a few programs per head; the others exit at once)
 _REBUILD_PROGRAMS = 32
 
-#: elements of a ``ctrl`` that records the end of the last write (``CTRL_SIZE`` of :mod:`.bounds`, which imports
-#: this module lazily)
+#: elements of a ``ctrl`` that records the end of the last write: ``CTRL_SIZE`` of :mod:`.bounds`, which imports this
+#: module lazily (an import of it here would close a circle, which tests/kernels/test_imports.py refuses)
 _CTRL_SIZE = 4
 
 #: ``BOUNDS_KIND`` of the kernels for each storage dtype of ``kmax``/``kmin``
@@ -308,7 +308,8 @@ def _launch(fn: str, k_cache: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tens
     _cache_write_kernel[(grid0, B * H)](
         k_cache, src_arg, pos_arg, ctrl_arg, kmax, kmin, kabs, *k_cache.stride(), *src_strides, stride_pos,
         H, L, P, N, grid0,
-        WRITE=bool(write and N), STALE=stale, TRACK_END=stale == 0 and ctrl.numel() == _CTRL_SIZE, D=D, D_PAD=_pow2(D), S=page_size, S_PAD=_pow2(page_size),
+        WRITE=bool(write and N), STALE=stale, TRACK_END=stale == 0 and ctrl.numel() == _CTRL_SIZE,
+        D=D, D_PAD=_pow2(D), S=page_size, S_PAD=_pow2(page_size),
         N_BLOCK=min(max(_pow2(N), 16), 64), BOUNDS_KIND=kind,
     )
 

@@ -235,10 +235,12 @@ void cache_write(const at::Tensor& k_cache, const at::Tensor& kmax, const at::Te
   //      touched pages
   int32_t* flag = ctrl.data_ptr<int32_t>();
   const int64_t n = pos.numel(), *pp = pos.data_ptr<int64_t>();
-  const bool track_end = ctrl.numel() >= kCtrlSize && n > 0;
-  const int64_t first = n > 0 ? *std::min_element(pp, pp + n) : 0, last = n > 0 ? *std::max_element(pp, pp + n) : 0;
-  const bool stale = flag[kCtrlStale] != 0 || (track_end && first != flag[kCtrlEnd]);
-  if (track_end) flag[kCtrlEnd] = static_cast<int32_t>(last + 1);  // positions are below L <= INT32_MAX (checked)
+  bool stale = flag[kCtrlStale] != 0;
+  if (ctrl.numel() >= kCtrlSize && n > 0) {  // the end of the last write: positions must go on from it
+    const auto [lo, hi] = std::minmax_element(pp, pp + n);
+    stale = stale || *lo != flag[kCtrlEnd];
+    flag[kCtrlEnd] = static_cast<int32_t>(*hi + 1);  // positions are below L <= INT32_MAX (checked)
+  }
   if (stale) {
     bounds_for_pages(k_cache, kmax, kmin, kabs, page_size, nullptr);
     flag[kCtrlStale] = 0;
