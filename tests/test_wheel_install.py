@@ -19,7 +19,7 @@ CSRC = ROOT / "kernels" / "csrc"
 #: every file of the native kernel's C++ source folder (headers and sources)
 CSRC_FILES = sorted(p.name for p in CSRC.iterdir() if p.is_file())
 #: what a clean clone holds that the build reads (the rest of the checkout is copied without these)
-_SKIP = shutil.ignore_patterns(".git", ".venv", "build", "dist", "results", "*.egg-info", "__pycache__",
+_SKIP = shutil.ignore_patterns(".git", ".venv", ".ci-venvs", "build", "dist", "results", "*.egg-info", "__pycache__",
                                ".hypothesis", ".pytest_cache", ".whl")
 
 
