@@ -217,6 +217,13 @@ class SelectionSpec:
         P = max(1, -(-int(length) // self.page_size))
         if not self.dense_cache(P) or (self.n_pages, self.n_candidates) == (P, P):
             return self
+        return self.dense_for(length)
+
+    def dense_for(self, length: int) -> "SelectionSpec":
+        """The smallest spec of this page size that attends every row of a cache of ``length`` tokens densely
+        (:meth:`dense_cache`): a budget of the whole cache, no extra candidates, the sink pages that fit. What a
+        site attended densely from its shapes runs (:func:`tinyserve_compile.cost.selection_pays`)."""
+        P = max(1, -(-int(length) // self.page_size))
         return self.replace(token_budget=P * self.page_size, sink_pages=min(self.sink_pages, P - 1),
                             candidate_factor=1, candidate_extra=0)
 

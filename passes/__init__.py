@@ -10,6 +10,7 @@ import torch.fx as fx
 from tinyserve_compile.config import TinyServeConfig
 
 from .decode_linear import decode_linear
+from .dense_by_cost import dense_by_cost
 from .find_decode_attention import find_decode_attention
 from .keep_bounds_on_cache_writes import BOUNDS_PREFIX, keep_bounds_on_cache_writes
 from .sparse_decode_attention import sparse_decode_attention
@@ -17,6 +18,7 @@ from .state import AttentionSite, LinearReport, PassState, pass_state
 
 PASSES = [
     find_decode_attention,
+    dense_by_cost,
     keep_bounds_on_cache_writes,
     sparse_decode_attention,
     decode_linear,

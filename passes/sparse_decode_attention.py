@@ -98,7 +98,10 @@ def sparse_decode_attention(gm: fx.GraphModule, config: TinyServeConfig) -> fx.G
         kmax, kmin, kabs, ctrl = site.bounds
         query_aware = config.policy == "query_aware"
         native = query_aware and runtime.decode_kernel(q.device, config) == "native"
-        spec = SelectionSpec.from_config(config).to_list()  # each kernel bounds its sizes by the cache it is called on
+        spec = SelectionSpec.from_config(config)  # each kernel bounds its sizes by the cache it is called on
+        if site.dense_by_cost:  # every key, from the shapes (passes/dense_by_cost.py)
+            spec = spec.dense_for(site.k_layout.full(fake(site.k_base))[2])
+        spec = spec.to_list()
         with graph.inserting_before(site.node):
             # [B, Hkv, L, D] views of the buffers (themselves unless the cache has another layout)
             k = cache_view(graph, site.k_base, site.k_perm, site.k_layout.batch, site.k_layout.batch_dim)

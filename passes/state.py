@@ -45,6 +45,8 @@ class AttentionSite:
     positions: Any = None  #: node holding the written positions (set by the write pass)
     bounds: Any = None  #: the kmax, kmin, kabs, ctrl placeholders of the key cache (set by the write pass)
     slot: Optional[int] = None  #: index of the key cache's BoundsSlot in :attr:`PassState.bounds` (write pass)
+    #: why the op attends this site densely from its shapes (the cost model, :mod:`..dense_by_cost`), else ""
+    dense_by_cost: str = ""
     args: dict = field(default_factory=dict)
 
     @property
@@ -63,6 +65,8 @@ class AttentionSite:
             out["cache"] = self.k_base.target if self.k_base.op == "get_attr" else self.k_base.name
         if self.k_layout is not None and self.k_layout.perm is not None:
             out["layout"] = layout_name(self.k_layout.perm)
+        if self.dense_by_cost:
+            out["dense_by_cost"] = self.dense_by_cost
         return out
 
 

@@ -18,8 +18,8 @@ from bench.cli import PRESETS, config, options_arg  # noqa: E402
 from tinyserve_compile.config import TinyServeConfig  # noqa: E402
 
 #: the fields of TinyServeConfig that are not part of the selection rule
-NOT_SELECTION = {"dense_layers", "policy", "lower", "kernel", "strict", "decode_linear", "inductor_options",
-                 "cudagraphs"}
+NOT_SELECTION = {"dense_layers", "policy", "lower", "kernel", "strict", "dense_by_cost", "decode_linear",
+                 "inductor_options", "cudagraphs"}
 SELECTION = [f.name for f in dataclasses.fields(TinyServeConfig) if f.name not in NOT_SELECTION]
 PRESENT = [c for c, (module, _) in cli.COMMANDS.items() if (ROOT / "bench" / f"{module}.py").exists()]
 

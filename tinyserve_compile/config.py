@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_KERNEL",
     "DEFAULT_BOUNDS_DTYPE",
     "DEFAULT_DECODE_LINEAR",
+    "DEFAULT_DENSE_BY_COST",
     "DEFAULT_CUDAGRAPHS",
     "INDUCTOR_DEFAULTS",
     "COMPILE_MODES",
@@ -56,6 +57,10 @@ DEFAULT_KERNEL = "auto"
 #: rewrite decode-shaped linears (at most 8 activation rows, fp32/bf16 weights) into ``tinyserve::linear``, the
 #: native CPU GEMV that streams each weight once (ATen's mm runs these shapes well below the read bandwidth)
 DEFAULT_DECODE_LINEAR = True
+#: attend a decode site densely (the op's one-launch dense mode) where the cost model says its page selection
+#: cannot pay on the device, decided from the static shapes at compile time (:func:`.cost.selection_pays`): on a
+#: GPU, a cache too short for the selection's extra launches to pay for the bytes they save
+DEFAULT_DENSE_BY_COST = True
 #: ``inductor_options`` with ``cpp_wrapper`` on: compile the C++ wrapper and the kernels as separate files unless
 #: the caller says otherwise (a large decode graph compiles several times faster so: docs/design.md)
 CPP_WRAPPER_BUILD_SEPARATE = True
@@ -112,6 +117,11 @@ class TinyServeConfig:
         per-page grid of ``kabs / 126``, rounded outward, at a quarter of the bytes.
     strict : bool
         Raise instead of leaving a decode attention site dense.
+    dense_by_cost : bool
+        Attend a rewritten site densely (every key, in the op's dense mode) where the cost model says its page
+        selection cannot beat that on the device, from the static shapes at compile time
+        (:func:`tinyserve_compile.cost.selection_pays`; :data:`DEFAULT_DENSE_BY_COST`). The answer is then
+        exact dense attention; ``explain()`` gives each such site's reason and counts it (``dense_by_cost``).
     decode_linear : bool
         Rewrite each CPU linear with at most 8 activation rows and fp32/bf16 weights held by the graph
         (parameters, constants) into ``tinyserve::linear``, the native GEMV (when the native module builds).
@@ -145,6 +155,7 @@ class TinyServeConfig:
     kernel: str = DEFAULT_KERNEL
     bounds_dtype: str = DEFAULT_BOUNDS_DTYPE
     strict: bool = False
+    dense_by_cost: bool = DEFAULT_DENSE_BY_COST
     decode_linear: bool = DEFAULT_DECODE_LINEAR
     inductor_options: Optional[Mapping[str, Any]] = field(default=None, hash=False)
     cudagraphs: Optional[bool] = DEFAULT_CUDAGRAPHS
@@ -166,6 +177,8 @@ class TinyServeConfig:
             bad("kernel", f"must be one of {KERNEL_CHOICES}, got {self.kernel!r}")
         if not isinstance(self.strict, bool):
             bad("strict", f"must be a bool, got {self.strict!r}")
+        if not isinstance(self.dense_by_cost, bool):
+            bad("dense_by_cost", f"must be a bool, got {self.dense_by_cost!r}")
         if not isinstance(self.decode_linear, bool):
             bad("decode_linear", f"must be a bool, got {self.decode_linear!r}")
         if self.cudagraphs is not None and not isinstance(self.cudagraphs, bool):

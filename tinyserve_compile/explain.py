@@ -2,7 +2,8 @@
 
 ``tinyserve_compile.counters`` counts, over every graph compiled since the last
 :func:`reset`: ``graphs``, ``attention_sites``, ``decode_sites``, ``rewritten``,
-``dense``, ``prefill_sites`` and one ``dense:<reason>`` key per reason; ``cudagraphs``
+``dense``, ``prefill_sites`` and one ``dense:<reason>`` key per reason; ``dense_by_cost`` (rewritten sites whose op
+attends every key, the cost model's choice from their shapes: ``passes/dense_by_cost.py``); ``cudagraphs``
 (graphs that run under CUDA graphs) and ``cudagraphs_off`` (graphs that asked for them
 and do not get them; each graph's record says why); ``failed_graphs`` (graphs whose backend compile raised: Dynamo
 runs their code without the backend, so their sites count in none of the site counters; each graph's record holds
@@ -67,6 +68,8 @@ def _count_sites(info: dict, sign: int) -> None:
             counters["decode_sites"] += sign
         if s["status"] == "sparse":
             counters["rewritten"] += sign
+            if s.get("dense_by_cost"):  # rewritten, the op attending every key (passes/dense_by_cost.py)
+                counters["dense_by_cost"] += sign
         else:
             counters["dense"] += sign
             counters[f"dense:{_reason_key(s['reason'])}"] += sign
@@ -204,6 +207,8 @@ class ExplainReport:
                              + (f": its {sparse} rewritten site(s) have not run" if sparse else ""))
             for s in g["sites"]:
                 why = f"  ({s['reason']})" if s["reason"] else ""
+                if s.get("dense_by_cost"):
+                    why = f"  (every key, by the cost model: {s['dense_by_cost']})"
                 planned = f" (the passes made it {s['planned']})" if s.get("planned") else ""
                 lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{planned}{why}")
             lin = g.get("linears")

@@ -36,7 +36,8 @@ LAYERS = [
     [KERNELS],  # the ops and their implementations
     [f"{PACKAGE}.policies"],  # the page-selection policies
     [f"{PACKAGE}.config"],
-    [f"{PACKAGE}.runtime", f"{PACKAGE}.explain"],  # the bounds state of the compiled graphs; the compile report
+    # the bounds state of the compiled graphs; the compile report; the cost model (bytes, the dense rule)
+    [f"{PACKAGE}.runtime", f"{PACKAGE}.explain", f"{PACKAGE}.cost"],
     [f"{PACKAGE}.policies.op"],  # the policies' op, which reads the bounds state
     [f"{PACKAGE}.passes"],
     [f"{PACKAGE}.backend"],
