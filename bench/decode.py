@@ -21,8 +21,13 @@ What one *point* (context, batch) does
   its ``cudagraphs`` option where other options are given: torch.compile takes one of ``mode`` and
   ``options``). A CUDA-graphs provider starts every step with ``torch.compiler.cudagraph_mark_step_begin()``
   (as HF's and gpt-fast's decode loops do: the static cache is updated in place, outputs are not kept); off
-  CUDA it is skipped and its record says why (``skipped``). The stock providers are the first three; the
-  fastest of them at a point is the anchor of ``vs_best_stock``.
+  CUDA it is skipped and its record says why (``skipped``). ``inductor-flex`` and
+  ``inductor-flex-cudagraphs`` are the GQA-native dense decode a GPU user picks instead of HF's SDPA path (which
+  repeats K/V per query group under the static cache's mask and so cannot use flash): the same model with
+  transformers' ``attn_implementation="flex_attention"`` (FlexAttention with ``enable_gqa``, Inductor's
+  flex-decoding kernel, the block mask built inside the compiled step), compiled as ``inductor`` and
+  ``inductor-cudagraphs`` are. The stock providers are every one but tinyserve's; the fastest of them at a
+  point is the anchor of ``vs_best_stock``.
 * **Cache.** One HF ``StaticCache`` of ``context + max(warmup, steps + 1)`` slots, shared by every
   provider (the stock providers and tinyserve run with the same static cache). Its first ``context``
   slots are filled before timing:
@@ -118,12 +123,15 @@ from tinyserve_compile.backend import cudagraph_skips
 from tinyserve_compile.cost import kv_bytes_per_token
 
 #: the stock providers: HF eagerly, torch.compile (Inductor), and torch.compile(mode="reduce-overhead") (Inductor
-#: under CUDA graphs); the fastest of them at a point is the anchor of ``vs_best_stock``
-STOCK = ("eager", "inductor", "inductor-cudagraphs")
+#: under CUDA graphs), the last two also with FlexAttention (GQA-native, :data:`FLEX`); the fastest of them at a
+#: point is the anchor of ``vs_best_stock``
+STOCK = ("eager", "inductor", "inductor-cudagraphs", "inductor-flex", "inductor-flex-cudagraphs")
 #: every provider name --providers takes (tinyserve-cudagraphs: backend="tinyserve" under mode="reduce-overhead")
 PROVIDERS = STOCK + ("tinyserve", "tinyserve-cudagraphs")
 #: the suffix of the providers compiled with mode="reduce-overhead"
 CUDAGRAPHS = "-cudagraphs"
+#: the part of a provider's name that runs the model's attention through transformers' FlexAttention
+FLEX = "-flex"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMOLLM2_MAX_CONTEXT = 8192
 #: the decode targets: (context, batch, minimum speed-up over the fastest stock provider)
@@ -316,6 +324,52 @@ def provider_names(providers: Sequence[str], compare: Optional[dict], budgets: O
 def wants_cudagraphs(name: str) -> bool:
     """Whether provider ``name`` is compiled with ``mode="reduce-overhead"`` (CUDA graphs)."""
     return name.split(" ")[0].endswith(CUDAGRAPHS)
+
+
+def attention_of(name: str) -> Optional[str]:
+    """The ``attn_implementation`` provider ``name`` runs the model with: ``"flex_attention"`` for the
+    :data:`FLEX` providers, None (the model's own, SDPA) for the others."""
+    return "flex_attention" if FLEX in name.split(" ")[0] else None
+
+
+def _flex_mask_at_the_step_start(*args, **kwargs):
+    """transformers' ``flex_attention_mask`` with its query offset copied first. A ``StaticCache`` layer hands
+    the mask builder its position counter itself, a tensor its ``update()`` advances in place; the block mask's
+    ``mask_mod`` reads it only inside FlexAttention, after this layer's update, so each decode step would attend
+    one unwritten slot too (transformers 5.24; SDPA's mask is built before the update and is right)."""
+    from transformers.masking_utils import flex_attention_mask
+
+    if isinstance(kwargs.get("q_offset"), torch.Tensor):
+        kwargs["q_offset"] = kwargs["q_offset"].clone()
+    return flex_attention_mask(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def attention_implementation(model, impl: Optional[str]):
+    """``model``'s attention (and its mask) through transformers' ``impl`` inside the block, as
+    ``model.set_attn_implementation(impl)`` sets it (the layers and the mask builder read the config at each
+    call; torch.compile guards on it, so each setting keeps compiled code of its own); nothing for None.
+    FlexAttention's mask is built by :func:`_flex_mask_at_the_step_start`."""
+    if impl is None:
+        yield
+        return
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    config = model.config
+    before = config._attn_implementation
+    masks = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping
+    mask_before = masks.get(impl)
+    config._attn_implementation = impl
+    if impl == "flex_attention":
+        masks[impl] = _flex_mask_at_the_step_start
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+        if mask_before is None:
+            masks.pop(impl, None)
+        else:
+            masks[impl] = mask_before
 
 
 def _tinyserve_has_option(field: str) -> bool:
@@ -741,8 +795,9 @@ class DecodePoint:
         if wants_cudagraphs(name):  # a new step: the previous replay's outputs may be overwritten (HF, gpt-fast)
             torch.compiler.cudagraph_mark_step_begin()
         kw = {} if self.mask is None else {"attention_mask": self.mask}
-        self.fns[name](input_ids=self.toks, position_ids=self.positions[i], use_cache=True,
-                       **{self.ckw: self.cache}, **kw)
+        with attention_implementation(self.model, attention_of(name)):
+            self.fns[name](input_ids=self.toks, position_ids=self.positions[i], use_cache=True,
+                           **{self.ckw: self.cache}, **kw)
 
     def left(self) -> float:
         """Seconds left before the deadline (inf without one)."""
@@ -1061,7 +1116,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--providers", default="eager,inductor,tinyserve",
                     help="comma-separated subset of " + ",".join(PROVIDERS) + " (the -cudagraphs ones: "
-                    "torch.compile(mode='reduce-overhead'); skipped, with the reason in their records, off CUDA)")
+                    "torch.compile(mode='reduce-overhead'); skipped, with the reason in their records, off CUDA; the "
+                    "-flex ones: the model's attention through transformers' FlexAttention, GQA-native)")
     ap.add_argument("--options", default="{}", help="tinyserve options as JSON, e.g. '{\"token_budget\": 1024}'")
     ap.add_argument("--budgets", type=int, nargs="+", default=None,
                     help="one tinyserve provider per token budget (default: the budget of --options)")

@@ -23,7 +23,8 @@
 #                      device-to-device copy reaches in the same run. The last H200 run took 84 s (cold caches)
 #   decode_smollm 120  python -m bench decode, random-init Llama of SmolLM2-135M's shape (its first 10 of 30
 #                      layers), bf16, B1, at 8K then 32K: eager, inductor-cudagraphs (torch.compile
-#                      mode="reduce-overhead"), tinyserve-cudagraphs, inductor, tinyserve; each provider compiled,
+#                      mode="reduce-overhead"), inductor-flex-cudagraphs (the same with transformers' FlexAttention:
+#                      the GQA-native dense decode), tinyserve-cudagraphs, tinyserve, inductor; each provider compiled,
 #                      timed and profiled once (kernels, launches, host syncs, CUDA graphs on/off and why) before
 #                      the next, one more round interleaved at the end
 #   decode_8b     170  the same with Llama-3-8B's shape (its first 8 of 32 layers, random init on the GPU in bf16,
@@ -103,7 +104,9 @@ layers() {  # layers N|all -> the --layers argument
 }
 
 # the order providers are compiled and timed in: what the targets compare first
-PROVIDERS=eager,inductor-cudagraphs,tinyserve-cudagraphs,inductor,tinyserve
+# (inductor-flex-cudagraphs: the GQA-native dense decode, FlexAttention under CUDA graphs; plain inductor, never the
+# fastest dense decode on a GPU, last, where the time budget may skip it and say so)
+PROVIDERS=eager,inductor-cudagraphs,inductor-flex-cudagraphs,tinyserve-cudagraphs,tinyserve,inductor
 ENV_ARGS=(--layers-8b "${GPU_CHECK_8B_LAYERS:-8}")
 if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1
@@ -112,7 +115,7 @@ if [ "$DRY" = 1 ]; then
     KERNEL_ARGS=(--dry-run --contexts 128 --batches 2 --dtypes bf16)
     # stock Inductor compiles C++ on a CPU (minutes): the dry run leaves it out; the CUDA-graphs providers are
     # skipped off CUDA, with the reason in their records
-    DEC_ARGS=(--device cpu --dtype bf16 --providers eager,inductor-cudagraphs,tinyserve-cudagraphs,tinyserve
+    DEC_ARGS=(--device cpu --dtype bf16 --providers eager,inductor-cudagraphs,inductor-flex-cudagraphs,tinyserve-cudagraphs,tinyserve
               --steps 2 --rounds 2 --warmup 1 --warm-compile --keep-going
               --options '{"token_budget": 64, "lower": "eager"}' --prefill-cache "$OUT/prefill")
     SMOL=(--model tiny)

@@ -152,7 +152,7 @@ def test_cudagraphs_providers_and_their_compile_calls():
                                               "tinyserve"], bd.cli.options_arg("paper"), None)]
     assert names == ["eager", "inductor-cudagraphs", "tinyserve-cudagraphs", "inductor", "tinyserve",
                      "tinyserve-paper"]
-    assert set(bd.STOCK) == {"eager", "inductor", "inductor-cudagraphs"}
+    assert set(bd.STOCK) == {"eager", "inductor", "inductor-cudagraphs", "inductor-flex", "inductor-flex-cudagraphs"}
     assert bd.compile_call("eager", None) == {}
     assert bd.compile_call("inductor", None) == {"backend": "inductor", "dynamic": False, "options": None}
     assert bd.compile_call("inductor-cudagraphs", None) == {"backend": "inductor", "dynamic": False,
@@ -268,3 +268,53 @@ def test_neighbours_and_the_wait_policy_are_in_the_records(tmp_path, monkeypatch
              "--no-profile", "--prefill-cache", str(tmp_path / "snap"), "--out", str(out)])
     (row,) = json.loads(out.read_text())
     assert row["neighbours"] == 1 and row["gomp_spincount"] == "1234" and row["omp_wait_policy"] is None
+
+
+@torch.no_grad()
+def test_flex_providers_decode_through_flex_attention_like_sdpa(monkeypatch, tmp_path):
+    """The GQA-native dense providers (issue 51, item 5) run the model's attention through transformers'
+    FlexAttention inside their steps only (every layer, the config restored after), are stock providers (the anchor
+    of vs_best_stock), and decode a left-padded batch with the logits of HF's SDPA path: the static cache has
+    unwritten slots, which transformers' own flex mask attends one of (its query offset read after the cache's
+    update), and the provider's mask does not."""
+    from transformers import StaticCache
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert {"inductor-flex", "inductor-flex-cudagraphs"} <= set(bd.STOCK)
+    assert bd.attention_of("inductor-flex-cudagraphs") == bd.attention_of("inductor-flex") == "flex_attention"
+    assert bd.attention_of("inductor-cudagraphs") is None and bd.attention_of("tinyserve B64") is None
+    assert bd.wants_cudagraphs("inductor-flex-cudagraphs") and not bd.wants_cudagraphs("inductor-flex")
+    assert bd.compile_call("inductor-flex-cudagraphs", None) == {"backend": "inductor", "dynamic": False,
+                                                                 "mode": "reduce-overhead"}
+    model, name = bd.model_for("tiny", 40, torch.float32, torch.device("cpu"))
+    lens, ctx, max_len = bd.row_lengths(40, 3), 40, 44
+    mask = torch.ones(3, max_len, dtype=torch.long)
+    for r, n in enumerate(lens):
+        mask[r, : ctx - n] = 0
+    toks, pos = torch.tensor([[7], [8], [9]]), torch.tensor(lens)[:, None]
+    flex = ALL_ATTENTION_FUNCTIONS["flex_attention"]
+    calls = []
+
+    def counting(module, query, key, *args, **kwargs):
+        calls.append((query.shape[1], key.shape[1]))  # query and KV heads: GQA reaches it unrepeated
+        return flex(module, query, key, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "flex_attention", counting)
+    before = model.config._attn_implementation
+    logits = {}
+    for impl in (None, "flex_attention"):
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
+        model(input_ids=torch.zeros(3, 1, dtype=torch.long), cache=cache, use_cache=True)
+        bd.fill_cache(cache, model, name, lens, "prefill", str(tmp_path))
+        with bd.attention_implementation(model, impl):
+            logits[impl] = model(input_ids=toks, position_ids=pos, attention_mask=mask, cache=cache,
+                                 use_cache=True).logits[:, -1]
+        assert model.config._attn_implementation == before
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert "flex_attention" not in ALL_MASK_ATTENTION_FUNCTIONS._local_mapping  # the mask builder restored too
+    cfg = model.config
+    assert calls == [(cfg.num_attention_heads, cfg.num_key_value_heads)] * cfg.num_hidden_layers
+    assert cfg.num_attention_heads > cfg.num_key_value_heads
+    torch.testing.assert_close(logits["flex_attention"], logits[None], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(logits[None][0], logits[None][1], atol=1e-3)  # the rows really differ

@@ -87,8 +87,9 @@ def test_gpu_check_dry_run(tmp_path):
                       ("decode_8b", 512, 2)]
     for step, ctx, batch in points:
         rs = {r["provider"]: r for r in dec if (r["step"], r["context"], r["batch"]) == (step, ctx, batch)}
-        assert list(rs) == ["eager", "inductor-cudagraphs", "tinyserve-cudagraphs", "tinyserve"]
-        for name in ("inductor-cudagraphs", "tinyserve-cudagraphs"):
+        assert list(rs) == ["eager", "inductor-cudagraphs", "inductor-flex-cudagraphs", "tinyserve-cudagraphs",
+                            "tinyserve"]
+        for name in ("inductor-cudagraphs", "inductor-flex-cudagraphs", "tinyserve-cudagraphs"):
             r = rs[name]
             assert r["ms_per_token"] is None and "CUDA graphs need a CUDA device" in r["skipped"], r
             assert r["cudagraphs"] == "off" and r["cudagraphs_asked"]
