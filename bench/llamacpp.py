@@ -65,6 +65,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["CONFIGS", "parse_configs", "quantize_command", "convert_gguf", "gguf_shape", "kv_bytes", "system_isa",
            "llama_bench_command", "parse_llama_bench_json", "source_gguf", "flash_attn_settings", "variant_name",
+           "only_flash_attn", "FLASH_ATTN_CHOICES",
            "LlamaCppProvider", "LlamaBenchProvider", "add_arguments", "provider_settings", "providers_from_args",
            "anchor_row", "with_anchors", "markdown_tables"]
 
@@ -496,6 +497,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         f"anchor of the ratios): 'all' ({','.join(ALL_CONFIGS)}) or a comma-separated subset of "
                         f"{','.join(CONFIGS)} (weights/KV cache type; a quantized V cache runs flash attention on "
                         f"only)")
+    g.add_argument("--llamacpp-flash-attn", default="both", choices=FLASH_ATTN_CHOICES,
+                   help="time llama.cpp with flash attention on and off (both, the default: the faster is the "
+                        "anchor) or one setting only, where the other's fill takes too long; the records say which "
+                        "was left out")
     g.add_argument("--llamacpp-bench", default=None, metavar="PATH",
                    help="use this llama-bench binary (and llama-quantize next to it) instead of llama-cpp-python")
     g.add_argument("--llamacpp-threads", type=int, nargs="+", default=None, metavar="N",
@@ -507,11 +512,37 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "minutes on 2 cores); 'none' fills by eval every time")
 
 
-def provider_settings(configs: Sequence[str], thread_counts: Sequence[int]) -> List[Tuple[str, bool, int, str]]:
+#: ``--llamacpp-flash-attn``: the flash-attention settings timed, "both" unless one cannot be filled in the time
+FLASH_ATTN_CHOICES = ("both", "on", "off")
+
+
+def only_flash_attn(settings: Sequence[bool], only: str) -> Tuple[List[bool], str]:
+    """``settings`` kept to ``--llamacpp-flash-attn`` ``only``, and why one is left out ("" if none is).
+
+    Raises
+    ------
+    ValueError
+        ``only`` is not one of :data:`FLASH_ATTN_CHOICES`, or leaves no setting (a quantized V cache, "off").
+    """
+    if only not in FLASH_ATTN_CHOICES:
+        raise ValueError(f"--llamacpp-flash-attn: one of {FLASH_ATTN_CHOICES}, got {only!r}")
+    if only == "both":
+        return list(settings), ""
+    kept = [fa for fa in settings if fa == (only == "on")]
+    if not kept:
+        raise ValueError(f"--llamacpp-flash-attn {only}: llama.cpp runs this cache with flash attention on only")
+    left = [fa for fa in settings if fa not in kept]
+    why = f"flash attention {'on' if left[0] else 'off'} not timed (--llamacpp-flash-attn {only})" if left else ""
+    return kept, why
+
+
+def provider_settings(configs: Sequence[str], thread_counts: Sequence[int], only: str = "both"
+                      ) -> List[Tuple[str, bool, int, str]]:
     """``(config, flash_attn, threads, variant)`` of every llama.cpp provider, in the order they are made.
 
-    Each config gets each of its :func:`flash_attn_settings` with each thread count; the variant names the
-    thread count only when there are several (:func:`variant_name`).
+    Each config gets each of its :func:`flash_attn_settings` (those ``only`` keeps: :func:`only_flash_attn`)
+    with each thread count; the variant names the thread count only when there are several
+    (:func:`variant_name`).
     """
     if not thread_counts or min(thread_counts) < 1:
         raise ValueError(f"--llamacpp-threads: need counts >= 1, got {list(thread_counts)}")
@@ -519,7 +550,7 @@ def provider_settings(configs: Sequence[str], thread_counts: Sequence[int]) -> L
     out = []
     for config in configs:
         for threads in thread_counts:
-            for fa in flash_attn_settings(CONFIGS[config][1])[0]:
+            for fa in only_flash_attn(flash_attn_settings(CONFIGS[config][1])[0], only)[0]:
                 out.append((config, fa, threads, variant_name(fa, threads if several else None)))
     return out
 
@@ -552,10 +583,12 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
     if not a.llamacpp:
         return []
     configs = parse_configs(a.llamacpp)
-    plan = provider_settings(configs, getattr(a, "llamacpp_threads", None) or [threads])
+    only = getattr(a, "llamacpp_flash_attn", "both")
+    plan = provider_settings(configs, getattr(a, "llamacpp_threads", None) or [threads], only)
     src, source_type = source_gguf(getattr(a, "model", "smollm2"), getattr(a, "layers", None), a.llamacpp_dir, log)
-    said = (f"configs {', '.join(configs)}, flash attention on and off (on only for a quantized V cache), "
-            f"threads {sorted({t for _, _, t, _ in plan})}")
+    fa_said = "flash attention on and off (on only for a quantized V cache)" if only == "both" else \
+        f"flash attention {only} only (--llamacpp-flash-attn)"
+    said = f"configs {', '.join(configs)}, {fa_said}, threads {sorted({t for _, _, t, _ in plan})}"
     if a.llamacpp_bench:
         binary = shutil.which(a.llamacpp_bench) or a.llamacpp_bench
         if not os.access(binary, os.X_OK):
@@ -564,7 +597,7 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
         log(f"# llama.cpp: {binary}, {said}")
         paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], quantize, threads, log, source_type)
                  for c in configs}
-        return [LlamaBenchProvider(c, paths[c], t, binary, fa, v) for c, fa, t, v in plan]
+        return _left_out([LlamaBenchProvider(c, paths[c], t, binary, fa, v) for c, fa, t, v in plan], only)
     try:
         import llama_cpp
     except (ImportError, OSError) as e:  # OSError: installed without a llama.cpp library it can find
@@ -576,7 +609,18 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
     paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], None, threads, log, source_type) for c in configs}
     state = getattr(a, "llamacpp_state", None)
     state_dir = None if state in (None, "", "none") else state
-    return [LlamaCppProvider(c, paths[c], t, prompt, state_dir, isa, fa, v) for c, fa, t, v in plan]
+    return _left_out([LlamaCppProvider(c, paths[c], t, prompt, state_dir, isa, fa, v) for c, fa, t, v in plan],
+                     only)
+
+
+def _left_out(providers: list, only: str) -> list:
+    """``providers``, each whose config had a flash-attention setting left out by ``only`` saying so in its
+    records (``flash_attn_reason``)."""
+    for p in providers:
+        why = only_flash_attn(flash_attn_settings(p.kv_type)[0], only)[1]
+        if why:
+            p.flash_attn_reason = why
+    return providers
 
 
 # ------------------------------------------------------------------------------------------------ anchors

@@ -203,3 +203,24 @@ def test_llama_bench_refuses_a_cache_type_it_has_not():
     pytest.importorskip("gguf")
     with pytest.raises(ValueError, match="--llamacpp-bench: llama-bench takes no f32 KV cache"):
         lc.LlamaBenchProvider("F32/F32", smollm2_gguf_path(), 2, "llama-bench")
+
+
+def test_one_flash_attention_setting_can_be_asked_for_and_the_records_say_so():
+    """--llamacpp-flash-attn on|off (a fill too long for the other setting) times that one only; the providers'
+    records say which was left out; a quantized V cache cannot run "off"; an unknown choice is refused by name."""
+    assert [(c, fa) for c, fa, _, _ in lc.provider_settings(["Q4_0/F16", "F32/F32"], [2], "off")] == \
+        [("Q4_0/F16", False), ("F32/F32", False)]
+    with pytest.raises(ValueError, match="flash attention on only"):
+        lc.provider_settings(["Q4_1/Q8_0"], [2], "off")
+    assert [fa for _, fa, _, _ in lc.provider_settings(["Q4_0/F16"], [2], "on")] == [True]
+    assert [fa for _, fa, _, _ in lc.provider_settings(["Q4_0/F16"], [2])] == [True, False]
+    assert lc.only_flash_attn([True, False], "off") == ([False], "flash attention on not timed "
+                                                                 "(--llamacpp-flash-attn off)")
+    assert lc.only_flash_attn([True], "on") == ([True], "")
+    with pytest.raises(ValueError, match="--llamacpp-flash-attn"):
+        lc.only_flash_attn([True, False], "maybe")
+    p = argparse.ArgumentParser()
+    lc.add_arguments(p)
+    assert p.parse_args([]).llamacpp_flash_attn == "both"
+    providers = lc._left_out([types.SimpleNamespace(kv_type="f16", flash_attn_reason="")], "off")
+    assert providers[0].flash_attn_reason == "flash attention on not timed (--llamacpp-flash-attn off)"
