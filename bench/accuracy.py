@@ -18,7 +18,7 @@ import os
 import sys
 import random
 import time
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -135,10 +135,12 @@ def passkey_prompt(tok, ctx: int, depth: float, key: str) -> List[int]:
 
 def passkey(contexts=(1024, 2048, 4096, 8192), depths=(0.0, 0.25, 0.5, 0.75, 1.0), budgets=(256, 512, 1024, 2048),
             policies=("query_aware", "streaming", "oracle"), base: Optional[Sparse] = None, decode_tail: int = 16,
-            quiet: bool = False) -> List[dict]:
+            quiet: bool = False, compare: Optional[Tuple[str, Sparse]] = None) -> List[dict]:
     """Passkey retrieval. The prompt is prefilled except its last ``decode_tail`` tokens (the
     question), which go through the decode path, as does the 5-digit answer (greedy, 7 tokens).
-    Success: the key's digits appear in the generated text. ``full`` is run once per prompt."""
+    Success: the key's digits appear in the generated text. ``full`` is run once per prompt.
+    ``compare``: ``(series name, options)`` also run at each budget on the same prompts; every row has its
+    ``series`` (``policy`` for the others)."""
     model, tok = load_model()
     base = base or Sparse()
     rng = random.Random(1234)
@@ -150,21 +152,23 @@ def passkey(contexts=(1024, 2048, 4096, 8192), depths=(0.0, 0.25, 0.5, 0.75, 1.0
         em = EvalModel(model, ctx + 8)
         n = ctx - decode_tail
         em.prefill(ids[None, :n])
-        runs = [FULL] + [Sparse(**{**base.__dict__, "policy": p, "token_budget": b}) for p in policies
-                         for b in budgets if b < ctx]
-        for cfg in runs:
+        runs = [("full", FULL)] + [(p, Sparse(**{**base.__dict__, "policy": p, "token_budget": b}))
+                                   for p in policies for b in budgets if b < ctx]
+        if compare is not None:
+            runs += [(compare[0], Sparse(**{**compare[1].__dict__, "token_budget": b})) for b in budgets if b < ctx]
+        for series, cfg in runs:
             em.reset(cfg)
             lg = em.teacher_forced(ids[n:])[-1]
             out = tok.decode(em.generate(lg, 7))
             ok = key in out.replace(" ", "")
-            rows.append(dict(ctx=ctx, depth=depth, policy=cfg.policy, budget=cfg.token_budget, label=cfg.label(),
-                             ok=ok, answer=out))
+            rows.append(dict(ctx=ctx, depth=depth, policy=cfg.policy, series=series, budget=cfg.token_budget,
+                             label=cfg.label(), ok=ok, answer=out))
             if cfg is FULL:  # budgets covering the whole context are dense: same answer
-                for p in policies:
+                for p in list(policies) + ([compare[0]] if compare is not None else []):
                     for b in budgets:
                         if b >= ctx:
-                            rows.append(dict(ctx=ctx, depth=depth, policy=p, budget=b, label="dense", ok=ok,
-                                             answer=out))
+                            rows.append(dict(ctx=ctx, depth=depth, policy=p.split(" ")[0], series=p, budget=b,
+                                             label="dense", ok=ok, answer=out))
     return rows
 
 
@@ -317,7 +321,8 @@ def main(argv=None) -> int:
             write_rows(rows, os.path.join(a.out, "accuracy_ppl.json"))
     if "passkey" in a.parts:
         pol = ("query_aware", "streaming", "oracle") if not a.quick else ("query_aware", "streaming")
-        write_rows(passkey(policies=pol, base=d, **pk), os.path.join(a.out, "passkey.json"))
+        compare = None if a.compare is None else (f"query_aware ({a.compare.name})", Sparse(**a.compare))
+        write_rows(passkey(policies=pol, base=d, compare=compare, **pk), os.path.join(a.out, "passkey.json"))
     if "diagnostics" in a.parts:
         cfgs = [dataclasses.replace(d, policy=p, token_budget=b) for b in dg_budgets
                 for p in ("query_aware", "streaming", "oracle")]

@@ -73,14 +73,19 @@ def stats_table(rows: List[dict]) -> str:
     return "\n".join(out)
 
 
+def _series(r: dict) -> str:
+    """A passkey row's series: ``series`` where the row has one, else its policy."""
+    return r.get("series") or r["policy"]
+
+
 def passkey_table(rows: List[dict]) -> str:
     acc = defaultdict(list)
     for r in rows:
-        acc[(r["policy"], r["budget"], r["ctx"])].append(r["ok"])
-    pols = sorted({r["policy"] for r in rows if r["policy"] != "full"})
+        acc[(_series(r), r["budget"], r["ctx"])].append(r["ok"])
+    pols = sorted({_series(r) for r in rows if _series(r) != "full"})
     ctxs = sorted({r["ctx"] for r in rows})
-    budgets = sorted({r["budget"] for r in rows if r["policy"] != "full"})
-    out = ["| policy | budget | " + " | ".join(f"{c // 1024}K" for c in ctxs) + " |", "|---|---|" + "---|" * len(ctxs)]
+    budgets = sorted({r["budget"] for r in rows if _series(r) != "full"})
+    out = ["| series | budget | " + " | ".join(f"{c // 1024}K" for c in ctxs) + " |", "|---|---|" + "---|" * len(ctxs)]
     full = [acc[(p, b, c)] for p, b, c in acc if p == "full"]
     out.append("| full | - | " + " | ".join(
         f"{100 * sum(sum(acc[k]) for k in acc if k[0] == 'full' and k[2] == c) / max(1, sum(len(acc[k]) for k in acc if k[0] == 'full' and k[2] == c)):.0f}%"
@@ -115,20 +120,21 @@ def plot_accuracy(rows, path):
 
 
 def plot_passkey(rows, path):
+    """Passkey success per series (the policy, or the compared options' ``series``), context, depth, budget."""
     plt = _plt()
     import numpy as np
 
-    pols = sorted({r["policy"] for r in rows if r["policy"] != "full"}) + ["full"]
+    pols = sorted({_series(r) for r in rows if _series(r) != "full"}) + ["full"]
     ctxs = sorted({r["ctx"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
-    budgets = sorted({r["budget"] for r in rows if r["policy"] != "full"})
+    budgets = sorted({r["budget"] for r in rows if _series(r) != "full"})
     fig, axes = plt.subplots(1, len(pols), figsize=(3.3 * len(pols), 3.6), squeeze=False)
     for ax, p in zip(axes[0], pols):
         bs = budgets if p != "full" else [None]
         grid = np.full((len(ctxs) * len(depths), len(bs)), np.nan)
         for i, (c, d) in enumerate((c, d) for c in ctxs for d in depths):
             for j, b in enumerate(bs):
-                v = [r["ok"] for r in rows if r["policy"] == p and r["ctx"] == c and r["depth"] == d
+                v = [r["ok"] for r in rows if _series(r) == p and r["ctx"] == c and r["depth"] == d
                      and (b is None or r["budget"] == b)]
                 if v:
                     grid[i, j] = sum(v) / len(v)
