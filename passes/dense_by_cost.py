@@ -4,11 +4,13 @@
 Such a site is still rewritten (the op, its bounds-keeping cache write, CUDA graphs as before), but
 :mod:`.sparse_decode_attention` hands its op the spec that attends every key
 (:meth:`~tinyserve_compile.kernels.spec.SelectionSpec.dense_for`): one launch on a GPU, exact dense attention in
-every implementation. A site whose cache length is symbolic (a dynamic shape) keeps its selection: the op's own
-rule still attends rows densely whose valid pages all fit (``SelectionSpec.n_dense_pages``).
+every implementation. A site whose cache has a symbolic dimension (a dynamic shape) keeps its selection, as does
+every site of a baseline policy (the cost model is the query-aware op's): the op's own rule still attends rows
+densely whose valid pages all fit (``SelectionSpec.n_dense_pages``).
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from tinyserve_compile import cost
@@ -21,14 +23,17 @@ from .state import pass_state
 def dense_by_cost(gm: fx.GraphModule, config: TinyServeConfig) -> fx.GraphModule:
     """Mark each ``"sparse"`` site whose selection cannot pay (``site.dense_by_cost``: the reason);
     :func:`tinyserve_compile.explain` counts them (``dense_by_cost``)."""
-    if not config.dense_by_cost:
+    if not config.dense_by_cost or config.policy != "query_aware":  # the cost model is the query-aware op's
         return gm
     for site in pass_state(gm).sites:
         if site.status != "sparse" or site.k_base is None:
             continue
         kt = fake(site.k_base)
-        shape = site.k_layout.full(kt) if kt is not None else ()  # [B, Hkv, L, D]
-        if len(shape) != 4 or not all(isinstance(n, int) for n in shape):
+        # a symbolic dimension (automatic dynamic shapes) is not decided from its hint: the op's length may differ
+        if kt is None or any(isinstance(n, torch.SymInt) for n in kt.shape):
+            continue
+        shape = site.k_layout.full(kt)  # [B, Hkv, L, D]
+        if len(shape) != 4:
             continue
         B, hkv, L, D = (int(n) for n in shape)
         pays, why = cost.selection_pays(L, B, hkv, D, kt.element_size(), config, kt.device.type)

@@ -65,7 +65,7 @@ class AttentionSite:
             out["cache"] = self.k_base.target if self.k_base.op == "get_attr" else self.k_base.name
         if self.k_layout is not None and self.k_layout.perm is not None:
             out["layout"] = layout_name(self.k_layout.perm)
-        if self.dense_by_cost:
+        if self.dense_by_cost and self.status == "sparse":
             out["dense_by_cost"] = self.dense_by_cost
         return out
 

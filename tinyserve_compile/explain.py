@@ -68,7 +68,7 @@ def _count_sites(info: dict, sign: int) -> None:
             counters["decode_sites"] += sign
         if s["status"] == "sparse":
             counters["rewritten"] += sign
-            if s.get("dense_by_cost"):  # rewritten, the op attending every key (passes/dense_by_cost.py)
+            if s.get("dense_by_cost"):  # rewritten, its op attending every key (passes/dense_by_cost.py)
                 counters["dense_by_cost"] += sign
         else:
             counters["dense"] += sign
@@ -207,7 +207,7 @@ class ExplainReport:
                              + (f": its {sparse} rewritten site(s) have not run" if sparse else ""))
             for s in g["sites"]:
                 why = f"  ({s['reason']})" if s["reason"] else ""
-                if s.get("dense_by_cost"):
+                if s.get("dense_by_cost") and s["status"] == "sparse":
                     why = f"  (every key, by the cost model: {s['dense_by_cost']})"
                 planned = f" (the passes made it {s['planned']})" if s.get("planned") else ""
                 lines.append(f"  graph {g['graph']} site {s['index']} [{s['node']}]: {s['status']}{planned}{why}")

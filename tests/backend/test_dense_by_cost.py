@@ -71,3 +71,18 @@ def test_a_site_ruled_dense_attends_every_key(rule):
         assert "every key, by the cost model" in str(tc.explain())
     want = dense if rule else sparse
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), worst(got, want)
+
+
+@pytest.mark.parametrize("how", ["dynamic", "streaming"])
+def test_the_rule_leaves_symbolic_caches_and_baseline_policies_alone(how):
+    """A cache of symbolic length (dynamic shapes: the op's length is known only per call) and a baseline policy
+    (the cost model is the query-aware op's) keep their selection, whatever the phase cost."""
+    from tests.backend.test_cache_idioms import _case, setitem_site
+
+    q, kbuf, vbuf, k, v, mask = _case(seed=5)
+    pos = torch.tensor([40])
+    opts = dict(OPTS, policy="streaming") if how == "streaming" else OPTS
+    with mock.patch.dict(cost.DEVICE_COSTS, cpu=cost.DeviceCost(gbs=20.0, phase_s=1.0)):
+        step = torch.compile(setitem_site, backend="tinyserve", options=opts, dynamic=how == "dynamic")
+        step(q, kbuf.clone(), vbuf.clone(), k, v, pos, mask)
+    assert tc.counters["rewritten"] == 1 and tc.counters["dense_by_cost"] == 0, tc.explain()
