@@ -28,7 +28,8 @@ PRESETS = {
     "previous": {"candidate_factor": 2, "candidate_extra": 0, "keep_tokens": False, "bounds_dtype": "bfloat16"},
     # the modelled GPU setting (bench/gpu_model.py, docs/gpu/README.md): pages of 32 with int8 bounds and a quarter
     # of the defaults' extra candidates, two stages keeping tokens; by bytes >= 1.5x the op's targets over SDPA
-    # flash at 32K and 128K batch 8 (12.1x, 30.3x), where pages of 16 cannot reach 10.5x at 32K. Quality unmeasured
+    # flash at 32K and 128K batch 8 (12.1x, 30.3x), where pages of 16 cannot reach 10.5x at 32K. Its quality misses
+    # the targets: +4.2% perplexity at budget 2048, +9.8% at 512 (docs/selection_study.md), so it is not a default
     "gpu": {"page_size": 32, "sink_pages": 1, "candidate_factor": 1, "candidate_extra": 256, "keep_tokens": True,
             "bounds_dtype": "int8"},
 }
