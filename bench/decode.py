@@ -668,16 +668,17 @@ class DecodePoint:
         if name.startswith("tinyserve"):
             tc.reset()
         try:
-            with cudagraph_skips() as skips:
-                self.compile(name)
-                self.warm(name)
-            self.states[name] = dict(cudagraph_skips="; ".join(dict.fromkeys(skips)))
-            if name.startswith("tinyserve"):
-                self._read_explain(name)
-            self.times[name], self.rebuilds[name] = [], 0
-            self.time_round(name)
-            if self.profiling:  # one more step under the profiler: kernels, launches, host syncs, CUDA graphs
-                self.profile(name)
+            with attention_implementation(self.model, attention_of(name)):  # set once, not in the timed steps
+                with cudagraph_skips() as skips:
+                    self.compile(name)
+                    self.warm(name)
+                self.states[name] = dict(cudagraph_skips="; ".join(dict.fromkeys(skips)))
+                if name.startswith("tinyserve"):
+                    self._read_explain(name)
+                self.times[name], self.rebuilds[name] = [], 0
+                self.time_round(name)
+                if self.profiling:  # one more step under the profiler: kernels, launches, host syncs, CUDA graphs
+                    self.profile(name)
         except Exception as e:  # noqa: BLE001  (--keep-going: the other providers still run)
             if not self.keep_going:
                 raise
@@ -798,13 +799,14 @@ class DecodePoint:
             set_cache_length(layer, self.ctx)
 
     def step(self, name: str, i: int) -> None:
-        """One decode step of provider ``name`` at position ``i`` past each row's tokens (one new token per row)."""
+        """One decode step of provider ``name`` at position ``i`` past each row's tokens (one new token per row),
+        inside the provider's :func:`attention_implementation` (its callers, :meth:`measure` and
+        :meth:`interleave`, hold it over whole rounds, so that no timed step pays for the switch)."""
         if wants_cudagraphs(name):  # a new step: the previous replay's outputs may be overwritten (HF, gpt-fast)
             torch.compiler.cudagraph_mark_step_begin()
         kw = {} if self.mask is None else {"attention_mask": self.mask}
-        with attention_implementation(self.model, attention_of(name)):
-            self.fns[name](input_ids=self.toks, position_ids=self.positions[i], use_cache=True,
-                           **{self.ckw: self.cache}, **kw)
+        self.fns[name](input_ids=self.toks, position_ids=self.positions[i], use_cache=True,
+                       **{self.ckw: self.cache}, **kw)
 
     def left(self) -> float:
         """Seconds left before the deadline (inf without one)."""
@@ -827,7 +829,8 @@ class DecodePoint:
                     with busy_neighbours(self.neighbours):
                         self.times[name] += others[name].time_round(self.steps)
                 elif r:  # round 0 of a compiled provider ran right after its compile
-                    self.time_round(name)
+                    with attention_implementation(self.model, attention_of(name)):
+                        self.time_round(name)
             self.report()
 
     # ---------------------------------------------------------------------------------------------- records

@@ -65,7 +65,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["CONFIGS", "parse_configs", "quantize_command", "convert_gguf", "gguf_shape", "kv_bytes", "system_isa",
            "llama_bench_command", "parse_llama_bench_json", "source_gguf", "flash_attn_settings", "variant_name",
-           "only_flash_attn", "FLASH_ATTN_CHOICES",
+           "FLASH_ATTN_CHOICES",
            "LlamaCppProvider", "LlamaBenchProvider", "add_arguments", "provider_settings", "providers_from_args",
            "anchor_row", "with_anchors", "markdown_tables"]
 
@@ -239,26 +239,50 @@ def llama_bench_command(binary: str, gguf_path: str, context: int, steps: int, t
             "-fa", "1" if flash_attn else "0", "-ctk", kv_type, "-ctv", kv_type, "-r", "1", "-o", "json"]
 
 
-def flash_attn_settings(kv_type: str) -> Tuple[List[bool], str]:
+#: ``--llamacpp-flash-attn``: the flash-attention settings timed, "both" unless one cannot be filled in the time
+FLASH_ATTN_CHOICES = ("both", "on", "off")
+
+
+def flash_attn_settings(kv_type: str, only: str = "both") -> Tuple[List[bool], str]:
     """The flash-attention settings to time with a ``kv_type`` cache, and why any is left out ("" if none).
 
-    llama.cpp refuses a quantized V cache without flash attention, so only "on" runs for one.
+    llama.cpp refuses a quantized V cache without flash attention, so only "on" runs for one; ``only``
+    (``--llamacpp-flash-attn``) keeps one setting where the other's fill takes too long.
 
     Parameters
     ----------
     kv_type : str
         A key of :data:`KV_BLOCK` (``-ctk``/``-ctv``).
+    only : str
+        One of :data:`FLASH_ATTN_CHOICES`.
 
     Returns
     -------
     settings : list of bool
-        ``[True, False]`` (on, off) for an unquantized cache, ``[True]`` for a quantized one.
+        ``[True, False]`` (on, off) for an unquantized cache, ``[True]`` for a quantized one, then what ``only``
+        keeps.
     reason : str
-        Why off is not run; "" when both are.
+        Why a setting is not run; "" when both are.
+
+    Raises
+    ------
+    ValueError
+        ``only`` is not one of :data:`FLASH_ATTN_CHOICES`, or leaves no setting (a quantized V cache, "off").
     """
+    if only not in FLASH_ATTN_CHOICES:
+        raise ValueError(f"--llamacpp-flash-attn: one of {FLASH_ATTN_CHOICES}, got {only!r}")
     if kv_type in PLAIN_KV:
-        return [True, False], ""
-    return [True], f"flash attention on only: llama.cpp needs it for a quantized V cache ({kv_type})"
+        settings, why = [True, False], ""
+    else:
+        settings, why = [True], f"flash attention on only: llama.cpp needs it for a quantized V cache ({kv_type})"
+    if only == "both":
+        return settings, why
+    kept = [fa for fa in settings if fa == (only == "on")]
+    if not kept:
+        raise ValueError(f"--llamacpp-flash-attn {only}: llama.cpp runs this cache with flash attention on only")
+    if len(kept) < len(settings):
+        why = f"flash attention {'off' if kept[0] else 'on'} not timed (--llamacpp-flash-attn {only})"
+    return kept, why
 
 
 def parse_llama_bench_json(text: str) -> List[float]:
@@ -297,10 +321,11 @@ class _Base:
 
     way = ""
 
-    def __init__(self, config: str, gguf_path: str, threads: int, flash_attn: bool = True, variant: str = ""):
+    def __init__(self, config: str, gguf_path: str, threads: int, flash_attn: bool = True, variant: str = "",
+                 only: str = "both"):
         self.config, self.gguf_path, self.threads = config, gguf_path, threads
         self.weights, self.kv_type = CONFIGS[config]
-        settings, self.flash_attn_reason = flash_attn_settings(self.kv_type)
+        settings, self.flash_attn_reason = flash_attn_settings(self.kv_type, only)
         if flash_attn not in settings:
             raise ValueError(f"llamacpp {config}: {self.flash_attn_reason}")
         self.flash_attn, self.variant = flash_attn, variant
@@ -347,8 +372,9 @@ class LlamaCppProvider(_Base):
     way = "llama-cpp-python"
 
     def __init__(self, config: str, gguf_path: str, threads: int, prompt: Callable[[int], List[int]],
-                 state_dir: Optional[str] = None, isa: str = "unknown", flash_attn: bool = True, variant: str = ""):
-        super().__init__(config, gguf_path, threads, flash_attn, variant)
+                 state_dir: Optional[str] = None, isa: str = "unknown", flash_attn: bool = True, variant: str = "",
+                 only: str = "both"):
+        super().__init__(config, gguf_path, threads, flash_attn, variant, only)
         self.isa = isa  # system_isa of the loaded llama-cpp-python, read once by providers_from_args
         self.prompt = prompt
         self.state_dir = state_dir
@@ -455,8 +481,8 @@ class LlamaBenchProvider(_Base):
     way = "llama-bench"
 
     def __init__(self, config: str, gguf_path: str, threads: int, binary: str, flash_attn: bool = True,
-                 variant: str = ""):
-        super().__init__(config, gguf_path, threads, flash_attn, variant)
+                 variant: str = "", only: str = "both"):
+        super().__init__(config, gguf_path, threads, flash_attn, variant, only)
         if self.kv_type not in LLAMA_BENCH_KV:
             raise ValueError(f"--llamacpp-bench: llama-bench takes no {self.kv_type} KV cache (-ctk takes "
                              f"{', '.join(LLAMA_BENCH_KV)}): time {config} through llama-cpp-python (leave out "
@@ -512,36 +538,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "minutes on 2 cores); 'none' fills by eval every time")
 
 
-#: ``--llamacpp-flash-attn``: the flash-attention settings timed, "both" unless one cannot be filled in the time
-FLASH_ATTN_CHOICES = ("both", "on", "off")
-
-
-def only_flash_attn(settings: Sequence[bool], only: str) -> Tuple[List[bool], str]:
-    """``settings`` kept to ``--llamacpp-flash-attn`` ``only``, and why one is left out ("" if none is).
-
-    Raises
-    ------
-    ValueError
-        ``only`` is not one of :data:`FLASH_ATTN_CHOICES`, or leaves no setting (a quantized V cache, "off").
-    """
-    if only not in FLASH_ATTN_CHOICES:
-        raise ValueError(f"--llamacpp-flash-attn: one of {FLASH_ATTN_CHOICES}, got {only!r}")
-    if only == "both":
-        return list(settings), ""
-    kept = [fa for fa in settings if fa == (only == "on")]
-    if not kept:
-        raise ValueError(f"--llamacpp-flash-attn {only}: llama.cpp runs this cache with flash attention on only")
-    left = [fa for fa in settings if fa not in kept]
-    why = f"flash attention {'on' if left[0] else 'off'} not timed (--llamacpp-flash-attn {only})" if left else ""
-    return kept, why
-
-
 def provider_settings(configs: Sequence[str], thread_counts: Sequence[int], only: str = "both"
                       ) -> List[Tuple[str, bool, int, str]]:
     """``(config, flash_attn, threads, variant)`` of every llama.cpp provider, in the order they are made.
 
-    Each config gets each of its :func:`flash_attn_settings` (those ``only`` keeps: :func:`only_flash_attn`)
-    with each thread count; the variant names the thread count only when there are several
+    Each config gets each of its :func:`flash_attn_settings` (those ``only`` keeps) with each thread count; the variant names the thread count only when there are several
     (:func:`variant_name`).
     """
     if not thread_counts or min(thread_counts) < 1:
@@ -550,7 +551,7 @@ def provider_settings(configs: Sequence[str], thread_counts: Sequence[int], only
     out = []
     for config in configs:
         for threads in thread_counts:
-            for fa in only_flash_attn(flash_attn_settings(CONFIGS[config][1])[0], only)[0]:
+            for fa in flash_attn_settings(CONFIGS[config][1], only)[0]:
                 out.append((config, fa, threads, variant_name(fa, threads if several else None)))
     return out
 
@@ -597,7 +598,7 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
         log(f"# llama.cpp: {binary}, {said}")
         paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], quantize, threads, log, source_type)
                  for c in configs}
-        return _left_out([LlamaBenchProvider(c, paths[c], t, binary, fa, v) for c, fa, t, v in plan], only)
+        return [LlamaBenchProvider(c, paths[c], t, binary, fa, v, only) for c, fa, t, v in plan]
     try:
         import llama_cpp
     except (ImportError, OSError) as e:  # OSError: installed without a llama.cpp library it can find
@@ -609,18 +610,7 @@ def providers_from_args(a, prompt: Callable[[int], List[int]], threads: int,
     paths = {c: convert_gguf(src, a.llamacpp_dir, CONFIGS[c][0], None, threads, log, source_type) for c in configs}
     state = getattr(a, "llamacpp_state", None)
     state_dir = None if state in (None, "", "none") else state
-    return _left_out([LlamaCppProvider(c, paths[c], t, prompt, state_dir, isa, fa, v) for c, fa, t, v in plan],
-                     only)
-
-
-def _left_out(providers: list, only: str) -> list:
-    """``providers``, each whose config had a flash-attention setting left out by ``only`` saying so in its
-    records (``flash_attn_reason``)."""
-    for p in providers:
-        why = only_flash_attn(flash_attn_settings(p.kv_type)[0], only)[1]
-        if why:
-            p.flash_attn_reason = why
-    return providers
+    return [LlamaCppProvider(c, paths[c], t, prompt, state_dir, isa, fa, v, only) for c, fa, t, v in plan]
 
 
 # ------------------------------------------------------------------------------------------------ anchors

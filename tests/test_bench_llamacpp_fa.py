@@ -205,7 +205,7 @@ def test_llama_bench_refuses_a_cache_type_it_has_not():
         lc.LlamaBenchProvider("F32/F32", smollm2_gguf_path(), 2, "llama-bench")
 
 
-def test_one_flash_attention_setting_can_be_asked_for_and_the_records_say_so():
+def test_one_flash_attention_setting_can_be_asked_for_and_the_records_say_so(monkeypatch):
     """--llamacpp-flash-attn on|off (a fill too long for the other setting) times that one only; the providers'
     records say which was left out; a quantized V cache cannot run "off"; an unknown choice is refused by name."""
     assert [(c, fa) for c, fa, _, _ in lc.provider_settings(["Q4_0/F16", "F32/F32"], [2], "off")] == \
@@ -214,13 +214,21 @@ def test_one_flash_attention_setting_can_be_asked_for_and_the_records_say_so():
         lc.provider_settings(["Q4_1/Q8_0"], [2], "off")
     assert [fa for _, fa, _, _ in lc.provider_settings(["Q4_0/F16"], [2], "on")] == [True]
     assert [fa for _, fa, _, _ in lc.provider_settings(["Q4_0/F16"], [2])] == [True, False]
-    assert lc.only_flash_attn([True, False], "off") == ([False], "flash attention on not timed "
-                                                                 "(--llamacpp-flash-attn off)")
-    assert lc.only_flash_attn([True], "on") == ([True], "")
+    assert lc.flash_attn_settings("f16", "off") == ([False], "flash attention on not timed "
+                                                             "(--llamacpp-flash-attn off)")
+    assert lc.flash_attn_settings("q8_0", "on") == ([True], "flash attention on only: llama.cpp needs it for a "
+                                                            "quantized V cache (q8_0)")
     with pytest.raises(ValueError, match="--llamacpp-flash-attn"):
-        lc.only_flash_attn([True, False], "maybe")
+        lc.flash_attn_settings("f16", "maybe")
     p = argparse.ArgumentParser()
     lc.add_arguments(p)
     assert p.parse_args([]).llamacpp_flash_attn == "both"
-    providers = lc._left_out([types.SimpleNamespace(kv_type="f16", flash_attn_reason="")], "off")
-    assert providers[0].flash_attn_reason == "flash attention on not timed (--llamacpp-flash-attn off)"
+    # the providers made from the arguments: one setting, and their records' reason says which was left out
+    fake = types.SimpleNamespace(__version__="0", Llama=_FakeLlama,
+                                 llama_print_system_info=lambda: b"CPU : AVX2 = 1 | FMA = 1 |")
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    a = argparse.Namespace(llamacpp="Q4_1/F16", llamacpp_bench=None, llamacpp_dir="unused", llamacpp_state="none",
+                           llamacpp_threads=None, llamacpp_flash_attn="off")
+    (provider,) = lc.providers_from_args(a, lambda n: list(range(n)), 2, lambda _: None)
+    assert provider.name == "llama.cpp Q4_1/F16 fa=off" and not provider.flash_attn
+    assert provider.flash_attn_reason == "flash attention on not timed (--llamacpp-flash-attn off)"
